@@ -1,0 +1,41 @@
+"""hf_meshtune: fine-tune Hugging Face LLMs over slow links.
+
+Four mechanisms, four places:
+- ``masking`` / ``boundaries``: shared-seed masks on pipeline boundaries (PP compression);
+- ``anchor``: the dense anchor circuit whose delayed gradients define a spectral prior;
+- ``optim.spectral``: ``SpectralAdamW``, AdamW on masked gradients filtered by that prior;
+- ``ledger``: exact bytes per token of every circuit (DP sync arrives with the mesh).
+"""
+
+from .anchor import AnchorCircuit
+from .boundaries import BoundaryHandle, attach_boundaries, find_decoder_layers, split_stages
+from .config import SPECTRAL_ADAMW, MeshConfig, MeshTrainingArguments
+from .ledger import Ledger, LedgerSettings, compute_ledger, ledger_for_config
+from .masking import BoundaryMask, compact, expand, keep_count, keep_indices
+from .optim.spectral import SpectralAdamW
+from .trainer import MeshTrainer, MeshTrainerMixin
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "SPECTRAL_ADAMW",
+    "AnchorCircuit",
+    "BoundaryHandle",
+    "BoundaryMask",
+    "Ledger",
+    "LedgerSettings",
+    "MeshConfig",
+    "MeshTrainer",
+    "MeshTrainerMixin",
+    "MeshTrainingArguments",
+    "SpectralAdamW",
+    "attach_boundaries",
+    "compact",
+    "compute_ledger",
+    "expand",
+    "find_decoder_layers",
+    "keep_count",
+    "keep_indices",
+    "ledger_for_config",
+    "split_stages",
+]

@@ -1,0 +1,129 @@
+"""The ``meshtune`` console entry point.
+
+Each subcommand is one ``_add_<name>_parser`` function that registers its flags and a handler
+(``args -> exit code``). Handlers import what they need lazily, so ``meshtune --help`` stays fast and
+one subcommand never pays for another's imports. Bad values raise ``ValueError`` (via ``require``);
+``main`` prints the message and returns 2, like argparse does for malformed flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from collections.abc import Callable, Sequence
+
+from hf_meshtune._validation import require
+
+_DEFAULT_PRESET = "llama-3.2-1b"
+_DEFAULT_ROWS = "Dense,+DP,M95,M90+AP,M95+AP"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``meshtune <subcommand> ...`` with ``argv`` (default ``sys.argv[1:]``); return the exit code."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:  # argparse: --help (0) or malformed flags (2)
+        return exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+    try:
+        return args.handler(args)
+    except ValueError as err:
+        print(f"meshtune {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser with one subparser per subcommand."""
+    parser = argparse.ArgumentParser(
+        prog="meshtune", description="Communication-efficient fine-tuning over X×Y GPU meshes.")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in _SUBCOMMANDS:
+        add(subparsers)
+    return parser
+
+
+# ---------------------------------------------------------------------------------------------------
+# meshtune ledger
+# ---------------------------------------------------------------------------------------------------
+
+def _add_ledger_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "ledger", help="print bytes/token by circuit for the standard configurations",
+        description="Exact bytes per fast-circuit token (pp_fwd, pp_bwd, dp, anchor) from the model's "
+                    "real parameter shapes; no weights are loaded.")
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--preset", default=None, help=f"built-in model config (default {_DEFAULT_PRESET})")
+    source.add_argument("--config", default=None, help="a config.json or a model directory")
+    p.add_argument("--mesh", default="8x4", help="X replicas x Y stages, anchor included (default 8x4)")
+    p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default 2048)")
+    p.add_argument("--batch-size", type=int, default=32,
+                   help="global batch in sequences over the fast replicas (default 32)")
+    p.add_argument("--dtype", default="bfloat16", help="activation, gradient and parameter dtype")
+    p.add_argument("--sync-every", type=int, default=20, help="DiLoCo outer period S (default 20)")
+    p.add_argument("--powersgd-rank", type=rank_or_none, default=4,
+                   help="PowerSGD rank r, or 'none' (default 4)")
+    p.add_argument("--anchor-every", type=int, default=20, help="fast steps per anchor round A (default 20)")
+    p.add_argument("--anchor-payload", default="gradient", help="gradient | factors (default gradient)")
+    p.add_argument("--anchor-rank", type=int, default=8, help="rank of the anchor's factors (default 8)")
+    p.add_argument("--rows", default=_DEFAULT_ROWS, help=f"comma-separated rows (default {_DEFAULT_ROWS})")
+    p.add_argument("--json", action="store_true", help="print {row: ledger dict} as JSON")
+    p.set_defaults(handler=run_ledger)
+
+
+def run_ledger(args: argparse.Namespace) -> int:
+    """Handler of ``meshtune ledger``: one ledger per requested standard row, as a table or JSON."""
+    from hf_meshtune import ledger as L  # lazy: pulls in torch and transformers
+
+    config, preset = _ledger_config(args, L.PRESETS)
+    num_replicas, num_stages = _parse_mesh(args.mesh)
+    knobs = dict(
+        num_replicas=num_replicas, num_stages=num_stages, activation_dtype=args.dtype,
+        grad_dtype=args.dtype, param_dtype=args.dtype, sync_every=args.sync_every,
+        powersgd_rank=args.powersgd_rank, anchor_every=args.anchor_every,
+        anchor_payload=args.anchor_payload, anchor_rank=args.anchor_rank)
+    rows = [row.strip() for row in args.rows.split(",") if row.strip()]
+    require(len(rows) > 0, "rows", args.rows, f"name at least one of {list(L.STANDARD_ROWS)}")
+    ledgers = {}
+    for row in rows:
+        settings = L.settings_for_row(row, global_batch=args.batch_size, seq_len=args.seq_len, **knobs)
+        ledgers[row] = L.ledger_for_config(config, settings)
+    if args.json:
+        print(json.dumps({name: led.to_dict() for name, led in ledgers.items()}, indent=2))
+    else:
+        reference = L.PAPER_BYTES_PER_TOKEN if preset == _DEFAULT_PRESET else None
+        print(L.format_table(ledgers, reference))
+    return 0
+
+
+def _ledger_config(args: argparse.Namespace, presets: dict) -> tuple[object, str | None]:
+    if args.config is not None:
+        require(os.path.exists(args.config), "config", args.config,
+                "be an existing config.json file or model directory")
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(args.config), None
+    preset = args.preset or _DEFAULT_PRESET
+    require(preset in presets, "preset", preset, f"be one of {sorted(presets)}")
+    return presets[preset], preset
+
+
+def _parse_mesh(text: str) -> tuple[int, int]:
+    match = re.fullmatch(r"\s*(\d+)\s*[xX×]\s*(\d+)\s*", text)
+    require(match is not None and int(match[1]) >= 1 and int(match[2]) >= 1, "mesh", text,
+            "be XxY with X >= 1 replicas and Y >= 1 stages, e.g. 8x4")
+    return int(match[1]), int(match[2])
+
+
+def rank_or_none(text: str) -> int | None:
+    return None if text.lower() == "none" else int(text)
+
+
+_SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_ledger_parser,)
+"""One registration function per subcommand; add ``_add_demo_parser`` etc. here."""
+
+
+if __name__ == "__main__":
+    sys.exit(main())

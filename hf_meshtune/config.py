@@ -1,0 +1,139 @@
+"""Every knob of the method in one validated place.
+
+``MeshArguments`` holds the fields (with help text and the paper's symbol beside each name) and their
+validation. It is mixed into ``MeshConfig`` (a plain dataclass for code that builds the pieces by
+hand) and into ``MeshTrainingArguments`` (transformers' ``TrainingArguments`` + these fields, which
+also accepts ``optim="spectral_adamw"``). TRL configs reuse the same mixin.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from transformers import TrainingArguments
+from transformers.training_args import OptimizerNames
+
+from ._validation import require
+from .masking import FILLS
+
+__all__ = ["SPECTRAL_ADAMW", "MeshArguments", "MeshConfig", "MeshTrainingArguments"]
+
+SPECTRAL_ADAMW = "spectral_adamw"
+ANCHOR_PAYLOADS = ("gradient", "factors")
+# A built-in optimizer name that lets TrainingArguments.__post_init__ run for ours (its `optim`
+# field is a closed enum): swapped in before and back out after.
+_STAND_IN_OPTIM = "adamw_torch"
+
+
+@dataclass
+class MeshArguments:
+    """The mesh knobs (DESIGN.md §2). Paper defaults unless stated."""
+
+    # --- pipeline boundaries (PP compression) ---
+    mask_ratio: float = field(default=0.95, metadata={"help": "p: fraction of hidden dims dropped per token at every stage boundary; K = round((1-p)·H) are kept."})
+    num_stages: int = field(default=4, metadata={"help": "Y: pipeline stages the decoder layers are split into (Y-1 masked boundaries)."})
+    mask_seed: int = field(default=0, metadata={"help": "Base seed of the shared mask function g(ℓ, step, microbatch, T, H, seed)."})
+    mask_rescale: bool = field(default=False, metadata={"help": "Scale kept values by H/K (dropout-style); off = the paper's plain h ⊙ m."})
+    mask_fill: str = field(default="zeros", metadata={"help": "Receiver-side value of dropped dims: 'zeros' (the paper) or 'mean' (running per-dim mean; no extra traffic)."})
+    # --- anchor circuit ---
+    anchor: bool = field(default=True, metadata={"help": "Run the dense anchor circuit that feeds the spectral filter."})
+    anchor_every: int = field(default=20, metadata={"help": "Fast steps between anchor snapshots (one dense gradient per snapshot)."})
+    anchor_delay: int = field(default=20, metadata={"help": "Δ: fast steps between a snapshot and the arrival of its dense gradient."})
+    anchor_beta: float = field(default=0.9, metadata={"help": "β_anc: EMA coefficient of the anchor momentum M_anc."})
+    anchor_microbatches: int | None = field(default=None, metadata={"help": "Microbatches per anchor gradient (default: gradient_accumulation_steps)."})
+    # --- spectral optimizer ---
+    spectral_tau: float = field(default=1e-3, metadata={"help": "τ_p: Tikhonov filter d = s/(s+τ)."})
+    spectral_relative_tau: bool = field(default=False, metadata={"help": "Use τ·s_max instead of an absolute τ."})
+    spectral_alpha: float = field(default=0.3, metadata={"help": "α: G_proj = α·G + (1-α)·G_filt."})
+    spectral_rank: int | None = field(default=None, metadata={"help": "Rank cap of the anchor basis (randomized SVD); None = full SVD."})
+    # --- mesh shape and DP sync (used by the byte ledger on one machine) ---
+    num_replicas: int = field(default=8, metadata={"help": "X: data-parallel replicas, the anchor replica included."})
+    dp_sync_every: int = field(default=20, metadata={"help": "Inner steps between Streaming DiLoCo outer syncs."})
+    dp_powersgd_rank: int | None = field(default=4, metadata={"help": "PowerSGD rank of the DP pseudo-gradient; None = uncompressed."})
+    anchor_payload: str = field(default="gradient", metadata={"help": "What the anchor sends: the 'gradient' or its momentum's rank-r 'factors'."})
+
+    def __post_init__(self) -> None:
+        parent = getattr(super(), "__post_init__", None)
+        if parent is not None:
+            parent()
+        self.validate_mesh()
+
+    def validate_mesh(self) -> None:
+        """Raise ``ValueError`` naming the field, its value and the rule for any bad knob."""
+        require(0.0 <= self.mask_ratio < 1.0, "mask_ratio", self.mask_ratio, "lie in [0, 1)")
+        require(self.num_stages >= 1, "num_stages", self.num_stages, "be >= 1")
+        require(self.mask_fill in FILLS, "mask_fill", self.mask_fill, f"be one of {sorted(FILLS)}")
+        require(self.anchor_every >= 1, "anchor_every", self.anchor_every, "be >= 1")
+        require(self.anchor_delay >= 0, "anchor_delay", self.anchor_delay, "be >= 0")
+        require(0.0 <= self.anchor_beta <= 1.0, "anchor_beta", self.anchor_beta, "lie in [0, 1]")
+        _require_optional_positive("anchor_microbatches", self.anchor_microbatches)
+        require(self.spectral_tau > 0, "spectral_tau", self.spectral_tau, "be > 0")
+        require(0.0 <= self.spectral_alpha <= 1.0, "spectral_alpha", self.spectral_alpha, "lie in [0, 1]")
+        _require_optional_positive("spectral_rank", self.spectral_rank)
+        require(self.num_replicas >= 1, "num_replicas", self.num_replicas, "be >= 1")
+        if self.anchor:
+            require(self.num_replicas >= 2, "num_replicas", self.num_replicas, "be >= 2 when anchor=True (one replica is the anchor)")
+        require(self.dp_sync_every >= 1, "dp_sync_every", self.dp_sync_every, "be >= 1")
+        _require_optional_positive("dp_powersgd_rank", self.dp_powersgd_rank)
+        require(self.anchor_payload in ANCHOR_PAYLOADS, "anchor_payload", self.anchor_payload, f"be one of {list(ANCHOR_PAYLOADS)}")
+
+    @property
+    def mesh_config(self) -> MeshConfig:
+        """The mesh knobs alone, as a ``MeshConfig``."""
+        names = [f.name for f in dataclasses.fields(MeshArguments)]
+        return MeshConfig(**{name: getattr(self, name) for name in names})
+
+
+def _require_optional_positive(name: str, value: int | None) -> None:
+    require(value is None or (isinstance(value, int) and value >= 1), name, value, "be None or an int >= 1")
+
+
+@dataclass
+class MeshConfig(MeshArguments):
+    """The mesh knobs on their own, validated on construction.
+
+    Example:
+        >>> MeshConfig(mask_ratio=0.9, num_stages=2).mask_ratio
+        0.9
+    """
+
+
+class _SpectralOptimShim:
+    """Lets a ``TrainingArguments`` subclass accept ``optim="spectral_adamw"``.
+
+    transformers validates ``optim`` against its closed ``OptimizerNames`` enum inside
+    ``__post_init__``; we swap in a built-in name for that call and put ours back after.
+    """
+
+    def _post_init_with_spectral_optim(self, parent_post_init) -> None:
+        optim = getattr(self.optim, "value", self.optim)
+        known = {name.value for name in OptimizerNames}
+        require(optim == SPECTRAL_ADAMW or optim in known, "optim", optim, f"be '{SPECTRAL_ADAMW}' or one of transformers' OptimizerNames")
+        if optim != SPECTRAL_ADAMW:
+            parent_post_init()
+            return
+        self.optim = _STAND_IN_OPTIM
+        try:
+            parent_post_init()
+        finally:
+            self.optim = SPECTRAL_ADAMW
+
+
+@dataclass
+class MeshTrainingArguments(MeshArguments, TrainingArguments, _SpectralOptimShim):
+    """``TrainingArguments`` plus the mesh knobs; ``optim`` defaults to ``"spectral_adamw"``.
+
+    Example:
+        >>> args = MeshTrainingArguments(output_dir="out", mask_ratio=0.95, num_stages=4)  # doctest: +SKIP
+        >>> args.optim                                                                     # doctest: +SKIP
+        'spectral_adamw'
+    """
+
+    optim: str = field(default=SPECTRAL_ADAMW, metadata={"help": f"Optimizer: '{SPECTRAL_ADAMW}' (the anchor-filtered AdamW) or any transformers optimizer name."})
+
+    def __post_init__(self) -> None:
+        self._post_init_with_spectral_optim(super(MeshArguments, self).__post_init__)
+        self.validate_mesh()
+        if self.anchor:
+            require(self.optim == SPECTRAL_ADAMW, "optim", self.optim, f"be '{SPECTRAL_ADAMW}' when anchor=True (the anchor's gradients feed its spectral filter); set anchor=False for another optimizer")

@@ -1,0 +1,222 @@
+"""Shared-seed activation masks for pipeline boundaries (paper §"in-graph masking").
+
+At boundary ℓ the hidden state h ∈ R^{B×T×H} is replaced by h̃ = h ⊙ m where every token keeps
+exactly K = round((1-p)·H) of its H dims. The keep-set is a pure function
+
+    m = g(ℓ, step, microbatch, T, H, seed)
+
+so the sender and the receiver of a boundary compute the same indices locally and only the
+[B, T, K] kept values travel: no index ever crosses the wire. Because the mask is applied inside
+the autograd graph (a gather on the sending side, a scatter on the receiving side), the gradient of
+the loss w.r.t. h is (∂L/∂h̃) ⊙ m: the backward payload is [B, T, K] with the same indices.
+
+Indices come from a private ``torch.Generator`` seeded by a hash of the arguments, so they do not
+depend on (nor disturb) torch's global RNG, and they are identical on every process and machine
+(they are always drawn on the CPU; move them to the activation's device afterwards).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import dataclass
+
+import torch
+
+from ._validation import require
+
+__all__ = [
+    "BoundaryMask",
+    "MeanFill",
+    "ZeroFill",
+    "compact",
+    "expand",
+    "keep_count",
+    "keep_indices",
+    "mask_seed",
+    "stable_seed",
+]
+
+
+def keep_count(hidden_size: int, mask_ratio: float) -> int:
+    """K = round((1 - p) · H): dims kept per token for ``mask_ratio`` (p) at ``hidden_size`` (H)."""
+    require(0.0 <= mask_ratio < 1.0, "mask_ratio", mask_ratio, "lie in [0, 1)")
+    keep = int(round((1.0 - mask_ratio) * hidden_size))
+    require(
+        keep >= 1,
+        "mask_ratio",
+        mask_ratio,
+        f"keep at least one of hidden_size={hidden_size} dims per token (K = round((1-p)·H) = 0)",
+    )
+    return keep
+
+
+def stable_seed(tag: bytes, *values: int) -> int:
+    """A 63-bit seed from integers, the same on every process, machine and Python version.
+
+    A cryptographic hash (not Python's ``hash``, which is salted per process) also decorrelates
+    neighbouring inputs such as consecutive steps.
+    """
+    packed = struct.pack(f"<{len(values)}q", *values)
+    digest = hashlib.blake2b(packed, digest_size=8, person=tag[:16]).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def mask_seed(boundary: int, step: int, microbatch: int, seq_len: int, hidden_size: int, seed: int) -> int:
+    """The seed of g(ℓ, step, microbatch, T, H, base seed)."""
+    return stable_seed(b"meshtune-mask", boundary, step, microbatch, seq_len, hidden_size, seed)
+
+
+def keep_indices(
+    boundary: int, step: int, microbatch: int, seq_len: int, hidden_size: int, keep: int, seed: int
+) -> torch.Tensor:
+    """Sorted keep-indices [T, K] (int64, CPU): each token position keeps ``keep`` distinct dims.
+
+    Every row is a uniformly random K-subset of range(H) (top-K of i.i.d. uniforms), so each dim is
+    kept with probability K/H. The mask is shared by all rows of the microbatch.
+    """
+    require(1 <= keep <= hidden_size, "keep", keep, f"lie in [1, hidden_size={hidden_size}]")
+    gen = torch.Generator(device="cpu")
+    gen.manual_seed(mask_seed(boundary, step, microbatch, seq_len, hidden_size, seed))
+    scores = torch.rand(seq_len, hidden_size, generator=gen)
+    idx = scores.topk(keep, dim=-1, sorted=False).indices
+    return idx.sort(dim=-1).values
+
+
+def compact(h: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Sending side: [B, T, H] → [B, T, K] kept values. Autograd of a gather is a scatter."""
+    return h.gather(-1, idx.expand(*h.shape[:-1], idx.shape[-1]))
+
+
+def expand(x: torch.Tensor, idx: torch.Tensor, hidden_size: int, fill: torch.Tensor | None = None) -> torch.Tensor:
+    """Receiving side: [B, T, K] → [B, T, H], kept values at ``idx`` and ``fill`` (default 0) elsewhere.
+
+    ``fill`` is a tensor broadcastable to [B, T, H] that never receives a gradient: whatever the
+    receiver puts into dropped dims is its own local estimate, not something sent.
+    """
+    shape = (*x.shape[:-1], hidden_size)
+    base = x.new_zeros(shape) if fill is None else fill.detach().to(x.dtype).expand(shape).clone()
+    return base.scatter(-1, idx.expand_as(x), x)
+
+
+class ZeroFill:
+    """Dropped dims are zero: the paper's h ⊙ m."""
+
+    name = "zeros"
+
+    def value(self, hidden_size: int) -> torch.Tensor | None:
+        return None
+
+    def observe(self, kept: torch.Tensor, idx: torch.Tensor, hidden_size: int) -> None:
+        """Nothing to learn."""
+
+    def advance(self) -> None:
+        """Nothing to fold."""
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Stateless."""
+
+
+class MeanFill:
+    """Dropped dims take a running per-dim mean of the values the receiver has seen.
+
+    The receiver sees each dim in K/H of the tokens, so it can track E[h_j] without extra traffic.
+    Pretrained residual streams have a few huge-mean dims; zero-filling them is what wrecks the
+    forward pass (DESIGN.md §2.5), and a mean fill keeps them near their typical value.
+    Statistics seen during a step are folded in by ``advance()`` at the next step, so the fill is
+    constant within a step: a gradient-checkpointing recompute sees the same fill as the forward.
+    """
+
+    name = "mean"
+
+    def __init__(self, momentum: float = 0.1) -> None:
+        require(0.0 < momentum <= 1.0, "mask_fill_momentum", momentum, "lie in (0, 1]")
+        self.momentum = momentum
+        self.mean: torch.Tensor | None = None
+        self._sums: torch.Tensor | None = None
+        self._counts: torch.Tensor | None = None
+
+    def value(self, hidden_size: int) -> torch.Tensor | None:
+        return self.mean
+
+    @torch.no_grad()
+    def observe(self, kept: torch.Tensor, idx: torch.Tensor, hidden_size: int) -> None:
+        if self._sums is None:
+            self._sums = torch.zeros(hidden_size, dtype=torch.float64, device=kept.device)
+            self._counts = torch.zeros(hidden_size, dtype=torch.float64, device=kept.device)
+        flat_idx = idx.expand_as(kept).reshape(-1)
+        self._sums.index_add_(0, flat_idx, kept.detach().reshape(-1).double())
+        self._counts.index_add_(0, flat_idx, torch.ones_like(flat_idx, dtype=torch.float64))
+
+    @torch.no_grad()
+    def advance(self) -> None:
+        """Fold the statistics of the finished step into the running mean."""
+        if self._sums is None:
+            return
+        seen = self._counts > 0
+        batch_mean = (self._sums / self._counts.clamp_min(1.0)).float()
+        if self.mean is None:
+            self.mean = torch.where(seen, batch_mean, torch.zeros_like(batch_mean))
+        else:
+            self.mean = torch.where(seen, torch.lerp(self.mean, batch_mean, self.momentum), self.mean)
+        self._sums = self._counts = None
+
+    def state_dict(self) -> dict:
+        return {"mean": self.mean, "sums": self._sums, "counts": self._counts}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.mean, self._sums, self._counts = state.get("mean"), state.get("sums"), state.get("counts")
+
+
+FILLS = {"zeros": ZeroFill, "mean": MeanFill}
+
+
+@dataclass
+class BoundaryMask:
+    """The mask of one boundary ℓ: ``apply(h, step, microbatch)`` = expand(compact(h)) in one process.
+
+    Args:
+        boundary: ℓ, the boundary index (0 for the boundary after stage 0).
+        mask_ratio: p, fraction of dims dropped per token.
+        seed: base seed shared by every process of the mesh.
+        rescale: multiply kept values by H/K (the exact form of dropout's 1/(1-p)), off by default
+            because the paper's formula is plain h ⊙ m.
+        fill: receiver-side value of dropped dims (``ZeroFill`` = the paper).
+    """
+
+    boundary: int
+    mask_ratio: float
+    seed: int = 0
+    rescale: bool = False
+    fill: ZeroFill | MeanFill | None = None
+
+    def __post_init__(self) -> None:
+        require(0.0 <= self.mask_ratio < 1.0, "mask_ratio", self.mask_ratio, "lie in [0, 1)")
+        if self.fill is None:
+            self.fill = ZeroFill()
+
+    def indices(self, step: int, microbatch: int, seq_len: int, hidden_size: int) -> torch.Tensor:
+        keep = keep_count(hidden_size, self.mask_ratio)
+        return keep_indices(self.boundary, step, microbatch, seq_len, hidden_size, keep, self.seed)
+
+    def send(self, h: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """What crosses the wire: the [B, T, K] kept values (rescaled when asked)."""
+        kept = compact(h, idx)
+        if self.rescale:
+            kept = kept * (h.shape[-1] / idx.shape[-1])
+        return kept
+
+    def receive(self, kept: torch.Tensor, idx: torch.Tensor, hidden_size: int) -> torch.Tensor:
+        """Rebuild [B, T, H] on the receiving stage from the kept values and the local fill."""
+        out = expand(kept, idx, hidden_size, self.fill.value(hidden_size))
+        self.fill.observe(kept, idx, hidden_size)
+        return out
+
+    def apply(self, h: torch.Tensor, step: int, microbatch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Single-process boundary: returns (h̃, the [B, T, K] payload that would travel)."""
+        idx = self.indices(step, microbatch, h.shape[-2], h.shape[-1]).to(h.device)
+        kept = self.send(h, idx)
+        return self.receive(kept, idx, h.shape[-1]), kept

@@ -1,0 +1,324 @@
+"""Spectral correction optimizer ("spectral AdamW", paper §2.3 of DESIGN.md).
+
+The fast circuit trains on a *masked* gradient G whose direction can be far from the dense one.
+Every so often the anchor delivers a dense gradient G_anc; its momentum M_anc = U S Vᵀ tells which
+singular directions the dense objective cares about. Before AdamW sees G, each 2-D weight's gradient
+is passed through a Tikhonov soft filter d_i = s_i / (s_i + τ_p) applied on both sides,
+
+    G_filt = U diag(d) Uᵀ G V diag(d) Vᵀ,      G_proj = α·G + (1-α)·G_filt,
+
+so directions the anchor's momentum supports pass, the rest are damped, and nothing is amplified
+(0 <= d_i < 1). The SVD is recomputed only when M_anc changes and cached as (U, d, V).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .._validation import require
+from ..masking import stable_seed
+
+__all__ = ["SpectralAdamW"]
+
+_ANCHOR_TENSORS = ("anchor_momentum", "anchor_U", "anchor_d", "anchor_V")
+
+
+def _anchor_dtype(param: Tensor) -> torch.dtype:
+    """At least float32: a bf16 momentum/SVD would swamp the small singular values d resolves.
+
+    float64 parameters keep float64 so that a float64 run can be checked against a reference.
+    """
+    return torch.promote_types(param.dtype, torch.float32)
+
+
+def _basis_seed(seed: int, index: int, count: int) -> int:
+    """Seed of the SVD test matrix for (seed, parameter index, anchor updates so far): the same on
+    every rank and restart, and decorrelated between neighbouring parameters and updates."""
+    return stable_seed(b"meshtune-svd", seed, index, count)
+
+
+def _randomized_svd(
+    matrix: Tensor, rank: int, niter: int, oversample: int, seed: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Rank-``rank`` truncated SVD (U [m, r], s [r], V [n, r]) after Halko, Martinsson & Tropp (2011).
+
+    The Gaussian test matrix is drawn on the CPU from a private generator, so the basis does not
+    depend on (or disturb) torch's global RNG and is the same on every device.
+    """
+    m, n = matrix.shape
+    width = min(rank + oversample, m, n)
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    omega = torch.randn(n, width, generator=gen, dtype=matrix.dtype).to(matrix.device)
+    q = torch.linalg.qr(matrix @ omega).Q
+    for _ in range(niter):
+        # Re-orthonormalise between the two half-iterations: raw powers of M lose the small
+        # singular directions to rounding after a couple of iterations.
+        z = torch.linalg.qr(matrix.mT @ q).Q
+        q = torch.linalg.qr(matrix @ z).Q
+    u_small, s, vh = torch.linalg.svd(q.mT @ matrix, full_matrices=False)
+    return (q @ u_small[:, :rank]), s[:rank].clone(), vh[:rank].mT.contiguous()
+
+
+def _soft_filter(s: Tensor, tau: float, relative_tau: bool) -> Tensor:
+    """d_i = s_i / (s_i + τ_eff), τ_eff = τ_p or τ_p·s_max; an all-zero spectrum gives d = 0."""
+    s_max = float(s.max()) if s.numel() else 0.0
+    if relative_tau and s_max == 0.0:
+        return torch.zeros_like(s)
+    tau_eff = tau * s_max if relative_tau else tau
+    return s / (s + tau_eff)
+
+
+def _filter_gradient(grad: Tensor, u: Tensor, d: Tensor, v: Tensor, alpha: float) -> Tensor:
+    """G_proj = α·G + (1-α)·U diag(d) (Uᵀ G V) diag(d) Vᵀ, in ``u``'s dtype."""
+    g = grad.to(u.dtype)
+    x = u.mT @ g @ v
+    x_f = d[:, None] * x * d[None, :]
+    g_filt = u @ x_f @ v.mT
+    return alpha * g + (1 - alpha) * g_filt
+
+
+def _adamw_update(param: Tensor, grad: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
+    """One AdamW step, op for op torch 2.13's ``_single_tensor_adam`` (decoupled, no amsgrad).
+
+    Same ops in the same order (lerp_, mul_/addcmul_, Python-float bias corrections, ``** 0.5``)
+    so that α = 1 reproduces ``torch.optim.AdamW(foreach=False)`` bit for bit.
+    """
+    if "step" not in state:
+        state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+    lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
+    beta1, beta2 = group["betas"]
+    exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+    state["step"] += 1
+    if wd != 0:
+        param.mul_(1 - lr * wd)
+    exp_avg.lerp_(grad, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    step = state["step"].item()
+    bias_correction1 = 1 - beta1**step
+    bias_correction2 = 1 - beta2**step
+    step_size = lr / bias_correction1
+    denom = (exp_avg_sq.sqrt() / bias_correction2**0.5).add_(eps)
+    param.addcdiv_(exp_avg, denom, value=-step_size)
+
+
+@dataclass
+class _Diagnostics:
+    """Per-matrix <G,M>, <G_proj,M>, |G|², |G_proj|², |M|² and mean d, summed once per step."""
+
+    rows: list[Tensor] = field(default_factory=list)
+
+    def add(self, grad: Tensor, proj: Tensor, momentum: Tensor, d: Tensor) -> None:
+        g = grad.to(momentum.dtype)
+        terms = [(g * momentum).sum(), (proj * momentum).sum(), (g * g).sum(), (proj * proj).sum()]
+        terms += [(momentum * momentum).sum(), d.mean() if d.numel() else d.new_zeros(())]
+        self.rows.append(torch.stack(terms))  # stays on device: one host sync per step, in as_dict
+
+    def as_dict(self) -> dict[str, float]:
+        if not self.rows:
+            return {}
+        device = self.rows[0].device
+        rows = [row.to(device, torch.float64) for row in self.rows]
+        gm, pm, gg, pp, mm, d_sum = torch.stack(rows).sum(0).tolist()
+        count = len(self.rows)
+
+        def cos(dot: float, a: float, b: float) -> float:
+            return dot / (a * b) ** 0.5 if a > 0 and b > 0 else 0.0
+
+        return {
+            "spectral/cos_masked_vs_anchor": cos(gm, gg, mm),
+            "spectral/cos_filtered_vs_anchor": cos(pm, pp, mm),
+            "spectral/filter_mean_d": d_sum / count,
+            "spectral/matrices_filtered": float(count),
+        }
+
+
+def _validate_group(group: Mapping[str, Any]) -> None:
+    """Reject a bad hyper-parameter in the constructor's defaults or in a dict param group."""
+    betas = group["betas"]
+    require(group["lr"] >= 0, "lr", group["lr"], "be >= 0")
+    require(
+        len(betas) == 2 and all(0 <= b < 1 for b in betas), "betas", betas, "be two values in [0, 1)"
+    )
+    require(group["eps"] >= 0, "eps", group["eps"], "be >= 0")
+    require(group["weight_decay"] >= 0, "weight_decay", group["weight_decay"], "be >= 0")
+    require(0 <= group["alpha"] <= 1, "alpha", group["alpha"], "lie in [0, 1]")
+    require(group["tau"] > 0, "tau", group["tau"], "be > 0")
+    require(0 <= group["anchor_beta"] <= 1, "anchor_beta", group["anchor_beta"], "lie in [0, 1]")
+    rank = group["rank"]
+    ok_rank = rank is None or (isinstance(rank, int) and not isinstance(rank, bool) and rank >= 1)
+    require(ok_rank, "rank", rank, "be None or an int >= 1")
+    require(isinstance(group["relative_tau"], bool), "relative_tau", group["relative_tau"], "be a bool")
+    require(isinstance(group["spectral"], bool), "spectral", group["spectral"], "be a bool")
+
+
+class SpectralAdamW(torch.optim.Optimizer):
+    """AdamW on a gradient filtered through the anchor momentum's spectrum ("spectral correction").
+
+    From "Communication-Efficient LLM Adaptation over Decentralized GPU Meshes" (arXiv 2609.14339),
+    spectral correction. Paper symbols beside the code names:
+
+    * ``update_anchor(grads)`` receives the dense anchor gradient G_anc and updates the anchor
+      momentum M_anc ← β_anc·M_anc + (1-β_anc)·G_anc (no bias correction), then caches its SVD
+      M_anc = U S Vᵀ as (U, d, V) with d_i = s_i / (s_i + τ_p).
+    * ``step()`` maps each matrix gradient G to G_proj = α·G + (1-α)·U diag(d) Uᵀ G V diag(d) Vᵀ
+      and takes a plain AdamW step on G_proj.
+    * ``alpha`` (α), ``tau`` (τ_p), ``anchor_beta`` (β_anc); ``rank`` caps the basis with a
+      randomized SVD (``svd_niter`` power iterations, ``svd_oversample`` extra columns, test matrix
+      seeded by ``seed``); ``relative_tau`` uses τ_p·s_max instead of an absolute τ_p.
+
+    Per-group options: lr, betas, eps, weight_decay, alpha, tau, anchor_beta, rank, relative_tau and
+    ``spectral`` (False opts a group out). A parameter is filtered iff its group is spectral and it is
+    2-D; others (norms, biases) and matrices without anchor momentum yet get the plain gradient.
+    After each step ``last_diagnostics`` holds the cosines of G and G_proj with M_anc, which tell
+    how much of the dense direction the filtered masked gradient carries.
+
+    Example:
+        >>> w = torch.nn.Parameter(torch.randn(8, 4))
+        >>> opt = SpectralAdamW([w], lr=1e-2, alpha=0.3, tau=1e-3)
+        >>> opt.update_anchor({w: torch.randn(8, 4)})  # dense G_anc from the anchor
+        1
+        >>> w.grad = torch.randn(8, 4)  # masked gradient from the fast circuit
+        >>> opt.step()
+        >>> sorted(opt.last_diagnostics)[0]
+        'spectral/cos_filtered_vs_anchor'
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.01,
+        alpha: float = 0.3,
+        tau: float = 1e-3,
+        anchor_beta: float = 0.9,
+        rank: int | None = None,
+        relative_tau: bool = False,
+        svd_niter: int = 2,
+        svd_oversample: int = 8,
+        seed: int = 0,
+    ) -> None:
+        defaults: dict[str, Any] = dict(
+            lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, alpha=alpha, tau=tau,
+            anchor_beta=anchor_beta, rank=rank, relative_tau=relative_tau, spectral=True,
+        )  # fmt: skip
+        _validate_group(defaults)
+        require(isinstance(svd_niter, int) and svd_niter >= 0, "svd_niter", svd_niter, "be an int >= 0")
+        ok_oversample = isinstance(svd_oversample, int) and svd_oversample >= 0
+        require(ok_oversample, "svd_oversample", svd_oversample, "be an int >= 0")
+        require(isinstance(seed, int), "seed", seed, "be an int")
+        self.svd_niter, self.svd_oversample, self.seed = svd_niter, svd_oversample, seed
+        self.last_diagnostics: dict[str, float] = {}
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group after checking its options (merged with the defaults) like the constructor."""
+        _validate_group({**self.defaults, **param_group})
+        super().add_param_group(param_group)
+
+    @staticmethod
+    def _is_spectral(param: Tensor, group: Mapping[str, Any]) -> bool:
+        return bool(group["spectral"]) and param.ndim == 2
+
+    @torch.no_grad()
+    def update_anchor(self, grads: Mapping[Tensor, Tensor]) -> int:
+        """Fold a dense anchor gradient G_anc into M_anc and recompute each matrix's (U, d, V).
+
+        ``grads`` maps parameters of this optimizer to their dense gradients. Entries for parameters
+        that are not spectral (1-D, or in a group with ``spectral=False``) are accepted and ignored,
+        so a caller can pass a whole model's gradients. Returns the number of matrices updated.
+        """
+        owners = {id(p): (i, p, g) for i, (p, g) in enumerate(self._params_with_groups())}
+        for key, grad in grads.items():  # check everything first so a bad entry changes nothing
+            owner = owners.get(id(key))
+            known = owner is not None
+            require(known, "grads key of shape", tuple(key.shape), "be a parameter of this optimizer")
+            shape = tuple(owner[1].shape)
+            rule = f"equal its parameter's shape {shape}"
+            require(tuple(grad.shape) == shape, "grads value shape", tuple(grad.shape), rule)
+        updated = 0
+        for key, grad in grads.items():
+            index, param, group = owners[id(key)]
+            if self._is_spectral(param, group):
+                self._update_basis(index, param, grad, group)
+                updated += 1
+        return updated
+
+    def _params_with_groups(self) -> list[tuple[Tensor, dict[str, Any]]]:
+        return [(p, g) for g in self.param_groups for p in g["params"]]
+
+    def _update_basis(self, index: int, param: Tensor, grad: Tensor, group: dict[str, Any]) -> None:
+        state = self.state[param]
+        dtype = _anchor_dtype(param)
+        if "anchor_momentum" not in state:
+            state["anchor_momentum"] = torch.zeros(param.shape, dtype=dtype, device=param.device)
+            state["anchor_updates"] = 0
+        beta = group["anchor_beta"]
+        momentum = state["anchor_momentum"]
+        momentum.mul_(beta).add_(grad.to(device=momentum.device, dtype=dtype), alpha=1 - beta)
+        rank = group["rank"]
+        if rank is None or rank >= min(momentum.shape):
+            u, s, vh = torch.linalg.svd(momentum, full_matrices=False)
+            v = vh.mT.contiguous()
+        else:
+            seed = _basis_seed(self.seed, index, state["anchor_updates"])
+            u, s, v = _randomized_svd(momentum, rank, self.svd_niter, self.svd_oversample, seed)
+        state["anchor_U"], state["anchor_V"] = u, v
+        state["anchor_d"] = _soft_filter(s, group["tau"], group["relative_tau"])
+        state["anchor_updates"] += 1
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """Filter each matrix gradient through the cached basis, then take an AdamW step."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        diagnostics = _Diagnostics()
+        for param, group in self._params_with_groups():
+            if param.grad is None:
+                continue
+            grad = self._projected_grad(param, group, diagnostics)
+            _adamw_update(param, grad, self.state[param], group)
+        self.last_diagnostics = diagnostics.as_dict()
+        return loss
+
+    def _projected_grad(self, param: Tensor, group: dict[str, Any], diagnostics: _Diagnostics) -> Tensor:
+        grad = param.grad
+        state = self.state[param]
+        if not self._is_spectral(param, group) or "anchor_U" not in state:
+            return grad
+        u, d, v = state["anchor_U"], state["anchor_d"], state["anchor_V"]
+        if group["alpha"] == 1:
+            proj = grad.to(u.dtype)  # G_proj = G exactly; skipping the filter keeps AdamW bit-exact
+        else:
+            proj = _filter_gradient(grad, u, d, v, group["alpha"])
+        diagnostics.add(grad, proj, state["anchor_momentum"], d)
+        return proj.to(grad.dtype)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load like torch, but keep the anchor tensors in float32 (or wider) and own all storage.
+
+        torch casts every floating state tensor to the parameter's dtype, which would round M_anc,
+        U, d, V to bf16 on a bf16 model. It also keeps same-dtype tensors by reference, so a loaded
+        optimizer would step the source's moments in place; a deep copy prevents both.
+        """
+        state_dict = copy.deepcopy(state_dict)
+        anchors = {
+            pid: {k: s.pop(k) for k in _ANCHOR_TENSORS if k in s}
+            for pid, s in state_dict["state"].items()
+        }
+        saved_ids = [pid for g in state_dict["param_groups"] for pid in g["params"]]
+        super().load_state_dict(state_dict)
+        for pid, (param, _) in zip(saved_ids, self._params_with_groups()):
+            for key, value in anchors.get(pid, {}).items():
+                self.state[param][key] = value.to(device=param.device, dtype=_anchor_dtype(param))

@@ -1,0 +1,262 @@
+"""``MeshTrainer``: a drop-in ``transformers.Trainer`` that trains with the mesh's numerics on one machine.
+
+The mesh logic lives in ``MeshTrainerMixin`` so that TRL trainers can reuse it unchanged:
+- masked boundaries are attached to the model with hooks (names and checkpoints unchanged);
+- ``optim="spectral_adamw"`` builds a ``SpectralAdamW``;
+- an ``AnchorCircuit`` computes dense gradients of snapshots every ``anchor_every`` steps and hands
+  them to the optimizer ``anchor_delay`` steps later;
+- the logs carry the byte ledger (``comm/*_bytes_per_token``), the spectral diagnostics and the
+  anchor staleness; checkpoints carry the mesh state so that a resumed run continues exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+from transformers import Trainer, TrainerCallback
+
+from ._validation import require
+from .anchor import AnchorCircuit
+from .boundaries import BoundaryHandle, attach_boundaries
+from .config import SPECTRAL_ADAMW, MeshArguments, MeshConfig
+from .ledger import LedgerSettings, compute_ledger, param_shapes_of
+from .masking import stable_seed
+from .optim.spectral import SpectralAdamW
+
+__all__ = ["MESH_STATE_NAME", "AnchorBatches", "MeshCallback", "MeshTrainer", "MeshTrainerMixin"]
+
+MESH_STATE_NAME = "mesh_state.pt"
+# Knobs that change the numerics of a run: a resumed run must use the values it was saved with.
+_RESUME_KNOBS = (
+    "mask_ratio", "num_stages", "mask_seed", "mask_rescale", "mask_fill", "anchor", "anchor_every",
+    "anchor_delay", "anchor_beta", "anchor_microbatches", "spectral_tau", "spectral_relative_tau",
+    "spectral_alpha", "spectral_rank",
+)
+
+
+class AnchorBatches:
+    """The anchor's own data: round r → its microbatches, a pure function of (seed, r).
+
+    Samples are drawn without replacement from a fresh permutation per pass over the dataset, with
+    a seed distinct from the fast circuit's sampler; being a function of the round index, a resumed
+    run sees exactly the batches an uninterrupted one would.
+    """
+
+    def __init__(self, dataset, collate: Callable, batch_size: int, microbatches: int, seed: int,
+                 prepare: Callable = lambda batch: batch) -> None:
+        require(hasattr(dataset, "__len__") and len(dataset) > 0, "train_dataset", type(dataset).__name__,
+                "be a non-empty map-style dataset (with __len__) so the anchor can draw its own batches")
+        self.dataset, self.collate, self.prepare = dataset, collate, prepare
+        self.batch_size, self.microbatches, self.seed = batch_size, microbatches, seed
+        self._perm_cache: tuple[int, torch.Tensor] | None = None
+
+    def _permutation(self, epoch: int) -> torch.Tensor:
+        if self._perm_cache is None or self._perm_cache[0] != epoch:
+            gen = torch.Generator().manual_seed(stable_seed(b"meshtune-anchor", self.seed, epoch))
+            self._perm_cache = (epoch, torch.randperm(len(self.dataset), generator=gen))
+        return self._perm_cache[1]
+
+    def indices(self, round_index: int) -> list[int]:
+        per_round = self.batch_size * self.microbatches
+        out = []
+        for k in range(round_index * per_round, (round_index + 1) * per_round):
+            epoch, position = divmod(k, len(self.dataset))
+            out.append(int(self._permutation(epoch)[position]))
+        return out
+
+    def __call__(self, round_index: int) -> list:
+        idx = self.indices(round_index)
+        chunks = [idx[i : i + self.batch_size] for i in range(0, len(idx), self.batch_size)]
+        return [self.prepare(self.collate([self.dataset[i] for i in chunk])) for chunk in chunks]
+
+
+class MeshCallback(TrainerCallback):
+    """Moves the mask clock at each step and runs the anchor just before each optimizer step."""
+
+    def __init__(self, trainer: MeshTrainerMixin) -> None:
+        self.trainer = trainer
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.trainer.mesh_boundaries.set_step(state.global_step)
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        anchor = self.trainer.mesh_anchor
+        if anchor is not None:
+            anchor.on_step(state.global_step, self.trainer.spectral_optimizer)
+
+
+class MeshTrainerMixin:
+    """Mesh behaviour for any ``transformers.Trainer`` subclass whose args are ``MeshArguments``."""
+
+    mesh_boundaries: BoundaryHandle
+    mesh_anchor: AnchorCircuit | None
+
+    # --- set-up -------------------------------------------------------------------------------
+    def _setup_mesh(self) -> None:
+        require(isinstance(self.args, MeshArguments), "args", type(self.args).__name__,
+                "be a MeshTrainingArguments (or another MeshArguments config) for a Mesh trainer")
+        cfg = self.mesh_config
+        self.mesh_boundaries = attach_boundaries(
+            self.model, cfg.num_stages, cfg.mask_ratio, cfg.mask_seed, cfg.mask_rescale, cfg.mask_fill
+        )
+        self.mesh_anchor = None
+        self._mesh_steps_logged = 0
+        self.add_callback(MeshCallback(self))
+
+    @property
+    def mesh_config(self) -> MeshConfig:
+        return self.args.mesh_config
+
+    @property
+    def spectral_optimizer(self) -> SpectralAdamW | None:
+        """The ``SpectralAdamW`` behind accelerate's optimizer wrapper, if that is the optimizer."""
+        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
+        return optimizer if isinstance(optimizer, SpectralAdamW) else None
+
+    @staticmethod
+    def get_optimizer_cls_and_kwargs(args, model=None):
+        if getattr(args, "optim", None) != SPECTRAL_ADAMW:
+            return Trainer.get_optimizer_cls_and_kwargs(args, model)
+        return SpectralAdamW, {
+            "lr": args.learning_rate,
+            "betas": (args.adam_beta1, args.adam_beta2),
+            "eps": args.adam_epsilon,
+            "alpha": args.spectral_alpha,
+            "tau": args.spectral_tau,
+            "anchor_beta": args.anchor_beta,
+            "rank": args.spectral_rank,
+            "relative_tau": args.spectral_relative_tau,
+            "seed": args.mask_seed,
+        }
+
+    def create_optimizer(self, model=None):
+        optimizer = super().create_optimizer(model)
+        if self.mesh_config.anchor and self.mesh_anchor is None:
+            self.mesh_anchor = self._build_anchor()
+        return optimizer
+
+    def _build_anchor(self) -> AnchorCircuit:
+        require(self.spectral_optimizer is not None, "optim", self.args.optim,
+                f"be '{SPECTRAL_ADAMW}' when anchor=True (the anchor's gradients feed its spectral filter)")
+        cfg = self.mesh_config
+        params = {name: p for name, p in self.model.named_parameters() if p.requires_grad and p.ndim == 2}
+        return AnchorCircuit(self.model, params, self.mesh_boundaries, cfg.anchor_every, cfg.anchor_delay,
+                             self._anchor_batches(), self._anchor_loss)
+
+    def _anchor_batches(self) -> AnchorBatches:
+        dataset, collate = self.train_dataset, self.data_collator
+        if hasattr(dataset, "column_names"):
+            dataset = self._remove_unused_columns(dataset, description="anchor")
+        else:
+            collate = self._get_collator_with_removed_columns(collate, description="anchor")
+        microbatches = self.mesh_config.anchor_microbatches or self.args.gradient_accumulation_steps
+        return AnchorBatches(dataset, collate, self.args.per_device_train_batch_size, microbatches,
+                             self.args.data_seed if self.args.data_seed is not None else self.args.seed,
+                             self._prepare_inputs)
+
+    def _anchor_loss(self, model: nn.Module, batch) -> torch.Tensor:
+        return self.compute_loss(model, batch)
+
+    # --- logs ---------------------------------------------------------------------------------
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if "loss" in logs:
+            logs.update(self.mesh_log_entries())
+        super().log(logs, start_time)
+
+    def mesh_log_entries(self) -> dict[str, float]:
+        """Byte ledger, spectral diagnostics and anchor staleness since the last training log."""
+        entries: dict[str, float] = {}
+        counter = self.mesh_boundaries.counter
+        steps = max(self.state.global_step - self._mesh_steps_logged, 1)
+        self._mesh_steps_logged = self.state.global_step
+        if counter.tokens:
+            tokens_per_step = max(counter.tokens // steps, 1)
+            ledger = self.mesh_ledger(tokens_per_step)
+            entries.update(ledger.log_dict())
+            entries["comm/pp_fwd_bytes_per_token"] = counter.fwd_bytes / counter.tokens
+            entries["comm/pp_bwd_bytes_per_token"] = counter.bwd_bytes / counter.tokens
+            entries["comm/total_bytes_per_token"] = (
+                entries["comm/pp_fwd_bytes_per_token"] + entries["comm/pp_bwd_bytes_per_token"] + ledger.dp + ledger.anchor
+            )
+            counter.reset()
+        optimizer = self.spectral_optimizer
+        if optimizer is not None:
+            entries.update(getattr(optimizer, "last_diagnostics", {}) or {})
+        if self.mesh_anchor is not None and self.mesh_anchor.last_staleness is not None:
+            entries["anchor/staleness_steps"] = float(self.mesh_anchor.last_staleness)
+        return entries
+
+    def mesh_ledger(self, tokens_per_step: int):
+        """The analytic ledger of this model and mesh at ``tokens_per_step`` tokens per fast replica."""
+        cfg = self.mesh_config
+        dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
+        settings = LedgerSettings(
+            num_replicas=cfg.num_replicas, num_stages=cfg.num_stages, mask_ratio=cfg.mask_ratio,
+            tokens_per_step=tokens_per_step, activation_dtype=dtype, grad_dtype=dtype,
+            sync_every=cfg.dp_sync_every, powersgd_rank=cfg.dp_powersgd_rank, anchor=cfg.anchor,
+            anchor_every=cfg.anchor_every, anchor_payload=cfg.anchor_payload, anchor_rank=cfg.spectral_rank or 8,
+        )
+        return compute_ledger(param_shapes_of(self.model), self.mesh_boundaries.hidden_size, settings)
+
+    # --- checkpoints --------------------------------------------------------------------------
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        super()._save_optimizer_and_scheduler(output_dir)
+        if self.args.should_save:
+            _atomic_torch_save(self.mesh_state_dict(), os.path.join(output_dir, MESH_STATE_NAME))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None:
+            return
+        path = os.path.join(checkpoint, MESH_STATE_NAME)
+        require(os.path.isfile(path), "resume_from_checkpoint", checkpoint,
+                f"contain {MESH_STATE_NAME} (written by a Mesh trainer) to resume a mesh run exactly")
+        self.load_mesh_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+
+    def mesh_state_dict(self) -> dict:
+        return {
+            "config": dataclasses.asdict(self.mesh_config),
+            "boundaries": self.mesh_boundaries.state_dict(),
+            "anchor": None if self.mesh_anchor is None else self.mesh_anchor.state_dict(),
+        }
+
+    def load_mesh_state_dict(self, state: dict) -> None:
+        current = dataclasses.asdict(self.mesh_config)
+        for knob in _RESUME_KNOBS:
+            saved = state["config"].get(knob)
+            require(saved == current[knob], knob, current[knob],
+                    f"equal the checkpoint's value {saved!r} to resume exactly (start a new run to change it)")
+        self.mesh_boundaries.load_state_dict(state["boundaries"])
+        if self.mesh_anchor is not None and state["anchor"] is not None:
+            self.mesh_anchor.load_state_dict(state["anchor"])
+
+
+def _atomic_torch_save(obj, path: str) -> None:
+    """Write then rename, so a crash mid-save never leaves a truncated file under ``path``."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+class MeshTrainer(MeshTrainerMixin, Trainer):
+    """``transformers.Trainer`` with masked pipeline boundaries, the anchor circuit and SpectralAdamW.
+
+    Swap ``Trainer`` for ``MeshTrainer`` and ``TrainingArguments`` for ``MeshTrainingArguments``;
+    everything else (gradient accumulation, evaluation, callbacks, ``report_to``, checkpoints and
+    resume) is the Trainer's own. Evaluation and generation run the dense model.
+
+    Example:
+        >>> from hf_meshtune import MeshTrainer, MeshTrainingArguments
+        >>> args = MeshTrainingArguments("out", mask_ratio=0.95, num_stages=4, anchor_every=20,
+        ...                              anchor_delay=20, max_steps=100)          # doctest: +SKIP
+        >>> trainer = MeshTrainer(model=model, args=args, train_dataset=train)    # doctest: +SKIP
+        >>> trainer.train()                                                       # doctest: +SKIP
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._setup_mesh()
