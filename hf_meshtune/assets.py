@@ -80,9 +80,8 @@ def gsm8k_items() -> list[dict[str, str]]:
 def sft_features(tokenizer, prompt: str, answer: str, max_length: int) -> dict[str, list[int]]:
     """Chat-formatted SFT example: loss only on the assistant's answer (prompt labels are -100)."""
     messages = [{"role": "user", "content": prompt}]
-    prompt_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    if isinstance(prompt_ids, dict):  # some tokenizers return a BatchEncoding
-        prompt_ids = prompt_ids["input_ids"]
+    prompt_text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    prompt_ids = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
     answer_ids = tokenizer(answer + tokenizer.eos_token, add_special_tokens=False)["input_ids"]
     input_ids = (list(prompt_ids) + answer_ids)[:max_length]
     labels = ([-100] * len(prompt_ids) + answer_ids)[:max_length]

@@ -36,6 +36,7 @@ DTYPE_BYTES: dict[str, int] = {
 """Bytes per element of every dtype name the ledger accepts (torch names plus short aliases)."""
 
 ANCHOR_PAYLOADS = ("gradient", "factors")
+_CIRCUITS = ("pp_fwd", "pp_bwd", "dp", "anchor")
 
 
 def _require_int(field: str, value: Any, minimum: int, rule: str | None = None) -> None:
@@ -117,8 +118,8 @@ class Ledger:
     """Bytes per fast-circuit training token, by circuit, summed over every link of the mesh.
 
     ``keep`` is K (kept dims per token per boundary), ``hidden_size`` is H. ``dense_total`` is the
-    total of the dense reference (same settings with p = 0, no anchor, S = 1, no PowerSGD) when
-    ``compute_ledger`` built the ledger; ``compression`` = dense_total / total.
+    total of ``dense_reference(settings)`` (same mesh and global batch, p = 0, no anchor, S = 1, no
+    PowerSGD) when ``compute_ledger`` built the ledger; ``compression`` = dense_total / total.
     """
 
     pp_fwd: float
@@ -160,9 +161,6 @@ class Ledger:
         if self.compression is not None:
             out[f"{prefix}compression_vs_dense_ratio"] = float(self.compression)
         return out
-
-
-_CIRCUITS = ("pp_fwd", "pp_bwd", "dp", "anchor")
 
 
 def dp_payload_numel(shape: Sequence[int], rank: int | None) -> int:
@@ -220,8 +218,15 @@ def _circuits(shapes: Sequence[tuple[int, ...]], hidden_size: int,
 
 
 def dense_reference(settings: LedgerSettings) -> LedgerSettings:
-    """The baseline a ledger is compared with: same settings, p = 0, no anchor, S = 1, no PowerSGD."""
-    return dataclasses.replace(settings, mask_ratio=0.0, anchor=False, sync_every=1, powersgd_rank=None)
+    """The baseline a ledger is compared with: the same X × Y mesh trained densely.
+
+    p = 0, no anchor, S = 1, no PowerSGD, and the same global batch: the X_f·T tokens a fast step
+    processes are spread over all X replicas (T_ref = round(X_f·T / X)), as in the paper's Dense
+    column (8 dense replicas vs 7 fast + 1 anchor, both at batch 32).
+    """
+    tokens = max(1, round(settings.fast_replicas * settings.tokens_per_step / settings.num_replicas))
+    return dataclasses.replace(settings, mask_ratio=0.0, anchor=False, sync_every=1,
+                               powersgd_rank=None, tokens_per_step=tokens)
 
 
 def compute_ledger(param_shapes: Sequence[tuple[int, ...]], hidden_size: int,

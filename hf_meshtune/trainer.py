@@ -174,14 +174,11 @@ class MeshTrainerMixin:
         steps = max(self.state.global_step - self._mesh_steps_logged, 1)
         self._mesh_steps_logged = self.state.global_step
         if counter.tokens:
-            tokens_per_step = max(counter.tokens // steps, 1)
-            ledger = self.mesh_ledger(tokens_per_step)
-            entries.update(ledger.log_dict())
-            entries["comm/pp_fwd_bytes_per_token"] = counter.fwd_bytes / counter.tokens
-            entries["comm/pp_bwd_bytes_per_token"] = counter.bwd_bytes / counter.tokens
-            entries["comm/total_bytes_per_token"] = (
-                entries["comm/pp_fwd_bytes_per_token"] + entries["comm/pp_bwd_bytes_per_token"] + ledger.dp + ledger.anchor
-            )
+            # Analytic: the whole mesh. Measured: what this process's boundaries produced (frozen
+            # layers below a boundary mean no backward payload there, so pp_bwd can be lower).
+            entries.update(self.mesh_ledger(max(counter.tokens // steps, 1)).log_dict())
+            entries["comm/measured_pp_fwd_bytes_per_token"] = counter.fwd_bytes / counter.tokens
+            entries["comm/measured_pp_bwd_bytes_per_token"] = counter.bwd_bytes / counter.tokens
             counter.reset()
         optimizer = self.spectral_optimizer
         if optimizer is not None:
@@ -196,7 +193,7 @@ class MeshTrainerMixin:
         dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
         settings = LedgerSettings(
             num_replicas=cfg.num_replicas, num_stages=cfg.num_stages, mask_ratio=cfg.mask_ratio,
-            tokens_per_step=tokens_per_step, activation_dtype=dtype, grad_dtype=dtype,
+            tokens_per_step=tokens_per_step, activation_dtype=dtype, grad_dtype=dtype, param_dtype=dtype,
             sync_every=cfg.dp_sync_every, powersgd_rank=cfg.dp_powersgd_rank, anchor=cfg.anchor,
             anchor_every=cfg.anchor_every, anchor_payload=cfg.anchor_payload, anchor_rank=cfg.spectral_rank or 8,
         )

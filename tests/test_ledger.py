@@ -82,6 +82,9 @@ def test_anchor_gradient_payload_by_hand():
     assert led.anchor == pytest.approx(PIPELINE + PARAMS + 408 / 150)
     assert led.dp == pytest.approx(416 / 120)  # X_f = 3 fast replicas sync, the anchor does not
     assert led.pp_fwd == pytest.approx(20.0)
+    # Dense reference: same 4 x 3 mesh and global batch, X_f * T = 30 tokens over 4 replicas:
+    # T_ref = round(7.5) = 8; pp = 2 * 10 * 2 = 40 each way; dp = 2 * 3 * 72 * 2 / (4 * 8) = 27.
+    assert led.dense_total == pytest.approx(107.0)
 
 
 def test_anchor_factor_payload_by_hand():
@@ -182,6 +185,7 @@ def test_standard_rows_compress_and_ratio_grows_with_p(llama_shapes):
     best = compute_ledger(llama_shapes, 2048, settings_for_row("M95+AP"))
     assert dense.total / best.total > 1
     assert dense.compression == pytest.approx(1.0)
+    assert best.compression == pytest.approx(dense.total / best.total)  # same global batch
     ratios = [compute_ledger(llama_shapes, 2048, replace(settings_for_row("M95+AP"), mask_ratio=p))
               .compression for p in (0.0, 0.5, 0.8, 0.9, 0.95, 0.99)]
     assert all(a < b for a, b in zip(ratios, ratios[1:])), ratios
