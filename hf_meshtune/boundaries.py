@@ -134,9 +134,12 @@ class BoundaryHandle:
             self.microbatch += 1
 
     def _on_layer_output(self, mask: BoundaryMask, module: nn.Module, args: tuple, output):
-        if not (module.training and self.enabled) or mask.mask_ratio == 0.0:
+        if not (module.training and self.enabled):
             return None
         hidden = output[0] if isinstance(output, tuple) else output
+        if mask.mask_ratio == 0.0:  # K = H: nothing to mask, but the dense state still crosses
+            self._count(mask, hidden)
+            return None
         masked, payload = mask.apply(hidden, self.step, max(self.microbatch, 0))
         self._count(mask, payload)
         return (masked, *output[1:]) if isinstance(output, tuple) else masked

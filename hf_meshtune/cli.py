@@ -121,8 +121,41 @@ def rank_or_none(text: str) -> int | None:
     return None if text.lower() == "none" else int(text)
 
 
-_SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_ledger_parser,)
-"""One registration function per subcommand; add ``_add_demo_parser`` etc. here."""
+# ---------------------------------------------------------------------------------------------------
+# meshtune demo
+# ---------------------------------------------------------------------------------------------------
+
+def _add_demo_parser(subparsers: argparse._SubParsersAction) -> None:
+    from dataclasses import fields
+
+    from hf_meshtune.demo import DemoSettings
+
+    p = subparsers.add_parser(
+        "demo", help="fine-tune the embedded SmolLM2-135M on GSM8K with M95 + anchor prior",
+        description="The main job on the embedded default (no hub access): prints the dense eval loss "
+                    "before/after, the masked training loss and the byte ledger; writes summary.json.")
+    for f in fields(DemoSettings):
+        flag = "--" + f.name.replace("_", "-")
+        if f.type in ("bool", bool):
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+        else:
+            kind = {"int": int, "float": float, "str": str}[str(f.type)]
+            p.add_argument(flag, type=kind, default=f.default, help=f"(default {f.default})")
+    p.set_defaults(handler=run_demo)
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    """Handler of ``meshtune demo``."""
+    from dataclasses import fields
+
+    from hf_meshtune.demo import DemoSettings, run_demo as run
+
+    run(DemoSettings(**{f.name: getattr(args, f.name) for f in fields(DemoSettings)}))
+    return 0
+
+
+_SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_ledger_parser, _add_demo_parser)
+"""One registration function per subcommand."""
 
 
 if __name__ == "__main__":

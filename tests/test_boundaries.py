@@ -13,9 +13,12 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from conftest import TINY_ARCHS, TINY_VOCAB
 from hf_meshtune.boundaries import attach_boundaries, find_decoder_layers, split_stages
 from hf_meshtune.masking import keep_indices
+
+pytestmark = pytest.mark.usefixtures("single_thread_torch")
+
+VOCAB = 100  # the vocabulary of conftest's tiny_causal_lm models
 
 EXPECTED_LAYERS_NAME = {
     "llama": "model.layers",
@@ -26,10 +29,11 @@ EXPECTED_LAYERS_NAME = {
     "gpt2": "transformer.h",
     "gpt_neox": "gpt_neox.layers",
 }
+ARCHS = tuple(EXPECTED_LAYERS_NAME)
 
 
 def token_batch(batch: int = 2, seq: int = 6, seed: int = 0) -> torch.Tensor:
-    return torch.randint(0, TINY_VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
+    return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
 
 
 def loss_and_grads(model: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -83,7 +87,7 @@ def reference_loss(model, ids, masks_by_layer) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("arch", TINY_ARCHS)
+@pytest.mark.parametrize("arch", ARCHS)
 def test_find_decoder_layers(arch, tiny_causal_lm):
     model = tiny_causal_lm(arch, layers=3)
     name, layers = find_decoder_layers(model)
@@ -310,12 +314,26 @@ def test_payload_counter_counts_compact_payloads(tiny_causal_lm):
     assert (handle.counter.fwd_bytes, handle.counter.bwd_bytes, handle.counter.tokens) == (0, 0, 0)
 
 
+def test_payload_counter_at_zero_ratio_counts_the_dense_state(tiny_causal_lm):
+    """p = 0 (K = H) leaves the model dense, but a pipeline still sends [B, T, H] each way."""
+    model = tiny_causal_lm("llama")
+    batch, seq = 2, 5
+    ids = token_batch(batch, seq)
+    dense, dense_grads = loss_and_grads(model, ids)
+    handle = attach_boundaries(model, num_stages=3, mask_ratio=0.0)
+    handle.set_step(0)
+    loss, grads = loss_and_grads(model, ids)
+    assert torch.equal(loss, dense) and all(torch.equal(grads[n], dense_grads[n]) for n in grads)
+    expected = 2 * batch * seq * H * 4
+    assert (handle.counter.fwd_bytes, handle.counter.bwd_bytes, handle.counter.tokens) == (expected, expected, batch * seq)
+
+
 # ---------------------------------------------------------------------------------------------
 # Every architecture through attach + masked training step
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("arch", TINY_ARCHS)
+@pytest.mark.parametrize("arch", ARCHS)
 def test_masked_training_step_on_every_architecture(arch, tiny_causal_lm):
     model = tiny_causal_lm(arch)
     ids = token_batch()

@@ -17,6 +17,8 @@ import torch
 
 from hf_meshtune.masking import BoundaryMask, MeanFill, compact, expand, keep_count, keep_indices
 
+pytestmark = pytest.mark.usefixtures("single_thread_torch")
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -1,0 +1,151 @@
+"""MeshTrainer end to end on a tiny Llama: learning, logs, save/load, exact resume, equivalences."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import transformers
+
+from hf_meshtune import MeshTrainer, MeshTrainingArguments, SpectralAdamW
+from hf_meshtune.trainer import MESH_STATE_NAME
+from tests.tiny import pattern_dataset, tiny_llama
+
+BASE = dict(
+    per_device_train_batch_size=4, learning_rate=3e-3, logging_steps=1, report_to=[], use_cpu=True,
+    disable_tqdm=True, save_strategy="no", seed=0, lr_scheduler_type="constant",
+)
+MESH = dict(num_stages=2, mask_ratio=0.5, anchor_every=2, anchor_delay=1)
+
+
+def make_trainer(tmp_path, model=None, trainer_cls=MeshTrainer, **overrides) -> MeshTrainer:
+    kwargs = {**BASE, **MESH, "output_dir": str(tmp_path / "out"), "max_steps": 8, **overrides}
+    args = MeshTrainingArguments(**kwargs)
+    data = pattern_dataset()
+    return trainer_cls(model=model or tiny_llama(), args=args, train_dataset=data, eval_dataset=data.select(range(16)))
+
+
+def train_losses(trainer) -> list[float]:
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+def test_loss_falls_and_dense_eval_improves(tmp_path):
+    trainer = make_trainer(tmp_path, max_steps=40, learning_rate=1e-2)
+    before = trainer.evaluate()["eval_loss"]
+    trainer.train()
+    losses = train_losses(trainer)
+    after = trainer.evaluate()["eval_loss"]
+    assert sum(losses[-4:]) / 4 < sum(losses[:4]) / 4 - 1.0, losses
+    assert after < before - 1.0
+
+
+def test_logs_carry_ledger_diagnostics_and_staleness(tmp_path):
+    trainer = make_trainer(tmp_path, max_steps=6)
+    trainer.train()
+    last = [h for h in trainer.state.log_history if "loss" in h][-1]
+    for key in ("pp_fwd", "pp_bwd", "dp", "anchor", "total"):
+        assert last[f"comm/{key}_bytes_per_token"] >= 0
+    # every parameter trains, so each boundary's backward payload exists and equals the forward
+    k, boundaries, fp32 = 32, 1, 4
+    assert last["comm/measured_pp_fwd_bytes_per_token"] == boundaries * k * fp32
+    assert last["comm/measured_pp_bwd_bytes_per_token"] == boundaries * k * fp32
+    assert last["comm/pp_fwd_bytes_per_token"] == boundaries * k * fp32
+    assert last["anchor/staleness_steps"] == 1.0
+    assert -1.0 <= last["spectral/cos_filtered_vs_anchor"] <= 1.0
+    assert last["spectral/matrices_filtered"] > 0
+
+
+def test_anchor_with_alpha_one_leaves_fast_circuit_identical_to_adamw(tmp_path):
+    """α = 1 ignores the filter: the anchor (its data, forward, RNG) must not perturb the fast run."""
+    with_anchor = make_trainer(tmp_path / "a", spectral_alpha=1.0, weight_decay=0.01)
+    plain = make_trainer(tmp_path / "b", anchor=False, optim="adamw_torch", weight_decay=0.01)
+    with_anchor.train()
+    plain.train()
+    assert with_anchor.mesh_anchor.rounds_done == 4
+    assert train_losses(with_anchor) == train_losses(plain)
+
+
+def test_filter_changes_training_when_alpha_below_one(tmp_path):
+    filtered = make_trainer(tmp_path / "a", spectral_alpha=0.3)
+    unfiltered = make_trainer(tmp_path / "b", spectral_alpha=1.0)
+    filtered.train()
+    unfiltered.train()
+    assert train_losses(filtered)[:2] == train_losses(unfiltered)[:2]  # no basis before step 1
+    assert train_losses(filtered)[3:] != train_losses(unfiltered)[3:]
+
+
+def test_evaluation_is_dense(tmp_path):
+    trainer = make_trainer(tmp_path)
+    mesh_eval = trainer.evaluate()["eval_loss"]
+    trainer.mesh_boundaries.remove()
+    plain = transformers.Trainer(model=trainer.model, args=transformers.TrainingArguments(
+        output_dir=str(tmp_path / "plain"), report_to=[], use_cpu=True), eval_dataset=trainer.eval_dataset)
+    assert mesh_eval == plain.evaluate()["eval_loss"]
+
+
+def test_saved_model_loads_in_plain_transformers_with_same_logits(tmp_path):
+    trainer = make_trainer(tmp_path, max_steps=4)
+    trainer.train()
+    trainer.save_model(str(tmp_path / "final"))
+    loaded, info = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "final"), output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
+    ids = torch.tensor([pattern_dataset()[0]["input_ids"]])
+    trainer.model.eval()
+    loaded.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, trainer.model(ids).logits, rtol=0, atol=0)
+
+
+def test_resume_reproduces_next_losses_exactly(tmp_path):
+    """Checkpoint at step 4 holds a pending anchor gradient (every 2, Δ = 3) and a mean fill."""
+    knobs = dict(max_steps=8, anchor_every=2, anchor_delay=3, mask_fill="mean", save_strategy="steps", save_steps=4)
+    full = make_trainer(tmp_path / "full", **knobs)
+    full.train()
+    checkpoint = tmp_path / "full" / "out" / "checkpoint-4"
+    assert (checkpoint / MESH_STATE_NAME).is_file()
+    state = torch.load(checkpoint / MESH_STATE_NAME, weights_only=True)
+    assert [p[0] for p in state["anchor"]["pending"]] == [2]  # taken at step 2, lands at step 5
+    resumed = make_trainer(tmp_path / "resumed", model=tiny_llama(seed=123), **knobs)
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    after_resume = [h["loss"] for h in resumed.state.log_history if "loss" in h and h["step"] > 4]
+    assert len(after_resume) == 4
+    assert after_resume == train_losses(full)[4:]
+
+
+def test_resume_with_changed_mask_knob_is_rejected(tmp_path):
+    knobs = dict(max_steps=4, save_strategy="steps", save_steps=2)
+    make_trainer(tmp_path / "a", **knobs).train()
+    changed = make_trainer(tmp_path / "b", **{**knobs, "mask_seed": 7})
+    with pytest.raises(ValueError, match=r"mask_seed=7 is invalid: it must equal the checkpoint's value 0"):
+        changed.train(resume_from_checkpoint=str(tmp_path / "a" / "out" / "checkpoint-2"))
+
+
+def test_resume_from_checkpoint_without_mesh_state_is_rejected(tmp_path):
+    knobs = dict(max_steps=4, save_strategy="steps", save_steps=2)
+    make_trainer(tmp_path / "a", **knobs).train()
+    checkpoint = tmp_path / "a" / "out" / "checkpoint-2"
+    os.remove(checkpoint / MESH_STATE_NAME)
+    with pytest.raises(ValueError, match="resume_from_checkpoint=.* must contain mesh_state.pt"):
+        make_trainer(tmp_path / "b", **knobs).train(resume_from_checkpoint=str(checkpoint))
+
+
+def test_gradient_accumulation_advances_microbatch_and_step(tmp_path):
+    seen = []
+    trainer = make_trainer(tmp_path, max_steps=3, gradient_accumulation_steps=3)
+    layer = trainer.model.model.layers[0]
+    layer.register_forward_hook(lambda m, a, o: seen.append((trainer.mesh_boundaries.step, trainer.mesh_boundaries.microbatch)) if m.training and trainer.mesh_boundaries.enabled else None)
+    trainer.train()
+    fast = [s for s in seen if s[1] >= 0]
+    assert fast == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2), (2, 0), (2, 1), (2, 2)]
+
+
+def test_optimizer_is_spectral_and_sees_anchor_bases(tmp_path):
+    trainer = make_trainer(tmp_path, max_steps=3)
+    trainer.train()
+    optimizer = trainer.spectral_optimizer
+    assert isinstance(optimizer, SpectralAdamW)
+    q_proj = trainer.model.model.layers[0].self_attn.q_proj.weight
+    # snapshots at steps 0 and 2 (every 2); with Δ = 1 only the first has landed after steps 0..2
+    assert optimizer.state[q_proj]["anchor_updates"] == 1
+    assert [p.snapshot_step for p in trainer.mesh_anchor.pending] == [2]
