@@ -4,8 +4,9 @@
 contiguous stages and puts a shared-seed mask (``masking.BoundaryMask``) on the output of the last
 layer of every stage but the final one. It uses forward hooks, not wrapper modules, so parameter
 names and ``state_dict`` keys never change and ``save_pretrained`` stays loadable by plain
-transformers. Masks act only while the layer is in training mode: ``eval()`` and ``generate()``
-run the dense model.
+transformers. Masks act only on training forwards: the layer is in training mode and autograd is
+recording. ``eval()``, ``torch.no_grad()`` and ``generate()`` (which runs under no_grad, also on a
+model left in training mode, e.g. RL rollouts) see the dense model.
 
 The position of a forward in training is (step, microbatch): ``handle.set_step(step)`` starts a new
 optimizer step and every training forward of the wrapped model then takes the next microbatch index,
@@ -129,12 +130,15 @@ class BoundaryHandle:
         for mask, fill_state in zip(self.masks, state["fills"]):
             mask.fill.load_state_dict(fill_state)
 
+    def _is_training_forward(self, module: nn.Module) -> bool:
+        return module.training and self.enabled and torch.is_grad_enabled()
+
     def _on_model_forward(self, module: nn.Module, args: tuple) -> None:
-        if module.training and self.enabled:
+        if self._is_training_forward(module):
             self.microbatch += 1
 
     def _on_layer_output(self, mask: BoundaryMask, module: nn.Module, args: tuple, output):
-        if not (module.training and self.enabled):
+        if not self._is_training_forward(module):
             return None
         hidden = output[0] if isinstance(output, tuple) else output
         if mask.mask_ratio == 0.0:  # K = H: nothing to mask, but the dense state still crosses
@@ -180,6 +184,7 @@ def attach_boundaries(
         >>> handle.remove()                                                     # doctest: +SKIP
     """
     require(fill in FILLS, "mask_fill", fill, f"be one of {sorted(FILLS)}")
+    require(not (rescale and fill != "zeros"), "mask_fill", fill, "be 'zeros' when mask_rescale=True (a rescaled payload and a filled estimate would count the dropped dims twice)")
     layers_name, layers = find_decoder_layers(model)
     stages = split_stages(len(layers), num_stages)
     hidden = _hidden_size(model)

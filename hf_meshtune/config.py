@@ -64,6 +64,8 @@ class MeshArguments:
         require(0.0 <= self.mask_ratio < 1.0, "mask_ratio", self.mask_ratio, "lie in [0, 1)")
         require(self.num_stages >= 1, "num_stages", self.num_stages, "be >= 1")
         require(self.mask_fill in FILLS, "mask_fill", self.mask_fill, f"be one of {sorted(FILLS)}")
+        require(not (self.mask_rescale and self.mask_fill != "zeros"), "mask_fill", self.mask_fill,
+                "be 'zeros' when mask_rescale=True (a rescaled payload and a filled estimate would count the dropped dims twice)")
         require(self.anchor_every >= 1, "anchor_every", self.anchor_every, "be >= 1")
         require(self.anchor_delay >= 0, "anchor_delay", self.anchor_delay, "be >= 0")
         require(0.0 <= self.anchor_beta <= 1.0, "anchor_beta", self.anchor_beta, "lie in [0, 1]")

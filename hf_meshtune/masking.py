@@ -95,7 +95,7 @@ def expand(x: torch.Tensor, idx: torch.Tensor, hidden_size: int, fill: torch.Ten
     receiver puts into dropped dims is its own local estimate, not something sent.
     """
     shape = (*x.shape[:-1], hidden_size)
-    base = x.new_zeros(shape) if fill is None else fill.detach().to(x.dtype).expand(shape).clone()
+    base = x.new_zeros(shape) if fill is None else fill.detach().to(x.device, x.dtype).expand(shape).clone()
     return base.scatter(-1, idx.expand_as(x), x)
 
 
@@ -140,13 +140,18 @@ class MeanFill:
         self._counts: torch.Tensor | None = None
 
     def value(self, hidden_size: int) -> torch.Tensor | None:
-        return self.mean
+        # dims never seen yet (NaN) fall back to the paper's zero
+        return None if self.mean is None else torch.nan_to_num(self.mean, nan=0.0)
 
     @torch.no_grad()
     def observe(self, kept: torch.Tensor, idx: torch.Tensor, hidden_size: int) -> None:
-        if self._sums is None:
-            self._sums = torch.zeros(hidden_size, dtype=torch.float64, device=kept.device)
-            self._counts = torch.zeros(hidden_size, dtype=torch.float64, device=kept.device)
+        if self._sums is None or self._sums.device != kept.device:
+            sums = torch.zeros(hidden_size, dtype=torch.float64, device=kept.device)
+            counts = torch.zeros(hidden_size, dtype=torch.float64, device=kept.device)
+            if self._sums is not None:  # e.g. a checkpoint loaded on the CPU, resumed on a GPU
+                sums += self._sums.to(kept.device)
+                counts += self._counts.to(kept.device)
+            self._sums, self._counts = sums, counts
         flat_idx = idx.expand_as(kept).reshape(-1)
         self._sums.index_add_(0, flat_idx, kept.detach().reshape(-1).double())
         self._counts.index_add_(0, flat_idx, torch.ones_like(flat_idx, dtype=torch.float64))
@@ -158,17 +163,19 @@ class MeanFill:
             return
         seen = self._counts > 0
         batch_mean = (self._sums / self._counts.clamp_min(1.0)).float()
-        if self.mean is None:
-            self.mean = torch.where(seen, batch_mean, torch.zeros_like(batch_mean))
-        else:
-            self.mean = torch.where(seen, torch.lerp(self.mean, batch_mean, self.momentum), self.mean)
+        previous = torch.full_like(batch_mean, float("nan")) if self.mean is None else self.mean.to(batch_mean.device)
+        # a dim seen for the first time takes its batch mean; later ones move by `momentum`
+        updated = torch.where(torch.isnan(previous), batch_mean, torch.lerp(previous, batch_mean, self.momentum))
+        self.mean = torch.where(seen, updated, previous)
         self._sums = self._counts = None
 
     def state_dict(self) -> dict:
-        return {"mean": self.mean, "sums": self._sums, "counts": self._counts}
+        return {key: None if value is None else value.clone()
+                for key, value in (("mean", self.mean), ("sums", self._sums), ("counts", self._counts))}
 
     def load_state_dict(self, state: dict) -> None:
-        self.mean, self._sums, self._counts = state.get("mean"), state.get("sums"), state.get("counts")
+        self.mean, self._sums, self._counts = (
+            None if state.get(key) is None else state[key].clone() for key in ("mean", "sums", "counts"))
 
 
 FILLS = {"zeros": ZeroFill, "mean": MeanFill}

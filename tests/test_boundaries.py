@@ -200,17 +200,18 @@ def test_microbatch_and_step_indexing(tiny_causal_lm):
     seq = ids.shape[1]
     handle = attach_boundaries(model, num_stages=3, mask_ratio=0.75, seed=SEED)
     seen = []
+    handle.set_step(5)
+    seen.append(model(input_ids=ids, labels=ids).loss.detach())  # step 5, microbatch 0
+    seen.append(model(input_ids=ids, labels=ids).loss.detach())  # step 5, microbatch 1
+    assert handle.microbatch == 1
+    handle.set_step(6)
+    model.eval()
+    model(input_ids=ids)  # an eval forward takes no microbatch index
+    model.train()
     with torch.no_grad():
-        handle.set_step(5)
-        seen.append(model(input_ids=ids, labels=ids).loss)  # step 5, microbatch 0
-        seen.append(model(input_ids=ids, labels=ids).loss)  # step 5, microbatch 1
-        assert handle.microbatch == 1
-        handle.set_step(6)
-        model.eval()
-        model(input_ids=ids)  # an eval forward takes no microbatch index
-        model.train()
-        seen.append(model(input_ids=ids, labels=ids).loss)  # step 6, microbatch 0
-        assert handle.microbatch == 0
+        model(input_ids=ids)  # neither does a no-grad forward in training mode (e.g. a rollout)
+    seen.append(model(input_ids=ids, labels=ids).loss.detach())  # step 6, microbatch 0
+    assert handle.microbatch == 0
     handle.remove()
 
     def expected(step, microbatch):
@@ -239,20 +240,24 @@ def test_single_stage_attaches_no_mask(tiny_causal_lm):
 def test_eval_disabled_and_remove_are_dense(tiny_causal_lm):
     model = tiny_causal_lm("llama")
     ids = token_batch()
+    def logits() -> torch.Tensor:
+        return model(input_ids=ids).logits.detach()
+
+    dense_train = logits()
+    model.eval()
+    dense_eval = logits()
+    handle = attach_boundaries(model, num_stages=3, mask_ratio=0.75)
+    handle.set_step(1)
+    assert torch.equal(logits(), dense_eval)
+    model.train()
+    assert not torch.allclose(logits(), dense_train)  # masks do act on training forwards
     with torch.no_grad():
-        dense_train = model(input_ids=ids).logits
-        model.eval()
-        dense_eval = model(input_ids=ids).logits
-        handle = attach_boundaries(model, num_stages=3, mask_ratio=0.75)
-        handle.set_step(1)
-        assert torch.equal(model(input_ids=ids).logits, dense_eval)
-        model.train()
-        assert not torch.allclose(model(input_ids=ids).logits, dense_train)  # masks do act in training
-        with handle.disabled():
-            assert torch.equal(model(input_ids=ids).logits, dense_train)
-        assert handle.enabled
-        handle.remove()
-        assert torch.equal(model(input_ids=ids).logits, dense_train)
+        assert torch.equal(logits(), dense_train)  # a forward that cannot backpropagate is dense
+    with handle.disabled():
+        assert torch.equal(logits(), dense_train)
+    assert handle.enabled
+    handle.remove()
+    assert torch.equal(logits(), dense_train)
 
 
 def test_names_state_dict_and_save_pretrained_unchanged(tiny_causal_lm, tmp_path):
@@ -282,7 +287,8 @@ def test_generate_is_dense(tiny_causal_lm):
     handle = attach_boundaries(model, num_stages=3, mask_ratio=0.75)
     handle.set_step(0)
     assert torch.equal(model.generate(ids, **settings), dense)
-    model.train()
+    model.train()  # RL rollouts generate from a model left in training mode: still dense
+    assert torch.equal(model.generate(ids, **settings), dense)
     with handle.disabled():
         assert torch.equal(model.generate(ids, **settings), dense)
     assert handle.microbatch == -1 and handle.counter.fwd_bytes == 0  # generation consumed nothing
@@ -382,8 +388,7 @@ def test_mean_fill_advances_once_per_step(tiny_causal_lm):
     handle = attach_boundaries(model, num_stages=2, mask_ratio=0.75, fill="mean")
     fill = handle.masks[0].fill
     handle.set_step(0)
-    with torch.no_grad():
-        model(input_ids=ids)
+    model(input_ids=ids)
     assert fill.value(H) is None  # the step is not finished
     handle.set_step(0)  # same step again: nothing folded
     assert fill.value(H) is None
@@ -395,3 +400,8 @@ def test_mean_fill_advances_once_per_step(tiny_causal_lm):
     assert torch.equal(fill.value(H), first)
     handle.load_state_dict(state)
     assert handle.step == 1 and handle.microbatch == -1
+
+
+def test_attach_rejects_rescale_with_mean_fill(tiny_causal_lm):
+    with pytest.raises(ValueError, match="mask_fill='mean' is invalid: it must be 'zeros' when mask_rescale=True"):
+        attach_boundaries(tiny_causal_lm("llama"), num_stages=2, mask_ratio=0.75, rescale=True, fill="mean")

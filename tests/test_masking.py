@@ -318,6 +318,7 @@ def test_mean_fill_keeps_unseen_dims():
     fill.advance()
     value = fill.value(5).tolist()
     assert value[:2] == [3.0, 4.0]  # dim 0 unseen this step: kept; dim 1: lerp(3, 5, 0.5)
+    assert value[2] == 5.0  # first seen now: takes its batch mean rather than a pull from zero
     assert value[3:] == [0.0, 0.0]  # never seen
 
 
@@ -359,6 +360,15 @@ def test_mean_fill_state_dict_round_trip():
     b.advance()
     assert torch.equal(b.value(MF_H), a.value(MF_H))
     torch.testing.assert_close(b.value(MF_H), 2 * j)
+
+    # a loaded fill owns its tensors: observing into one leaves the other alone
+    _observe_constant(a, j, step=2)
+    c = MeanFill(momentum=0.5)
+    c.load_state_dict(a.state_dict())
+    _observe_constant(a, 5 * j, step=3)
+    a.advance()
+    c.advance()
+    torch.testing.assert_close(c.value(MF_H), 1.5 * j)
 
     empty = MeanFill()
     empty.load_state_dict(MeanFill().state_dict())

@@ -1,0 +1,100 @@
+"""MeshConfig / MeshTrainingArguments: validation messages, the optim shim, argument parsing."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import HfArgumentParser
+
+from hf_meshtune import MeshConfig, MeshTrainer, MeshTrainingArguments, SpectralAdamW
+from tests.tiny import pattern_dataset, tiny_llama
+
+BAD_KNOBS = [
+    ("mask_ratio", 1.0, "lie in [0, 1)"),
+    ("mask_ratio", -0.1, "lie in [0, 1)"),
+    ("num_stages", 0, "be >= 1"),
+    ("mask_fill", "median", "be one of ['mean', 'zeros']"),
+    ("anchor_every", 0, "be >= 1"),
+    ("anchor_delay", -1, "be >= 0"),
+    ("anchor_beta", 1.5, "lie in [0, 1]"),
+    ("anchor_beta", -0.2, "lie in [0, 1]"),
+    ("anchor_microbatches", 0, "be None or an int >= 1"),
+    ("spectral_tau", 0.0, "be > 0"),
+    ("spectral_tau", -1e-3, "be > 0"),
+    ("spectral_alpha", 1.01, "lie in [0, 1]"),
+    ("spectral_alpha", -0.5, "lie in [0, 1]"),
+    ("spectral_rank", 0, "be None or an int >= 1"),
+    ("num_replicas", 1, "be >= 2 when anchor=True (one replica is the anchor)"),
+    ("dp_sync_every", 0, "be >= 1"),
+    ("dp_powersgd_rank", 0, "be None or an int >= 1"),
+    ("anchor_payload", "weights", "be one of ['gradient', 'factors']"),
+]
+
+
+@pytest.mark.parametrize(("field", "value", "rule"), BAD_KNOBS)
+def test_mesh_config_names_field_value_and_rule(field, value, rule):
+    with pytest.raises(ValueError) as err:
+        MeshConfig(**{field: value})
+    assert str(err.value) == f"{field}={value!r} is invalid: it must {rule}"
+
+
+@pytest.mark.parametrize(("field", "value", "rule"), BAD_KNOBS[:6])
+def test_training_arguments_validate_the_same_knobs(tmp_path, field, value, rule):
+    with pytest.raises(ValueError, match=f"{field}=.* is invalid: it must"):
+        MeshTrainingArguments(output_dir=str(tmp_path), **{field: value})
+
+
+def test_rescale_with_mean_fill_is_rejected():
+    with pytest.raises(ValueError, match="mask_fill='mean' is invalid: it must be 'zeros' when mask_rescale=True"):
+        MeshConfig(mask_rescale=True, mask_fill="mean")
+
+
+def test_spectral_optim_name_is_accepted_and_kept(tmp_path):
+    args = MeshTrainingArguments(output_dir=str(tmp_path))
+    assert args.optim == "spectral_adamw"
+    assert MeshTrainingArguments(output_dir=str(tmp_path), anchor=False, optim="adamw_torch").optim == "adamw_torch"
+
+
+def test_unknown_optim_name_is_rejected(tmp_path):
+    with pytest.raises(ValueError, match="optim='spectral_adam' is invalid: it must be 'spectral_adamw' or one of"):
+        MeshTrainingArguments(output_dir=str(tmp_path), optim="spectral_adam")
+
+
+def test_anchor_needs_the_spectral_optimizer(tmp_path):
+    with pytest.raises(ValueError, match="optim=.*adamw_torch.* must be 'spectral_adamw' when anchor=True"):
+        MeshTrainingArguments(output_dir=str(tmp_path), optim="adamw_torch")
+
+
+def test_parser_reads_mesh_flags(tmp_path):
+    (args,) = HfArgumentParser(MeshTrainingArguments).parse_args_into_dataclasses([
+        "--output_dir", str(tmp_path), "--mask_ratio", "0.9", "--num_stages", "2", "--spectral_rank", "16",
+        "--anchor_delay", "10", "--optim", "spectral_adamw",
+    ])
+    assert (args.mask_ratio, args.num_stages, args.spectral_rank, args.anchor_delay) == (0.9, 2, 16, 10)
+    assert args.mesh_config == MeshConfig(mask_ratio=0.9, num_stages=2, spectral_rank=16, anchor_delay=10)
+
+
+def test_trainer_builds_spectral_adamw_from_the_knobs(tmp_path):
+    args = MeshTrainingArguments(output_dir=str(tmp_path), spectral_alpha=0.5, spectral_tau=0.01, anchor_beta=0.8,
+                                 spectral_rank=4, spectral_relative_tau=True, learning_rate=1e-3, report_to=[], use_cpu=True)
+    trainer = MeshTrainer(model=tiny_llama(), args=args, train_dataset=pattern_dataset())
+    trainer.create_optimizer()
+    optimizer = trainer.spectral_optimizer
+    assert isinstance(optimizer, SpectralAdamW)
+    group = optimizer.param_groups[0]
+    assert (group["alpha"], group["tau"], group["anchor_beta"], group["rank"], group["relative_tau"], group["lr"]) == (
+        0.5, 0.01, 0.8, 4, True, 1e-3)
+    assert trainer.mesh_anchor is not None and all(p.ndim == 2 for p in trainer.mesh_anchor.params.values())
+
+
+def test_trainer_rejects_plain_training_arguments(tmp_path):
+    from transformers import TrainingArguments
+
+    with pytest.raises(ValueError, match="args='TrainingArguments' is invalid: it must be a MeshTrainingArguments"):
+        MeshTrainer(model=tiny_llama(), args=TrainingArguments(output_dir=str(tmp_path), use_cpu=True),
+                    train_dataset=pattern_dataset())
+
+
+def test_trainer_rejects_more_stages_than_layers(tmp_path):
+    args = MeshTrainingArguments(output_dir=str(tmp_path), num_stages=9, use_cpu=True)
+    with pytest.raises(ValueError, match=r"num_stages=9 is invalid: it must be <= the number of decoder layers \(4\)"):
+        MeshTrainer(model=tiny_llama(), args=args, train_dataset=pattern_dataset())
