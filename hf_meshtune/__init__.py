@@ -7,7 +7,7 @@ Four mechanisms, four places:
 - ``ledger``: exact bytes per token of every circuit (DP sync arrives with the mesh).
 """
 
-from .anchor import AnchorCircuit
+from .anchor import AnchorBatches, AnchorCircuit
 from .boundaries import BoundaryHandle, attach_boundaries, find_decoder_layers, split_stages
 from .config import SPECTRAL_ADAMW, MeshConfig, MeshTrainingArguments
 from .ledger import Ledger, LedgerSettings, compute_ledger, ledger_for_config
@@ -19,6 +19,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "SPECTRAL_ADAMW",
+    "AnchorBatches",
     "AnchorCircuit",
     "BoundaryHandle",
     "BoundaryMask",

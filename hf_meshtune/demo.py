@@ -26,10 +26,11 @@ from transformers import DataCollatorForSeq2Seq
 
 from ._validation import require
 from .assets import gsm8k_items, load_smollm2, sft_features
+from .boundaries import find_decoder_layers
 from .config import MeshTrainingArguments
 from .trainer import MeshTrainer
 
-__all__ = ["DemoSettings", "run_demo"]
+__all__ = ["DemoSettings", "freeze_all_but_last", "gsm8k_splits", "run_demo"]
 
 
 @dataclass
@@ -55,20 +56,31 @@ class DemoSettings:
             require(getattr(self, name) >= 1, name, getattr(self, name), "be >= 1")
 
 
-def _gsm8k_splits(tokenizer, settings: DemoSettings) -> tuple[datasets.Dataset, datasets.Dataset]:
+def gsm8k_splits(tokenizer, seq_len: int, eval_items: int) -> tuple[datasets.Dataset, datasets.Dataset]:
+    """(train, eval) SFT datasets from the embedded GSM8K, split by a fixed permutation."""
     items = gsm8k_items()
     order = torch.randperm(len(items), generator=torch.Generator().manual_seed(1234)).tolist()
-    rows = [sft_features(tokenizer, items[i]["question"], items[i]["answer"], settings.seq_len) for i in order]
-    return datasets.Dataset.from_list(rows[settings.eval_items :]), datasets.Dataset.from_list(rows[: settings.eval_items])
+    rows = [sft_features(tokenizer, items[i]["question"], items[i]["answer"], seq_len) for i in order]
+    # a prompt longer than seq_len leaves no answer token to learn from or score
+    rows = [row for row in rows if any(label != -100 for label in row["labels"])]
+    require(len(rows) > eval_items, "seq_len", seq_len,
+            f"leave answer tokens in more than eval_items={eval_items} GSM8K examples")
+    return datasets.Dataset.from_list(rows[eval_items:]), datasets.Dataset.from_list(rows[:eval_items])
 
 
-def _freeze_all_but_last(model, layers: int) -> int:
-    """Train the last ``layers`` decoder layers and the final norm; returns trainable parameters."""
-    total = model.config.num_hidden_layers
-    require(layers <= total, "train_last_layers", layers, f"be <= the model's {total} layers")
-    keep = tuple(f"model.layers.{i}." for i in range(total - layers, total)) + ("model.norm.",)
+def freeze_all_but_last(model, layers: int) -> int:
+    """Train the last ``layers`` decoder layers and the final norm(s); returns trainable parameters.
+
+    Works on any model ``find_decoder_layers`` understands: besides the chosen layers, only 1-D
+    parameters outside the layer list (the final norm, not the embeddings) stay trainable.
+    """
+    layers_name, layer_list = find_decoder_layers(model)
+    total = len(layer_list)
+    require(1 <= layers <= total, "train_last_layers", layers, f"lie in [1, {total}] (the model's decoder layers)")
+    keep = tuple(f"{layers_name}.{i}." for i in range(total - layers, total))
     for name, param in model.named_parameters():
-        param.requires_grad = name.startswith(keep)
+        outside_layers = not name.startswith(f"{layers_name}.")
+        param.requires_grad = name.startswith(keep) or (outside_layers and param.ndim == 1)
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
@@ -77,12 +89,12 @@ def run_demo(settings: DemoSettings) -> dict:
     torch.manual_seed(settings.seed)
     started = time.time()
     model, tokenizer = load_smollm2()
-    trainable = _freeze_all_but_last(model, settings.train_last_layers)
-    train, evaluation = _gsm8k_splits(tokenizer, settings)
+    trainable = freeze_all_but_last(model, settings.train_last_layers)
+    train, evaluation = gsm8k_splits(tokenizer, settings.seq_len, settings.eval_items)
     args = MeshTrainingArguments(
         output_dir=settings.output_dir, max_steps=settings.max_steps, per_device_train_batch_size=settings.batch_size,
         per_device_eval_batch_size=8, learning_rate=settings.learning_rate, lr_scheduler_type="cosine",
-        warmup_steps=max(settings.max_steps // 10, 1), logging_steps=10, save_strategy="no", report_to=[],
+        warmup_steps=max(settings.max_steps // 10, 1), logging_steps=min(10, settings.max_steps), save_strategy="no", report_to=[],
         seed=settings.seed, use_cpu=True, disable_tqdm=False, mask_ratio=settings.mask_ratio,
         num_stages=settings.num_stages, anchor=settings.anchor, anchor_every=settings.anchor_every,
         anchor_delay=settings.anchor_delay, optim="spectral_adamw",

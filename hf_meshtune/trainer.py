@@ -13,21 +13,20 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable, Sequence
+
 
 import torch
 from torch import nn
 from transformers import Trainer, TrainerCallback
 
 from ._validation import require
-from .anchor import AnchorCircuit
+from .anchor import AnchorBatches, AnchorCircuit
 from .boundaries import BoundaryHandle, attach_boundaries
 from .config import SPECTRAL_ADAMW, MeshArguments, MeshConfig
 from .ledger import LedgerSettings, compute_ledger, param_shapes_of
-from .masking import stable_seed
 from .optim.spectral import SpectralAdamW
 
-__all__ = ["MESH_STATE_NAME", "AnchorBatches", "MeshCallback", "MeshTrainer", "MeshTrainerMixin"]
+__all__ = ["MESH_STATE_NAME", "MeshCallback", "MeshTrainer", "MeshTrainerMixin"]
 
 MESH_STATE_NAME = "mesh_state.pt"
 # Knobs that change the numerics of a run: a resumed run must use the values it was saved with.
@@ -36,42 +35,6 @@ _RESUME_KNOBS = (
     "anchor_delay", "anchor_beta", "anchor_microbatches", "spectral_tau", "spectral_relative_tau",
     "spectral_alpha", "spectral_rank",
 )
-
-
-class AnchorBatches:
-    """The anchor's own data: round r → its microbatches, a pure function of (seed, r).
-
-    Samples are drawn without replacement from a fresh permutation per pass over the dataset, with
-    a seed distinct from the fast circuit's sampler; being a function of the round index, a resumed
-    run sees exactly the batches an uninterrupted one would.
-    """
-
-    def __init__(self, dataset, collate: Callable, batch_size: int, microbatches: int, seed: int,
-                 prepare: Callable = lambda batch: batch) -> None:
-        require(hasattr(dataset, "__len__") and len(dataset) > 0, "train_dataset", type(dataset).__name__,
-                "be a non-empty map-style dataset (with __len__) so the anchor can draw its own batches")
-        self.dataset, self.collate, self.prepare = dataset, collate, prepare
-        self.batch_size, self.microbatches, self.seed = batch_size, microbatches, seed
-        self._perm_cache: tuple[int, torch.Tensor] | None = None
-
-    def _permutation(self, epoch: int) -> torch.Tensor:
-        if self._perm_cache is None or self._perm_cache[0] != epoch:
-            gen = torch.Generator().manual_seed(stable_seed(b"meshtune-anchor", self.seed, epoch))
-            self._perm_cache = (epoch, torch.randperm(len(self.dataset), generator=gen))
-        return self._perm_cache[1]
-
-    def indices(self, round_index: int) -> list[int]:
-        per_round = self.batch_size * self.microbatches
-        out = []
-        for k in range(round_index * per_round, (round_index + 1) * per_round):
-            epoch, position = divmod(k, len(self.dataset))
-            out.append(int(self._permutation(epoch)[position]))
-        return out
-
-    def __call__(self, round_index: int) -> list:
-        idx = self.indices(round_index)
-        chunks = [idx[i : i + self.batch_size] for i in range(0, len(idx), self.batch_size)]
-        return [self.prepare(self.collate([self.dataset[i] for i in chunk])) for chunk in chunks]
 
 
 class MeshCallback(TrainerCallback):

