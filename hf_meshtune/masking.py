@@ -204,10 +204,18 @@ class BoundaryMask:
         require(0.0 <= self.mask_ratio < 1.0, "mask_ratio", self.mask_ratio, "lie in [0, 1)")
         if self.fill is None:
             self.fill = ZeroFill()
+        self._cached: tuple[tuple, torch.Tensor] | None = None
 
-    def indices(self, step: int, microbatch: int, seq_len: int, hidden_size: int) -> torch.Tensor:
-        keep = keep_count(hidden_size, self.mask_ratio)
-        return keep_indices(self.boundary, step, microbatch, seq_len, hidden_size, keep, self.seed)
+    def indices(self, step: int, microbatch: int, seq_len: int, hidden_size: int,
+                device: torch.device | str = "cpu") -> torch.Tensor:
+        """g(ℓ, step, microbatch, T, H, seed) on ``device``; the last one is cached, so a
+        gradient-checkpointing recompute (or the receiving side) does not draw it again."""
+        key = (step, microbatch, seq_len, hidden_size, str(device))
+        if self._cached is None or self._cached[0] != key:
+            keep = keep_count(hidden_size, self.mask_ratio)
+            idx = keep_indices(self.boundary, step, microbatch, seq_len, hidden_size, keep, self.seed)
+            self._cached = (key, idx.to(device))
+        return self._cached[1]
 
     def send(self, h: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """What crosses the wire: the [B, T, K] kept values (rescaled when asked)."""
@@ -224,6 +232,6 @@ class BoundaryMask:
 
     def apply(self, h: torch.Tensor, step: int, microbatch: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Single-process boundary: returns (h̃, the [B, T, K] payload that would travel)."""
-        idx = self.indices(step, microbatch, h.shape[-2], h.shape[-1]).to(h.device)
+        idx = self.indices(step, microbatch, h.shape[-2], h.shape[-1], h.device)
         kept = self.send(h, idx)
         return self.receive(kept, idx, h.shape[-1]), kept

@@ -405,3 +405,25 @@ def test_mean_fill_advances_once_per_step(tiny_causal_lm):
 def test_attach_rejects_rescale_with_mean_fill(tiny_causal_lm):
     with pytest.raises(ValueError, match="mask_fill='mean' is invalid: it must be 'zeros' when mask_rescale=True"):
         attach_boundaries(tiny_causal_lm("llama"), num_stages=2, mask_ratio=0.75, rescale=True, fill="mean")
+
+
+@pytest.mark.parametrize("checkpointing", [{"use_reentrant": True}, {"use_reentrant": False}])
+def test_gradient_checkpointing_keeps_masked_numerics_and_counts(tiny_causal_lm, checkpointing):
+    """A recompute must see the same masks (and a reentrant no-grad first pass must still mask)."""
+    ids = token_batch(seq=6)
+    results = []
+    for enable in (False, True):
+        model = tiny_causal_lm("llama")
+        if enable:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing)
+        handle = attach_boundaries(model, num_stages=3, mask_ratio=0.75)
+        handle.set_step(2)
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        results.append((loss.detach(), grads, handle.counter.fwd_bytes, handle.counter.bwd_bytes))
+    (loss0, grads0, fwd0, bwd0), (loss1, grads1, fwd1, bwd1) = results
+    torch.testing.assert_close(loss1, loss0, rtol=0, atol=0)
+    for g0, g1 in zip(grads0, grads1):
+        torch.testing.assert_close(g1, g0, rtol=1e-6, atol=1e-7)
+    assert (fwd1, bwd1) == (fwd0, bwd0)
