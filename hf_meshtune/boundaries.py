@@ -75,7 +75,8 @@ def _hidden_size(model: nn.Module) -> int:
 
 @dataclass
 class PayloadCounter:
-    """Bytes that boundaries of this process actually produced, forward and backward."""
+    """Bytes that boundaries of this process actually produced, forward and backward, and the
+    tokens (positions) of the training forwards that produced them."""
 
     fwd_bytes: int = 0
     bwd_bytes: int = 0
@@ -133,9 +134,15 @@ class BoundaryHandle:
     def _is_training_forward(self, module: nn.Module) -> bool:
         return module.training and self.enabled and torch.is_grad_enabled()
 
-    def _on_model_forward(self, module: nn.Module, args: tuple) -> None:
-        if self._is_training_forward(module):
-            self.microbatch += 1
+    def _on_model_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if not self._is_training_forward(module):
+            return
+        self.microbatch += 1
+        inputs = kwargs.get("input_ids", args[0] if args else None)
+        if inputs is None and kwargs.get("inputs_embeds") is not None:
+            inputs = kwargs["inputs_embeds"][..., 0]
+        if isinstance(inputs, torch.Tensor):
+            self.counter.tokens += inputs.numel()
 
     def _on_layer_output(self, mask: BoundaryMask, module: nn.Module, args: tuple, output):
         if not self._is_training_forward(module):
@@ -151,8 +158,6 @@ class BoundaryHandle:
     def _count(self, mask: BoundaryMask, payload: torch.Tensor) -> None:
         nbytes = payload.numel() * payload.element_size()
         self.counter.fwd_bytes += nbytes
-        if mask is self.masks[0]:
-            self.counter.tokens += payload.shape[0] * payload.shape[1]
         if payload.requires_grad:
             payload.register_hook(self._count_backward)
 
@@ -192,7 +197,7 @@ def attach_boundaries(
     boundary_layers = [stage[-1] for stage in stages[:-1]]
     masks = [BoundaryMask(i, mask_ratio, seed, rescale, FILLS[fill]()) for i in range(len(boundary_layers))]
     handle = BoundaryHandle(masks, boundary_layers, stages, layers_name, hidden, keep)
-    handle._hooks.append(model.register_forward_pre_hook(handle._on_model_forward))
+    handle._hooks.append(model.register_forward_pre_hook(handle._on_model_forward, with_kwargs=True))
     for mask, layer_index in zip(masks, boundary_layers):
         hook = layers[layer_index].register_forward_hook(
             lambda module, args, output, mask=mask: handle._on_layer_output(mask, module, args, output)

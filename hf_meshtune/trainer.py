@@ -140,8 +140,9 @@ class MeshTrainerMixin:
             # Analytic: the whole mesh. Measured: what this process's boundaries produced (frozen
             # layers below a boundary mean no backward payload there, so pp_bwd can be lower).
             entries.update(self.mesh_ledger(max(counter.tokens // steps, 1)).log_dict())
-            entries["comm/measured_pp_fwd_bytes_per_token"] = counter.fwd_bytes / counter.tokens
-            entries["comm/measured_pp_bwd_bytes_per_token"] = counter.bwd_bytes / counter.tokens
+            if self.mesh_boundaries.masks:
+                entries["comm/measured_pp_fwd_bytes_per_token"] = counter.fwd_bytes / counter.tokens
+                entries["comm/measured_pp_bwd_bytes_per_token"] = counter.bwd_bytes / counter.tokens
             counter.reset()
         optimizer = self.spectral_optimizer
         if optimizer is not None:

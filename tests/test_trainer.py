@@ -149,3 +149,12 @@ def test_optimizer_is_spectral_and_sees_anchor_bases(tmp_path):
     # snapshots at steps 0 and 2 (every 2); with Δ = 1 only the first has landed after steps 0..2
     assert optimizer.state[q_proj]["anchor_updates"] == 1
     assert [p.snapshot_step for p in trainer.mesh_anchor.pending] == [2]
+
+
+def test_single_stage_logs_the_ledger_without_boundary_payloads(tmp_path):
+    trainer = make_trainer(tmp_path, max_steps=2, num_stages=1)
+    trainer.train()
+    last = [h for h in trainer.state.log_history if "loss" in h][-1]
+    assert last["comm/pp_fwd_bytes_per_token"] == 0 and last["comm/dp_bytes_per_token"] > 0
+    assert last["comm/anchor_bytes_per_token"] > 0
+    assert "comm/measured_pp_fwd_bytes_per_token" not in last
