@@ -149,13 +149,13 @@ class BoundaryHandle:
             return None
         hidden = output[0] if isinstance(output, tuple) else output
         if mask.mask_ratio == 0.0:  # K = H: nothing to mask, but the dense state still crosses
-            self._count(mask, hidden)
+            self._count(hidden)
             return None
         masked, payload = mask.apply(hidden, self.step, max(self.microbatch, 0))
-        self._count(mask, payload)
+        self._count(payload)
         return (masked, *output[1:]) if isinstance(output, tuple) else masked
 
-    def _count(self, mask: BoundaryMask, payload: torch.Tensor) -> None:
+    def _count(self, payload: torch.Tensor) -> None:
         nbytes = payload.numel() * payload.element_size()
         self.counter.fwd_bytes += nbytes
         if payload.requires_grad:
