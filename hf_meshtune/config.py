@@ -3,7 +3,8 @@
 ``MeshArguments`` holds the fields (with help text and the paper's symbol beside each name) and their
 validation. It is mixed into ``MeshConfig`` (a plain dataclass for code that builds the pieces by
 hand) and into ``MeshTrainingArguments`` (transformers' ``TrainingArguments`` + these fields, which
-also accepts ``optim="spectral_adamw"``). TRL configs reuse the same mixin.
+also accepts ``optim="spectral_adamw"``). TRL configs reuse the same mixin: mixed into any
+``TrainingArguments`` subclass it accepts our optimizer name and validates the knobs.
 """
 
 from __future__ import annotations
@@ -55,9 +56,13 @@ class MeshArguments:
 
     def __post_init__(self) -> None:
         parent = getattr(super(), "__post_init__", None)
-        if parent is not None:
+        if isinstance(self, TrainingArguments):  # also TRL's configs: accept our optimizer name
+            _post_init_with_spectral_optim(self, parent)
+        elif parent is not None:
             parent()
         self.validate_mesh()
+        if isinstance(self, TrainingArguments) and self.anchor:
+            require(self.optim == SPECTRAL_ADAMW, "optim", self.optim, f"be '{SPECTRAL_ADAMW}' when anchor=True (the anchor's gradients feed its spectral filter); set anchor=False for another optimizer")
 
     def validate_mesh(self) -> None:
         """Raise ``ValueError`` naming the field, its value and the rule for any bad knob."""
@@ -101,29 +106,27 @@ class MeshConfig(MeshArguments):
     """
 
 
-class _SpectralOptimShim:
-    """Lets a ``TrainingArguments`` subclass accept ``optim="spectral_adamw"``.
+def _post_init_with_spectral_optim(args: TrainingArguments, parent_post_init) -> None:
+    """Run ``TrainingArguments.__post_init__`` on args whose ``optim`` may be ``"spectral_adamw"``.
 
-    transformers validates ``optim`` against its closed ``OptimizerNames`` enum inside
-    ``__post_init__``; we swap in a built-in name for that call and put ours back after.
+    transformers validates ``optim`` against its closed ``OptimizerNames`` enum there; a built-in
+    name stands in for ours during that call and ours is put back after.
     """
-
-    def _post_init_with_spectral_optim(self, parent_post_init) -> None:
-        optim = getattr(self.optim, "value", self.optim)
-        known = {name.value for name in OptimizerNames}
-        require(optim == SPECTRAL_ADAMW or optim in known, "optim", optim, f"be '{SPECTRAL_ADAMW}' or one of transformers' OptimizerNames")
-        if optim != SPECTRAL_ADAMW:
-            parent_post_init()
-            return
-        self.optim = _STAND_IN_OPTIM
-        try:
-            parent_post_init()
-        finally:
-            self.optim = SPECTRAL_ADAMW
+    optim = getattr(args.optim, "value", args.optim)
+    known = {name.value for name in OptimizerNames}
+    require(optim == SPECTRAL_ADAMW or optim in known, "optim", optim, f"be '{SPECTRAL_ADAMW}' or one of transformers' OptimizerNames")
+    if optim != SPECTRAL_ADAMW:
+        parent_post_init()
+        return
+    args.optim = _STAND_IN_OPTIM
+    try:
+        parent_post_init()
+    finally:
+        args.optim = SPECTRAL_ADAMW
 
 
 @dataclass
-class MeshTrainingArguments(MeshArguments, TrainingArguments, _SpectralOptimShim):
+class MeshTrainingArguments(MeshArguments, TrainingArguments):
     """``TrainingArguments`` plus the mesh knobs; ``optim`` defaults to ``"spectral_adamw"``.
 
     Example:
@@ -133,9 +136,3 @@ class MeshTrainingArguments(MeshArguments, TrainingArguments, _SpectralOptimShim
     """
 
     optim: str = field(default=SPECTRAL_ADAMW, metadata={"help": f"Optimizer: '{SPECTRAL_ADAMW}' (the anchor-filtered AdamW) or any transformers optimizer name."})
-
-    def __post_init__(self) -> None:
-        self._post_init_with_spectral_optim(super(MeshArguments, self).__post_init__)
-        self.validate_mesh()
-        if self.anchor:
-            require(self.optim == SPECTRAL_ADAMW, "optim", self.optim, f"be '{SPECTRAL_ADAMW}' when anchor=True (the anchor's gradients feed its spectral filter); set anchor=False for another optimizer")
