@@ -49,11 +49,18 @@ class DemoSettings:
     anchor: bool = True
     anchor_every: int = 10
     anchor_delay: int = 10
+    mask_fill: str = "zeros"
+    mask_rescale: bool = False
+    spectral_tau: float = 1e-3
+    spectral_relative_tau: bool = False
+    spectral_alpha: float = 0.3
+    spectral_rank: int = 0
     seed: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_steps", "batch_size", "seq_len", "train_last_layers", "eval_items"):
             require(getattr(self, name) >= 1, name, getattr(self, name), "be >= 1")
+        require(self.spectral_rank >= 0, "spectral_rank", self.spectral_rank, "be >= 0 (0 = full rank)")
 
 
 def gsm8k_splits(tokenizer, seq_len: int, eval_items: int) -> tuple[datasets.Dataset, datasets.Dataset]:
@@ -97,7 +104,10 @@ def run_demo(settings: DemoSettings) -> dict:
         warmup_steps=max(settings.max_steps // 10, 1), logging_steps=min(10, settings.max_steps), save_strategy="no", report_to=[],
         seed=settings.seed, use_cpu=True, disable_tqdm=False, mask_ratio=settings.mask_ratio,
         num_stages=settings.num_stages, anchor=settings.anchor, anchor_every=settings.anchor_every,
-        anchor_delay=settings.anchor_delay, optim="spectral_adamw",
+        anchor_delay=settings.anchor_delay, optim="spectral_adamw", mask_fill=settings.mask_fill,
+        mask_rescale=settings.mask_rescale, spectral_tau=settings.spectral_tau,
+        spectral_relative_tau=settings.spectral_relative_tau, spectral_alpha=settings.spectral_alpha,
+        spectral_rank=settings.spectral_rank or None,
     )
     collator = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)
     trainer = MeshTrainer(model=model, args=args, train_dataset=train, eval_dataset=evaluation, data_collator=collator)
@@ -128,7 +138,8 @@ def format_summary(summary: dict) -> str:
     verdict = "improved" if summary["dense_eval_loss_after"] < summary["dense_eval_loss_before"] else "GOT WORSE"
     lines = [
         "",
-        f"SmolLM2-135M SFT on GSM8K: p={s['mask_ratio']} Y={s['num_stages']} anchor={s['anchor']} "
+        f"SmolLM2-135M SFT on GSM8K: p={s['mask_ratio']} Y={s['num_stages']} fill={s['mask_fill']} "
+        f"rescale={s['mask_rescale']} anchor={s['anchor']} "
         f"(every {s['anchor_every']}, Δ={s['anchor_delay']}), {s['max_steps']} steps, "
         f"{summary['trainable_parameters']:,} trainable parameters",
         f"dense eval loss: before {summary['dense_eval_loss_before']:.4f} -> after {summary['dense_eval_loss_after']:.4f} ({verdict})",

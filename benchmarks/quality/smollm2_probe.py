@@ -1,0 +1,76 @@
+"""Where does M95+AP keep quality on a real pretrained model? A side-by-side probe on SmolLM2-135M.
+
+Every variant is the main job (`meshtune demo`: SFT on GSM8K, last 8 layers trainable, 60 steps,
+same data order and lr schedule) with one or two knobs changed; all are evaluated on the dense model.
+"retained" = (dense-eval improvement of the variant) / (improvement of the Dense run).
+
+    python benchmarks/quality/smollm2_probe.py            # ~40 min on 2 CPU cores; skips finished variants
+
+Writes benchmarks/quality/smollm2_probe/<variant>.json and results.md.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+from hf_meshtune.demo import DemoSettings, run_demo
+
+OUT = Path(__file__).resolve().parent / "smollm2_probe"
+
+VARIANTS: dict[str, dict] = {
+    "dense": dict(mask_ratio=0.0, anchor=False),
+    "m95": dict(anchor=False),
+    "m95_ap": dict(),
+    "m95_ap_mean_fill": dict(mask_fill="mean"),
+    "m95_ap_rescale": dict(mask_rescale=True),
+    "m95_ap_relative_tau_0.1": dict(spectral_relative_tau=True, spectral_tau=0.1),
+    "m95_ap_alpha_0": dict(spectral_alpha=0.0),
+    "m90_ap": dict(mask_ratio=0.90),
+    "m75_ap": dict(mask_ratio=0.75),
+    "m50_ap": dict(mask_ratio=0.50),
+    "m95_ap_y2": dict(num_stages=2),
+    "m90_ap_y2_mean_fill": dict(mask_ratio=0.90, num_stages=2, mask_fill="mean"),
+}
+
+
+def run(names: list[str]) -> None:
+    OUT.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        target = OUT / f"{name}.json"
+        if target.exists():
+            continue
+        with tempfile.TemporaryDirectory() as tmp:
+            summary = run_demo(DemoSettings(output_dir=tmp, **VARIANTS[name]))
+        summary["variant"] = name
+        target.write_text(json.dumps(summary, indent=2, default=str))
+
+
+def table() -> str:
+    rows = {p.stem: json.loads(p.read_text()) for p in sorted(OUT.glob("*.json"))}
+    dense = rows.get("dense")
+    gain = dense["dense_eval_loss_before"] - dense["dense_eval_loss_after"] if dense else None
+    lines = [
+        "| variant | knobs | dense eval loss after | retained | masked train loss (last) | cos(masked, anchor) | cos(filtered, anchor) | mean d | train s |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name in VARIANTS:
+        if name not in rows:
+            continue
+        r, log = rows[name], rows[name].get("last_log", {})
+        retained = (r["dense_eval_loss_before"] - r["dense_eval_loss_after"]) / gain if gain else float("nan")
+        knobs = ", ".join(f"{k}={v}" for k, v in VARIANTS[name].items()) or "defaults"
+        lines.append(
+            f"| {name} | {knobs} | {r['dense_eval_loss_after']:.3f} | {retained:.0%} | {r['masked_train_loss_last_log']:.2f} | "
+            f"{log.get('spectral/cos_masked_vs_anchor', float('nan')):.3f} | {log.get('spectral/cos_filtered_vs_anchor', float('nan')):.3f} | "
+            f"{log.get('spectral/filter_mean_d', float('nan')):.3f} | {r['train_runtime_s']:.0f} |")
+    before = next(iter(rows.values()))["dense_eval_loss_before"] if rows else float("nan")
+    return f"Dense eval loss before training: {before:.3f}\n\n" + "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    run(sys.argv[1:] or list(VARIANTS))
+    (OUT / "results.md").write_text(table())
+    print(table())
