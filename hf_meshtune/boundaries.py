@@ -123,13 +123,51 @@ class BoundaryHandle:
             hook.remove()
         self._hooks.clear()
 
+    @torch.no_grad()
+    def protect_largest_dims(self, model: nn.Module, batch: dict, count: int) -> list[list[int]]:
+        """Always keep, at every boundary, the ``count`` dims of largest RMS on ``batch`` (dense forward).
+
+        Pretrained residual streams carry a few massive-activation dims; a uniform mask drops each
+        of them p of the time, which wrecks the forward pass (DESIGN.md §2.5). The chosen set is
+        fixed once and shared by both sides of a boundary, so the wire still carries K values and
+        no per-step index. Returns the protected dims per boundary.
+        """
+        require(count >= 0, "mask_protect_dims", count, "be >= 0")
+        if count == 0 or not self.masks:
+            return [[] for _ in self.masks]
+        require(count < self.keep, "mask_protect_dims", count, f"be < K={self.keep}, the dims kept per token")
+        _, layers = find_decoder_layers(model)
+        squares: dict[int, torch.Tensor] = {}
+
+        def capture(index: int):
+            def hook(module, args, output):
+                hidden = output[0] if isinstance(output, tuple) else output
+                squares[index] = hidden.detach().float().pow(2).reshape(-1, hidden.shape[-1]).mean(0)
+            return hook
+
+        hooks = [layers[i].register_forward_hook(capture(b)) for b, i in enumerate(self.boundary_layers)]
+        try:
+            with self.disabled():
+                model(**batch)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        for b, mask in enumerate(self.masks):
+            mask.protected = squares[b].topk(count).indices.sort().values.cpu()
+        return [mask.protected.tolist() for mask in self.masks]
+
     def state_dict(self) -> dict:
-        return {"step": self.step, "fills": [mask.fill.state_dict() for mask in self.masks]}
+        return {
+            "step": self.step,
+            "fills": [mask.fill.state_dict() for mask in self.masks],
+            "protected": [None if mask.protected is None else mask.protected.clone() for mask in self.masks],
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.step, self.microbatch = state["step"], -1
-        for mask, fill_state in zip(self.masks, state["fills"]):
+        for mask, fill_state, protected in zip(self.masks, state["fills"], state["protected"]):
             mask.fill.load_state_dict(fill_state)
+            mask.protected = None if protected is None else protected.clone()
 
     def _is_training_forward(self, module: nn.Module) -> bool:
         return module.training and self.enabled and torch.is_grad_enabled()

@@ -37,6 +37,7 @@ class MeshArguments:
     mask_seed: int = field(default=0, metadata={"help": "Base seed of the shared mask function g(ℓ, step, microbatch, T, H, seed)."})
     mask_rescale: bool = field(default=False, metadata={"help": "Scale kept values by H/K (dropout-style); off = the paper's plain h ⊙ m."})
     mask_fill: str = field(default="zeros", metadata={"help": "Receiver-side value of dropped dims: 'zeros' (the paper) or 'mean' (running per-dim mean; no extra traffic)."})
+    mask_protect_dims: int = field(default=0, metadata={"help": "Dims of largest RMS (measured once on a training batch at the start) that every token always keeps at each boundary; 0 = the paper's uniform mask."})
     # --- anchor circuit ---
     anchor: bool = field(default=True, metadata={"help": "Run the dense anchor circuit that feeds the spectral filter."})
     anchor_every: int = field(default=20, metadata={"help": "Fast steps between anchor snapshots (one dense gradient per snapshot)."})
@@ -71,6 +72,7 @@ class MeshArguments:
         require(self.mask_fill in FILLS, "mask_fill", self.mask_fill, f"be one of {sorted(FILLS)}")
         require(not (self.mask_rescale and self.mask_fill != "zeros"), "mask_fill", self.mask_fill,
                 "be 'zeros' when mask_rescale=True (a rescaled payload and a filled estimate would count the dropped dims twice)")
+        require(self.mask_protect_dims >= 0, "mask_protect_dims", self.mask_protect_dims, "be >= 0")
         require(self.anchor_every >= 1, "anchor_every", self.anchor_every, "be >= 1")
         require(self.anchor_delay >= 0, "anchor_delay", self.anchor_delay, "be >= 0")
         require(0.0 <= self.anchor_beta <= 1.0, "anchor_beta", self.anchor_beta, "lie in [0, 1]")

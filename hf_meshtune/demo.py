@@ -50,6 +50,7 @@ class DemoSettings:
     anchor_every: int = 10
     anchor_delay: int = 10
     mask_fill: str = "zeros"
+    mask_protect_dims: int = 0
     mask_rescale: bool = False
     spectral_tau: float = 1e-3
     spectral_relative_tau: bool = False
@@ -105,6 +106,7 @@ def run_demo(settings: DemoSettings) -> dict:
         seed=settings.seed, use_cpu=True, disable_tqdm=False, mask_ratio=settings.mask_ratio,
         num_stages=settings.num_stages, anchor=settings.anchor, anchor_every=settings.anchor_every,
         anchor_delay=settings.anchor_delay, optim="spectral_adamw", mask_fill=settings.mask_fill,
+        mask_protect_dims=settings.mask_protect_dims,
         mask_rescale=settings.mask_rescale, spectral_tau=settings.spectral_tau,
         spectral_relative_tau=settings.spectral_relative_tau, spectral_alpha=settings.spectral_alpha,
         spectral_rank=settings.spectral_rank or None,

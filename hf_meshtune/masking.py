@@ -68,17 +68,23 @@ def mask_seed(boundary: int, step: int, microbatch: int, seq_len: int, hidden_si
 
 
 def keep_indices(
-    boundary: int, step: int, microbatch: int, seq_len: int, hidden_size: int, keep: int, seed: int
+    boundary: int, step: int, microbatch: int, seq_len: int, hidden_size: int, keep: int, seed: int,
+    protected: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Sorted keep-indices [T, K] (int64, CPU): each token position keeps ``keep`` distinct dims.
 
     Every row is a uniformly random K-subset of range(H) (top-K of i.i.d. uniforms), so each dim is
-    kept with probability K/H. The mask is shared by all rows of the microbatch.
+    kept with probability K/H. The mask is shared by all rows of the microbatch. ``protected`` dims
+    (a fixed set both sides hold, so still no per-step index) are always among the K; the other
+    K - m are a uniformly random subset of the remaining dims.
     """
     require(1 <= keep <= hidden_size, "keep", keep, f"lie in [1, hidden_size={hidden_size}]")
     gen = torch.Generator(device="cpu")
     gen.manual_seed(mask_seed(boundary, step, microbatch, seq_len, hidden_size, seed))
     scores = torch.rand(seq_len, hidden_size, generator=gen)
+    if protected is not None and protected.numel():
+        require(protected.numel() < keep, "mask_protect_dims", protected.numel(), f"be < K={keep}, the dims kept per token")
+        scores[:, protected] = 2.0  # above every uniform draw
     idx = scores.topk(keep, dim=-1, sorted=False).indices
     return idx.sort(dim=-1).values
 
@@ -192,6 +198,8 @@ class BoundaryMask:
         rescale: multiply kept values by H/K (the exact form of dropout's 1/(1-p)), off by default
             because the paper's formula is plain h ⊙ m.
         fill: receiver-side value of dropped dims (``ZeroFill`` = the paper).
+        protected: dims every token always keeps (e.g. a model's massive-activation dims), a
+            fixed set agreed once; None = the paper's uniform mask.
     """
 
     boundary: int
@@ -199,6 +207,7 @@ class BoundaryMask:
     seed: int = 0
     rescale: bool = False
     fill: ZeroFill | MeanFill | None = None
+    protected: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         require(0.0 <= self.mask_ratio < 1.0, "mask_ratio", self.mask_ratio, "lie in [0, 1)")
@@ -210,10 +219,11 @@ class BoundaryMask:
                 device: torch.device | str = "cpu") -> torch.Tensor:
         """g(ℓ, step, microbatch, T, H, seed) on ``device``; the last one is cached, so a
         gradient-checkpointing recompute (or the receiving side) does not draw it again."""
-        key = (step, microbatch, seq_len, hidden_size, str(device))
+        protected = None if self.protected is None else tuple(self.protected.tolist())
+        key = (step, microbatch, seq_len, hidden_size, str(device), protected)
         if self._cached is None or self._cached[0] != key:
             keep = keep_count(hidden_size, self.mask_ratio)
-            idx = keep_indices(self.boundary, step, microbatch, seq_len, hidden_size, keep, self.seed)
+            idx = keep_indices(self.boundary, step, microbatch, seq_len, hidden_size, keep, self.seed, self.protected)
             self._cached = (key, idx.to(device))
         return self._cached[1]
 

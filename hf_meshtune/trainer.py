@@ -31,7 +31,7 @@ __all__ = ["MESH_STATE_NAME", "MeshCallback", "MeshTrainer", "MeshTrainerMixin"]
 MESH_STATE_NAME = "mesh_state.pt"
 # Knobs that change the numerics of a run: a resumed run must use the values it was saved with.
 _RESUME_KNOBS = (
-    "mask_ratio", "num_stages", "mask_seed", "mask_rescale", "mask_fill", "anchor", "anchor_every",
+    "mask_ratio", "num_stages", "mask_seed", "mask_rescale", "mask_fill", "mask_protect_dims", "anchor", "anchor_every",
     "anchor_delay", "anchor_beta", "anchor_microbatches", "spectral_tau", "spectral_relative_tau",
     "spectral_alpha", "spectral_rank",
 )
@@ -42,6 +42,9 @@ class MeshCallback(TrainerCallback):
 
     def __init__(self, trainer: MeshTrainerMixin) -> None:
         self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.trainer._protect_dims_once()
 
     def on_step_begin(self, args, state, control, **kwargs):
         self.trainer.mesh_boundaries.set_step(state.global_step)
@@ -110,16 +113,24 @@ class MeshTrainerMixin:
         return AnchorCircuit(self.model, params, self.mesh_boundaries, cfg.anchor_every, cfg.anchor_delay,
                              self._anchor_batches(), self._anchor_loss)
 
-    def _anchor_batches(self) -> AnchorBatches:
+    def _anchor_batches(self, microbatches: int | None = None) -> AnchorBatches:
         dataset, collate = self.train_dataset, self.data_collator
         if hasattr(dataset, "column_names"):
             dataset = self._remove_unused_columns(dataset, description="anchor")
         else:
             collate = self._get_collator_with_removed_columns(collate, description="anchor")
-        microbatches = self.mesh_config.anchor_microbatches or self.args.gradient_accumulation_steps
+        microbatches = microbatches or self.mesh_config.anchor_microbatches or self.args.gradient_accumulation_steps
         return AnchorBatches(dataset, collate, self.args.per_device_train_batch_size, microbatches,
                              self.args.data_seed if self.args.data_seed is not None else self.args.seed,
                              self._prepare_inputs)
+
+    def _protect_dims_once(self) -> None:
+        """Choose the always-kept dims on a fixed training batch, unless a checkpoint restored them."""
+        count = self.mesh_config.mask_protect_dims
+        if count == 0 or any(mask.protected is not None for mask in self.mesh_boundaries.masks):
+            return
+        batch = self._anchor_batches(microbatches=1)(0)[0]
+        self.mesh_boundaries.protect_largest_dims(self.model, batch, count)
 
     def _anchor_loss(self, model: nn.Module, batch) -> torch.Tensor:
         return self.compute_loss(model, batch)

@@ -427,3 +427,33 @@ def test_gradient_checkpointing_keeps_masked_numerics_and_counts(tiny_causal_lm,
     for g0, g1 in zip(grads0, grads1):
         torch.testing.assert_close(g1, g0, rtol=1e-6, atol=1e-7)
     assert (fwd1, bwd1) == (fwd0, bwd0)
+
+
+def test_protect_largest_dims_keeps_the_dims_of_largest_rms(tiny_causal_lm):
+    model = tiny_causal_lm("llama", layers=4)
+    ids = token_batch(seq=6)
+    handle = attach_boundaries(model, num_stages=3, mask_ratio=0.75)
+    # reference RMS of each boundary layer's output in a plain dense forward
+    squares = {}
+    layers = model.model.layers
+    hooks = [layers[i].register_forward_hook(
+        lambda m, a, out, b=b: squares.__setitem__(b, out.detach().pow(2).mean((0, 1))))
+        for b, i in enumerate(handle.boundary_layers)]
+    with torch.no_grad():
+        model(input_ids=ids)
+    for hook in hooks:
+        hook.remove()
+    chosen = handle.protect_largest_dims(model, {"input_ids": ids}, count=3)
+    for b, dims in enumerate(chosen):
+        assert dims == sorted(squares[b].topk(3).indices.tolist())
+    handle.set_step(4)
+    for mask in handle.masks:
+        idx = mask.indices(4, 0, 6, 32)
+        for dim in mask.protected.tolist():
+            assert bool((idx == dim).any(-1).all())
+    state = handle.state_dict()
+    other = attach_boundaries(tiny_causal_lm("llama", layers=4), num_stages=3, mask_ratio=0.75)
+    other.load_state_dict(state)
+    assert [m.protected.tolist() for m in other.masks] == chosen
+    with pytest.raises(ValueError, match="mask_protect_dims=8 is invalid: it must be < K=8"):
+        handle.protect_largest_dims(model, {"input_ids": ids}, count=8)

@@ -379,3 +379,23 @@ def test_mean_fill_state_dict_round_trip():
 def test_mean_fill_rejects_bad_momentum(momentum):
     with pytest.raises(ValueError, match="mask_fill_momentum"):
         MeanFill(momentum)
+
+
+def test_protected_dims_are_always_kept_and_the_rest_stays_uniform():
+    hidden, keep, seq = 24, 6, 4000
+    protected = torch.tensor([3, 17])
+    idx = keep_indices(0, 1, 0, seq, hidden, keep, 0, protected)
+    assert idx.shape == (seq, keep)
+    assert bool((idx == 3).any(-1).all()) and bool((idx == 17).any(-1).all())
+    counts = torch.bincount(idx.reshape(-1), minlength=hidden).float() / seq
+    others = torch.ones(hidden, dtype=torch.bool)
+    others[protected] = False
+    expected = (keep - 2) / (hidden - 2)  # the other K - m dims: a uniform subset of the rest
+    assert float((counts[others] - expected).abs().max()) < 0.03
+    # same draw as without protection for a row whose uniform top-K already held both dims
+    assert not torch.equal(idx, keep_indices(0, 1, 0, seq, hidden, keep, 0))
+
+
+def test_protected_dims_must_leave_room_for_random_ones():
+    with pytest.raises(ValueError, match="mask_protect_dims=6 is invalid: it must be < K=6"):
+        keep_indices(0, 0, 0, 4, 24, 6, 0, torch.arange(6))

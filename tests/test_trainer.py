@@ -98,14 +98,17 @@ def test_saved_model_loads_in_plain_transformers_with_same_logits(tmp_path):
 
 
 def test_resume_reproduces_next_losses_exactly(tmp_path):
-    """Checkpoint at step 4 holds a pending anchor gradient (every 2, Δ = 3) and a mean fill."""
-    knobs = dict(max_steps=8, anchor_every=2, anchor_delay=3, mask_fill="mean", save_strategy="steps", save_steps=4)
+    """Checkpoint at step 4 holds a pending anchor gradient (every 2, Δ = 3), a mean fill and the
+    protected dims chosen at the start (recalibrating on the resumed weights would differ)."""
+    knobs = dict(max_steps=8, anchor_every=2, anchor_delay=3, mask_fill="mean", mask_protect_dims=4,
+                 save_strategy="steps", save_steps=4)
     full = make_trainer(tmp_path / "full", **knobs)
     full.train()
     checkpoint = tmp_path / "full" / "out" / "checkpoint-4"
     assert (checkpoint / MESH_STATE_NAME).is_file()
     state = torch.load(checkpoint / MESH_STATE_NAME, weights_only=True)
     assert [p[0] for p in state["anchor"]["pending"]] == [2]  # taken at step 2, lands at step 5
+    assert [len(p) for p in state["boundaries"]["protected"]] == [4]
     resumed = make_trainer(tmp_path / "resumed", model=tiny_llama(seed=123), **knobs)
     resumed.train(resume_from_checkpoint=str(checkpoint))
     after_resume = [h["loss"] for h in resumed.state.log_history if "loss" in h and h["step"] > 4]

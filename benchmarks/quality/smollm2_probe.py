@@ -4,7 +4,7 @@ Every variant is the main job (`meshtune demo`: SFT on GSM8K, last 8 layers trai
 same data order and lr schedule) with one or two knobs changed; all are evaluated on the dense model.
 "retained" = (dense-eval improvement of the variant) / (improvement of the Dense run).
 
-    python benchmarks/quality/smollm2_probe.py            # ~40 min on 2 CPU cores; skips finished variants
+    python benchmarks/quality/smollm2_probe.py            # ~50 min on 2 CPU cores; skips finished variants
 
 Writes benchmarks/quality/smollm2_probe/<variant>.json and results.md.
 """
@@ -33,6 +33,9 @@ VARIANTS: dict[str, dict] = {
     "m50_ap": dict(mask_ratio=0.50),
     "m95_ap_y2": dict(num_stages=2),
     "m90_ap_y2_mean_fill": dict(mask_ratio=0.90, num_stages=2, mask_fill="mean"),
+    "m95_ap_protect8": dict(mask_protect_dims=8),
+    "m95_ap_protect8_mean_fill": dict(mask_protect_dims=8, mask_fill="mean"),
+    "m95_protect8_mean_fill": dict(mask_protect_dims=8, mask_fill="mean", anchor=False),
 }
 
 
