@@ -11,7 +11,7 @@ circuit's RNG stream is untouched (the anchor forward runs inside ``torch.random
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +19,7 @@ from torch import nn
 
 from ._validation import require
 from .boundaries import BoundaryHandle
-from .masking import stable_seed
+from .masking import private_rng, stable_seed
 
 __all__ = ["AnchorBatches", "AnchorCircuit", "PendingGradient"]
 
@@ -33,14 +33,6 @@ class PendingGradient:
     snapshot_step: int
     deliver_step: int
     grads: dict[str, torch.Tensor]
-
-
-@contextlib.contextmanager
-def _private_rng(device: torch.device) -> Iterator[None]:
-    """Let the anchor draw random numbers (dropout) without moving the fast circuit's RNG."""
-    devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
-        yield
 
 
 class AnchorCircuit:
@@ -97,7 +89,7 @@ class AnchorCircuit:
         require(len(microbatches) > 0, "anchor batches", 0, "be at least one microbatch per round")
         total = [torch.zeros_like(t, dtype=torch.float32) for t in tensors]
         guard = self.boundaries.disabled() if self.boundaries is not None else contextlib.nullcontext()
-        with guard, _private_rng(tensors[0].device):
+        with guard, private_rng(tensors[0].device):
             for batch in microbatches:
                 loss = self.loss_fn(self.model, batch) / len(microbatches)
                 grads = torch.autograd.grad(loss, tensors, allow_unused=True)

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from ._validation import require
-from .masking import FILLS, BoundaryMask, keep_count
+from .masking import FILLS, BoundaryMask, keep_count, private_rng
 
 __all__ = ["BoundaryHandle", "PayloadCounter", "attach_boundaries", "find_decoder_layers", "split_stages"]
 
@@ -147,7 +147,7 @@ class BoundaryHandle:
 
         hooks = [layers[i].register_forward_hook(capture(b)) for b, i in enumerate(self.boundary_layers)]
         try:
-            with self.disabled():
+            with self.disabled(), private_rng(next(model.parameters()).device):
                 model(**batch)
         finally:
             for hook in hooks:

@@ -17,8 +17,10 @@ depend on (nor disturb) torch's global RNG, and they are identical on every proc
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -34,8 +36,17 @@ __all__ = [
     "keep_count",
     "keep_indices",
     "mask_seed",
+    "private_rng",
     "stable_seed",
 ]
+
+
+@contextlib.contextmanager
+def private_rng(device: torch.device) -> Iterator[None]:
+    """Draw random numbers (e.g. dropout in the anchor's forward) without moving torch's global RNG."""
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        yield
 
 
 def keep_count(hidden_size: int, mask_ratio: float) -> int:

@@ -457,3 +457,11 @@ def test_protect_largest_dims_keeps_the_dims_of_largest_rms(tiny_causal_lm):
     assert [m.protected.tolist() for m in other.masks] == chosen
     with pytest.raises(ValueError, match="mask_protect_dims=8 is invalid: it must be < K=8"):
         handle.protect_largest_dims(model, {"input_ids": ids}, count=8)
+
+
+def test_protect_largest_dims_leaves_the_global_rng_alone(tiny_causal_lm):
+    model = tiny_causal_lm("gpt2", embd_pdrop=0.1)  # dropout draws from the RNG in train mode
+    handle = attach_boundaries(model, num_stages=2, mask_ratio=0.75)
+    state = torch.get_rng_state()
+    handle.protect_largest_dims(model, {"input_ids": token_batch(seq=6)}, count=2)
+    assert torch.equal(torch.get_rng_state(), state)
