@@ -27,10 +27,12 @@ from transformers import DataCollatorForSeq2Seq
 from ._validation import require
 from .assets import gsm8k_items, load_smollm2, sft_features
 from .boundaries import find_decoder_layers
-from .config import MeshTrainingArguments
+from .config import MeshArguments, MeshTrainingArguments
 from .trainer import MeshTrainer
 
 __all__ = ["DemoSettings", "freeze_all_but_last", "gsm8k_splits", "run_demo"]
+
+_MESH_KNOBS = tuple(f.name for f in dataclasses.fields(MeshArguments))
 
 
 @dataclass
@@ -99,17 +101,14 @@ def run_demo(settings: DemoSettings) -> dict:
     model, tokenizer = load_smollm2()
     trainable = freeze_all_but_last(model, settings.train_last_layers)
     train, evaluation = gsm8k_splits(tokenizer, settings.seq_len, settings.eval_items)
+    # every DemoSettings field that is also a mesh knob passes through under its own name
+    mesh_knobs = {name: getattr(settings, name) for name in _MESH_KNOBS if hasattr(settings, name)}
+    mesh_knobs["spectral_rank"] = settings.spectral_rank or None  # the CLI's 0 means full rank
     args = MeshTrainingArguments(
         output_dir=settings.output_dir, max_steps=settings.max_steps, per_device_train_batch_size=settings.batch_size,
         per_device_eval_batch_size=8, learning_rate=settings.learning_rate, lr_scheduler_type="cosine",
         warmup_steps=max(settings.max_steps // 10, 1), logging_steps=min(10, settings.max_steps), save_strategy="no", report_to=[],
-        seed=settings.seed, use_cpu=True, disable_tqdm=False, mask_ratio=settings.mask_ratio,
-        num_stages=settings.num_stages, anchor=settings.anchor, anchor_every=settings.anchor_every,
-        anchor_delay=settings.anchor_delay, optim="spectral_adamw", mask_fill=settings.mask_fill,
-        mask_protect_dims=settings.mask_protect_dims,
-        mask_rescale=settings.mask_rescale, spectral_tau=settings.spectral_tau,
-        spectral_relative_tau=settings.spectral_relative_tau, spectral_alpha=settings.spectral_alpha,
-        spectral_rank=settings.spectral_rank or None,
+        seed=settings.seed, use_cpu=True, disable_tqdm=False, optim="spectral_adamw", **mesh_knobs,
     )
     collator = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)
     trainer = MeshTrainer(model=model, args=args, train_dataset=train, eval_dataset=evaluation, data_collator=collator)
