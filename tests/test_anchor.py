@@ -139,3 +139,11 @@ def test_anchor_batches_are_a_pure_function_of_the_round():
 def test_anchor_batches_need_a_map_style_dataset():
     with pytest.raises(ValueError, match="train_dataset='generator' is invalid: it must be a non-empty map-style"):
         AnchorBatches((x for x in range(3)), list, 1, 1, 0)
+
+
+def test_a_round_without_batches_is_rejected():
+    model = tiny_llama()
+    params = {n: p for n, p in model.named_parameters() if p.ndim == 2}
+    anchor = AnchorCircuit(model, params, None, every=1, delay=0, batches=lambda r: [], loss_fn=loss_fn)
+    with pytest.raises(ValueError, match="anchor batches=0 is invalid: it must be at least one microbatch per round"):
+        anchor.on_step(0, RecordingOptimizer())

@@ -465,3 +465,19 @@ def test_protect_largest_dims_leaves_the_global_rng_alone(tiny_causal_lm):
     state = torch.get_rng_state()
     handle.protect_largest_dims(model, {"input_ids": token_batch(seq=6)}, count=2)
     assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_attach_rejects_a_config_without_hidden_size(tiny_causal_lm):
+    import types
+
+    model = tiny_causal_lm("llama")
+    model.config = types.SimpleNamespace(hidden_size=0)  # HF configs refuse a bad value themselves
+    with pytest.raises(ValueError, match="config.hidden_size=0 is invalid: it must be a positive int"):
+        attach_boundaries(model, num_stages=2, mask_ratio=0.5)
+
+
+def test_protect_largest_dims_rejects_a_negative_count(tiny_causal_lm):
+    model = tiny_causal_lm("llama")
+    handle = attach_boundaries(model, num_stages=2, mask_ratio=0.5)
+    with pytest.raises(ValueError, match="mask_protect_dims=-1 is invalid: it must be >= 0"):
+        handle.protect_largest_dims(model, {"input_ids": token_batch()}, count=-1)

@@ -70,3 +70,13 @@ def test_demo_rejects_bad_settings(capsys):
     assert "max_steps=0 is invalid: it must be >= 1" in capsys.readouterr().err
     assert main(["demo", "--seq-len", "8", "--max-steps", "1"]) == 2
     assert "seq_len=8 is invalid: it must leave answer tokens" in capsys.readouterr().err
+
+
+def test_freeze_and_settings_reject_bad_values(smollm2):
+    from hf_meshtune.demo import DemoSettings, freeze_all_but_last
+
+    model, _ = smollm2
+    with pytest.raises(ValueError, match=r"train_last_layers=31 is invalid: it must lie in \[1, 30\]"):
+        freeze_all_but_last(model, 31)
+    with pytest.raises(ValueError, match="spectral_rank=-1 is invalid: it must be >= 0"):
+        DemoSettings(spectral_rank=-1)

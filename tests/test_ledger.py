@@ -245,6 +245,8 @@ def test_cli_default_table_has_paper_column(capsys):
     (["--anchor-payload", "svd"], "anchor_payload='svd' is invalid: it must"),
     (["--rows", "Dense,M99"], "rows='M99' is invalid: it must"),
     (["--preset", "gpt-5"], "preset='gpt-5' is invalid: it must"),
+    (["--rows", ","], "rows=',' is invalid: it must name at least one of"),
+    (["--config", "/nonexistent/model"], "config='/nonexistent/model' is invalid: it must be an existing config.json"),
 ])
 def test_cli_bad_values_exit_2_with_message(capsys, argv, message):
     assert main(["ledger", *argv]) == 2

@@ -161,3 +161,12 @@ def test_single_stage_logs_the_ledger_without_boundary_payloads(tmp_path):
     assert last["comm/pp_fwd_bytes_per_token"] == 0 and last["comm/dp_bytes_per_token"] > 0
     assert last["comm/anchor_bytes_per_token"] > 0
     assert "comm/measured_pp_fwd_bytes_per_token" not in last
+
+
+def test_anchor_with_a_custom_non_spectral_optimizer_is_rejected(tmp_path):
+    model = tiny_llama()
+    custom = torch.optim.SGD(model.parameters(), lr=0.1)
+    trainer = make_trainer(tmp_path, model=model)
+    trainer.optimizer = custom
+    with pytest.raises(ValueError, match="optim='spectral_adamw' is invalid: it must be 'spectral_adamw' when anchor=True"):
+        trainer.create_optimizer()
