@@ -206,7 +206,8 @@ class BoundaryMask:
         boundary: ℓ, the boundary index (0 for the boundary after stage 0).
         mask_ratio: p, fraction of dims dropped per token.
         seed: base seed shared by every process of the mesh.
-        rescale: multiply kept values by H/K (the exact form of dropout's 1/(1-p)), off by default
+        rescale: multiply kept values by 1/P(kept): H/K, or (H-P)/(K-P) beside P protected dims
+            (which stay unscaled); the exact form of dropout's 1/(1-p), off by default
             because the paper's formula is plain h ⊙ m.
         fill: receiver-side value of dropped dims (``ZeroFill`` = the paper).
         protected: dims every token always keeps (e.g. a model's massive-activation dims), a
@@ -242,8 +243,19 @@ class BoundaryMask:
         """What crosses the wire: the [B, T, K] kept values (rescaled when asked)."""
         kept = compact(h, idx)
         if self.rescale:
-            kept = kept * (h.shape[-1] / idx.shape[-1])
+            kept = kept * self._inverse_keep_probability(idx, h.shape[-1]).to(kept.dtype)
         return kept
+
+    def _inverse_keep_probability(self, idx: torch.Tensor, hidden_size: int) -> torch.Tensor:
+        """1 / P(dim kept) per kept position ([T, K]): H/K, or, with P protected dims, 1 for them
+        and (H-P)/(K-P) for the rest, so that E[h̃] = h holds for every dim (dropout's rule)."""
+        keep = idx.shape[-1]
+        if self.protected is None or not self.protected.numel():
+            return torch.full(idx.shape, hidden_size / keep, dtype=torch.float64, device=idx.device)
+        count = self.protected.numel()
+        is_protected = torch.isin(idx, self.protected.to(idx.device))
+        scale = torch.full(idx.shape, (hidden_size - count) / (keep - count), dtype=torch.float64, device=idx.device)
+        return scale.masked_fill(is_protected, 1.0)
 
     def receive(self, kept: torch.Tensor, idx: torch.Tensor, hidden_size: int) -> torch.Tensor:
         """Rebuild [B, T, H] on the receiving stage from the kept values and the local fill."""

@@ -274,6 +274,25 @@ def test_boundary_mask_apply_forward_and_backward(rescale):
     torch.testing.assert_close(h.grad[kept], upstream[kept] * scale, rtol=1e-15, atol=0)
 
 
+def test_rescale_with_protected_dims_is_unbiased_per_dim():
+    """Protected dims are always kept, so they stay unscaled; the others are kept with probability
+    (K-P)/(H-P) and scaled by its inverse. The mean over many steps then equals h in every dim."""
+    hidden, p, protected = 16, 0.5, torch.tensor([3, 11])
+    keep = keep_count(hidden, p)
+    mask = BoundaryMask(boundary=0, mask_ratio=p, seed=5, rescale=True, protected=protected)
+    h = torch.randn(1, 4, hidden, dtype=torch.float64)
+    out, _ = mask.apply(h, step=0, microbatch=0)
+    idx = keep_indices(0, 0, 0, 4, hidden, keep, 5, protected)
+    m = mask01(idx, hidden).bool()
+    expected = torch.zeros_like(h)
+    expected[0][m] = h[0][m] * (hidden - 2) / (keep - 2)
+    expected[..., protected] = h[..., protected]
+    torch.testing.assert_close(out, expected, rtol=1e-15, atol=0)
+    steps = 4000
+    mean = sum(mask.apply(h, step=s, microbatch=0)[0] for s in range(steps)) / steps
+    torch.testing.assert_close(mean, h, rtol=0, atol=0.12 * float(h.abs().max()))
+
+
 def test_boundary_mask_rejects_bad_ratio():
     with pytest.raises(ValueError, match=r"mask_ratio=1\.0"):
         BoundaryMask(0, 1.0)
