@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 from ._validation import require
-from .masking import FILLS, BoundaryMask, keep_count, private_rng
+from .fills import FILLS
+from .masking import BoundaryMask, keep_count, private_rng
 
 __all__ = ["BoundaryHandle", "PayloadCounter", "attach_boundaries", "find_decoder_layers", "split_stages"]
 
@@ -156,6 +157,20 @@ class BoundaryHandle:
             mask.protected = squares[b].topk(count).indices.sort().values.cpu()
         return [mask.protected.tolist() for mask in self.masks]
 
+    @torch.no_grad()
+    def calibrate_fills(self, model: nn.Module, batch: dict) -> None:
+        """Give fills that learn from dense activations (``gaussian``) a first estimate before
+        training, from one dense forward on ``batch``; the anchor's rounds refresh it later."""
+        was_training = model.training
+        model.train()
+        try:
+            with self.disabled(), private_rng(next(model.parameters()).device):
+                model(**batch)
+        finally:
+            model.train(was_training)
+        for mask in self.masks:
+            mask.fill.advance()
+
     def state_dict(self) -> dict:
         return {
             "step": self.step,
@@ -183,9 +198,11 @@ class BoundaryHandle:
             self.counter.tokens += inputs.numel()
 
     def _on_layer_output(self, mask: BoundaryMask, module: nn.Module, args: tuple, output):
+        hidden = output[0] if isinstance(output, tuple) else output
+        if module.training and not self.enabled:  # the anchor's dense pass: fills may learn from it
+            mask.fill.observe_dense(hidden)
         if not self._is_training_forward(module):
             return None
-        hidden = output[0] if isinstance(output, tuple) else output
         if mask.mask_ratio == 0.0:  # K = H: nothing to mask, but the dense state still crosses
             self._count(hidden)
             return None
@@ -219,7 +236,7 @@ def attach_boundaries(
         mask_ratio: p; each token keeps K = round((1-p)·H) dims at every boundary.
         seed: the mesh's shared base seed for g(ℓ, step, microbatch, T, H, seed).
         rescale: scale kept values by H/K (off: the paper's plain h ⊙ m).
-        fill: receiver-side value of dropped dims, "zeros" (the paper) or "mean".
+        fill: receiver-side estimate of dropped dims, "zeros" (the paper), "mean" or "gaussian" (see fills.py).
 
     Example:
         >>> handle = attach_boundaries(model, num_stages=4, mask_ratio=0.95)  # doctest: +SKIP

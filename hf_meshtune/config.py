@@ -16,7 +16,7 @@ from transformers import TrainingArguments
 from transformers.training_args import OptimizerNames
 
 from ._validation import require
-from .masking import FILLS
+from .fills import FILLS
 
 __all__ = ["SPECTRAL_ADAMW", "MeshArguments", "MeshConfig", "MeshTrainingArguments"]
 
@@ -36,7 +36,7 @@ class MeshArguments:
     num_stages: int = field(default=4, metadata={"help": "Y: pipeline stages the decoder layers are split into (Y-1 masked boundaries)."})
     mask_seed: int = field(default=0, metadata={"help": "Base seed of the shared mask function g(ℓ, step, microbatch, T, H, seed)."})
     mask_rescale: bool = field(default=False, metadata={"help": "Scale kept values by H/K (dropout-style); off = the paper's plain h ⊙ m."})
-    mask_fill: str = field(default="zeros", metadata={"help": "Receiver-side value of dropped dims: 'zeros' (the paper) or 'mean' (running per-dim mean; no extra traffic)."})
+    mask_fill: str = field(default="zeros", metadata={"help": "Receiver-side value of dropped dims: 'zeros' (the paper), 'mean' (running per-dim mean; no extra traffic) or 'gaussian' (conditional mean given the kept dims, from a covariance the anchor estimates on its dense passes)."})
     mask_protect_dims: int = field(default=0, metadata={"help": "Dims of largest RMS (measured once on a training batch at the start) that every token always keeps at each boundary; 0 = the paper's uniform mask."})
     # --- anchor circuit ---
     anchor: bool = field(default=True, metadata={"help": "Run the dense anchor circuit that feeds the spectral filter."})

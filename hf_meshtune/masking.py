@@ -22,15 +22,17 @@ import hashlib
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from ._validation import require
 
+if TYPE_CHECKING:
+    from .fills import Fill
+
 __all__ = [
     "BoundaryMask",
-    "MeanFill",
-    "ZeroFill",
     "compact",
     "expand",
     "keep_count",
@@ -116,88 +118,6 @@ def expand(x: torch.Tensor, idx: torch.Tensor, hidden_size: int, fill: torch.Ten
     return base.scatter(-1, idx.expand_as(x), x)
 
 
-class ZeroFill:
-    """Dropped dims are zero: the paper's h ⊙ m."""
-
-    name = "zeros"
-
-    def value(self, hidden_size: int) -> torch.Tensor | None:
-        return None
-
-    def observe(self, kept: torch.Tensor, idx: torch.Tensor, hidden_size: int) -> None:
-        """Nothing to learn."""
-
-    def advance(self) -> None:
-        """Nothing to fold."""
-
-    def state_dict(self) -> dict:
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        """Stateless."""
-
-
-class MeanFill:
-    """Dropped dims take a running per-dim mean of the values the receiver has seen.
-
-    The receiver sees each dim in K/H of the tokens, so it can track E[h_j] without extra traffic.
-    Pretrained residual streams have a few huge-mean dims; zero-filling them is what wrecks the
-    forward pass (DESIGN.md §2.5), and a mean fill keeps them near their typical value.
-    Statistics seen during a step are folded in by ``advance()`` at the next step, so the fill is
-    constant within a step: a gradient-checkpointing recompute sees the same fill as the forward.
-    """
-
-    name = "mean"
-
-    def __init__(self, momentum: float = 0.1) -> None:
-        require(0.0 < momentum <= 1.0, "mask_fill_momentum", momentum, "lie in (0, 1]")
-        self.momentum = momentum
-        self.mean: torch.Tensor | None = None
-        self._sums: torch.Tensor | None = None
-        self._counts: torch.Tensor | None = None
-
-    def value(self, hidden_size: int) -> torch.Tensor | None:
-        # dims never seen yet (NaN) fall back to the paper's zero
-        return None if self.mean is None else torch.nan_to_num(self.mean, nan=0.0)
-
-    @torch.no_grad()
-    def observe(self, kept: torch.Tensor, idx: torch.Tensor, hidden_size: int) -> None:
-        if self._sums is None or self._sums.device != kept.device:
-            sums = torch.zeros(hidden_size, dtype=torch.float64, device=kept.device)
-            counts = torch.zeros(hidden_size, dtype=torch.float64, device=kept.device)
-            if self._sums is not None:  # e.g. a checkpoint loaded on the CPU, resumed on a GPU
-                sums += self._sums.to(kept.device)
-                counts += self._counts.to(kept.device)
-            self._sums, self._counts = sums, counts
-        flat_idx = idx.expand_as(kept).reshape(-1)
-        self._sums.index_add_(0, flat_idx, kept.detach().reshape(-1).double())
-        self._counts.index_add_(0, flat_idx, torch.ones_like(flat_idx, dtype=torch.float64))
-
-    @torch.no_grad()
-    def advance(self) -> None:
-        """Fold the statistics of the finished step into the running mean."""
-        if self._sums is None:
-            return
-        seen = self._counts > 0
-        batch_mean = (self._sums / self._counts.clamp_min(1.0)).float()
-        previous = torch.full_like(batch_mean, float("nan")) if self.mean is None else self.mean.to(batch_mean.device)
-        # a dim seen for the first time takes its batch mean; later ones move by `momentum`
-        updated = torch.where(torch.isnan(previous), batch_mean, torch.lerp(previous, batch_mean, self.momentum))
-        self.mean = torch.where(seen, updated, previous)
-        self._sums = self._counts = None
-
-    def state_dict(self) -> dict:
-        return {key: None if value is None else value.clone()
-                for key, value in (("mean", self.mean), ("sums", self._sums), ("counts", self._counts))}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.mean, self._sums, self._counts = (
-            None if state.get(key) is None else state[key].clone() for key in ("mean", "sums", "counts"))
-
-
-FILLS = {"zeros": ZeroFill, "mean": MeanFill}
-
-
 @dataclass
 class BoundaryMask:
     """The mask of one boundary ℓ: ``apply(h, step, microbatch)`` = expand(compact(h)) in one process.
@@ -218,12 +138,16 @@ class BoundaryMask:
     mask_ratio: float
     seed: int = 0
     rescale: bool = False
-    fill: ZeroFill | MeanFill | None = None
+    fill: Fill | None = None
     protected: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         require(0.0 <= self.mask_ratio < 1.0, "mask_ratio", self.mask_ratio, "lie in [0, 1)")
         if self.fill is None:
+            from .fills import (
+                ZeroFill,  # fills build on expand(); imported here to avoid a cycle
+            )
+
             self.fill = ZeroFill()
         self._cached: tuple[tuple, torch.Tensor] | None = None
 
@@ -259,7 +183,7 @@ class BoundaryMask:
 
     def receive(self, kept: torch.Tensor, idx: torch.Tensor, hidden_size: int) -> torch.Tensor:
         """Rebuild [B, T, H] on the receiving stage from the kept values and the local fill."""
-        out = expand(kept, idx, hidden_size, self.fill.value(hidden_size))
+        out = self.fill.rebuild(kept, idx, hidden_size)
         self.fill.observe(kept, idx, hidden_size)
         return out
 

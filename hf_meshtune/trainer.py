@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import os
 
-
 import torch
 from torch import nn
 from transformers import Trainer, TrainerCallback
@@ -45,6 +44,7 @@ class MeshCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.trainer._protect_dims_once()
+        self.trainer._calibrate_fills_once()
 
     def on_step_begin(self, args, state, control, **kwargs):
         self.trainer.mesh_boundaries.set_step(state.global_step)
@@ -131,6 +131,14 @@ class MeshTrainerMixin:
             return
         batch = self._anchor_batches(microbatches=1)(0)[0]
         self.mesh_boundaries.protect_largest_dims(self.model, batch, count)
+
+    def _calibrate_fills_once(self) -> None:
+        """A first dense estimate for fills that need one, unless a checkpoint restored it."""
+        masks = self.mesh_boundaries.masks
+        if self.mesh_config.mask_fill != "gaussian" or not masks or masks[0].fill.mean is not None:
+            return
+        batch = self._anchor_batches(microbatches=1)(0)[0]
+        self.mesh_boundaries.calibrate_fills(self.model, {k: v for k, v in batch.items() if k != "labels"})
 
     def _anchor_loss(self, model: nn.Module, batch) -> torch.Tensor:
         return self.compute_loss(model, batch)

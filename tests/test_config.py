@@ -12,7 +12,7 @@ BAD_KNOBS = [
     ("mask_ratio", 1.0, "lie in [0, 1)"),
     ("mask_ratio", -0.1, "lie in [0, 1)"),
     ("num_stages", 0, "be >= 1"),
-    ("mask_fill", "median", "be one of ['mean', 'zeros']"),
+    ("mask_fill", "median", "be one of ['gaussian', 'mean', 'zeros']"),
     ("mask_protect_dims", -1, "be >= 0"),
     ("anchor_every", 0, "be >= 1"),
     ("anchor_delay", -1, "be >= 0"),

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_meshtune.masking import BoundaryMask, MeanFill, compact, expand, keep_count, keep_indices
+from hf_meshtune.fills import MeanFill
+from hf_meshtune.masking import BoundaryMask, compact, expand, keep_count, keep_indices
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 
