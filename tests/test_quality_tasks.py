@@ -34,6 +34,7 @@ BUILDERS = {
     "arithmetic": lambda seed: T.arithmetic(seed, **SMALL),
     "text_to_sql": lambda seed: T.text_to_sql(seed, n_train=200, n_eval=60),
     "sequence_choice": lambda seed: T.sequence_choice(seed, **SMALL),
+    "category_choice": lambda seed: T.category_choice(seed, **SMALL),
 }
 
 
@@ -86,8 +87,8 @@ def test_max_new_tokens_covers_every_eval_answer_in_bytes():
 
 
 def test_registry_builds_every_non_download_task_with_defaults_overridable():
-    assert set(T.TASKS) == {"arithmetic", "text_to_sql", "continued_pretraining", "sequence_choice"}
-    for name in ("arithmetic", "text_to_sql", "sequence_choice"):
+    assert set(T.TASKS) == {"arithmetic", "text_to_sql", "continued_pretraining", "sequence_choice", "category_choice"}
+    for name in ("arithmetic", "text_to_sql", "sequence_choice", "category_choice"):
         task = T.TASKS[name](seed=2, n_train=20, n_eval=10)
         assert (len(task.train), len(task.eval)) == (20, 10)
 
@@ -377,6 +378,93 @@ def test_choice_accuracy_ranks_by_logprob_and_ties_lose():
     assert T.choice_accuracy(lambda prompt, cont: float(prompt == "p" and cont == " 1"), half) == 0.5
     with pytest.raises(ValueError, match="items"):
         T.choice_accuracy(perfect, [])
+
+
+# =============================================================================================
+# 5. Category choice
+# =============================================================================================
+
+# Written out here rather than read from the module, so that a word filed under the wrong category
+# there (or listed under two) fails the tests below.
+_KINDS = {
+    "an animal": "dog cat horse cow sheep goat lion tiger elephant rabbit wolf bear fox monkey giraffe zebra",
+    "a fruit": "apple banana pear plum grape mango melon strawberry pineapple coconut papaya fig raspberry "
+               "blueberry watermelon guava",
+    "a colour": "red blue green yellow purple pink brown black white grey crimson scarlet beige turquoise "
+                "indigo maroon",
+    "a country": "france germany spain italy japan india brazil canada mexico egypt kenya peru norway sweden "
+                 "greece poland",
+    "a tool": "hammer saw drill wrench screwdriver chisel pliers shovel rake axe spanner hoe trowel crowbar "
+              "scissors mallet",
+    "a body part": "arm leg hand foot knee elbow shoulder finger toe nose ear neck chin ankle wrist thumb",
+    "a vehicle": "car bus truck bicycle train tram van taxi tractor motorcycle scooter boat helicopter lorry "
+                 "ambulance canoe",
+    "a musical instrument": "piano guitar violin drum flute trumpet cello harp clarinet saxophone trombone banjo "
+                            "oboe tuba ukulele accordion",
+    "a kind of weather": "rain snow hail fog wind storm thunder lightning drizzle sleet mist frost sunshine "
+                         "blizzard hurricane tornado",
+    "a piece of furniture": "table chair sofa bed desk wardrobe shelf bench stool cupboard dresser couch "
+                            "bookcase armchair sideboard ottoman",
+}
+_KIND_OF = {word: kind for kind, words in _KINDS.items() for word in words.split()}
+_CATEGORY_PROMPT = re.compile(r"Which word is (.+): ([a-z]+(?:, [a-z]+){3})\? Answer:")
+
+
+def _category_question(prompt: str) -> tuple[str, list[str]]:
+    match = _CATEGORY_PROMPT.fullmatch(prompt)
+    assert match, prompt
+    return match[1], match[2].split(", ")
+
+
+def test_category_words_are_lowercase_single_and_in_one_category_only():
+    assert len(_KIND_OF) == sum(len(words.split()) for words in _KINDS.values()) == 160
+    assert all(re.fullmatch(r"[a-z]+", word) for word in _KIND_OF)
+    module_words = {word for _, words in T.CATEGORIES.values() for word in words}
+    assert module_words == set(_KIND_OF)
+
+
+def test_category_items_have_one_word_of_the_asked_category_and_no_duplicates():
+    task = BUILDERS["category_choice"](4)
+    assert (task.name, task.kind) == ("category_choice", "choice")
+    for item in task.eval:
+        kind, words = _category_question(item.prompt)
+        assert item.choices == tuple(f" {w}" for w in words)
+        assert len(set(words)) == 4
+        kinds = [_KIND_OF[w] for w in words]
+        assert len(set(kinds)) == 4, item  # each choice from a different category
+        assert [i for i, k in enumerate(kinds) if k == kind] == [item.label], item
+    assert {item.label for item in task.eval} == {0, 1, 2, 3}
+    for example in task.train:
+        kind, words = _category_question(example.prompt)
+        assert len({_KIND_OF[w] for w in words}) == 4
+        assert [w for w in words if _KIND_OF[w] == kind] == [example.answer.removeprefix(" ")], example
+
+
+def test_category_train_and_eval_share_no_category_word_set():
+    task = T.category_choice(0, n_train=2000, n_eval=200)
+
+    def key(prompt):
+        kind, words = _category_question(prompt)
+        return kind, frozenset(words)
+    train = [key(e.prompt) for e in task.train]
+    eval_ = [key(item.prompt) for item in task.eval]
+    assert len(set(train)) == 2000 and len(set(eval_)) == 200  # not even reordered within a side
+    assert not set(train) & set(eval_)
+
+
+def test_every_category_word_is_a_right_answer_in_train_about_equally_often():
+    task = BUILDERS["category_choice"](1)  # 300 train items: every word once or twice
+    counts = Counter(e.answer.removeprefix(" ") for e in task.train)
+    assert set(counts) == set(_KIND_OF)
+    assert set(counts.values()) == {1, 2}
+    assert {w for e in task.train for w in _category_question(e.prompt)[1]} == set(_KIND_OF)
+
+
+def test_category_choice_accuracy_perfect_and_reversed():
+    items = BUILDERS["category_choice"](0).eval
+    perfect = lambda prompt, cont: 0.0 if _KIND_OF[cont.strip()] == _category_question(prompt)[0] else -5.0  # noqa: E731
+    assert T.choice_accuracy(perfect, items) == 1.0
+    assert T.choice_accuracy(lambda prompt, cont: -perfect(prompt, cont), items) == 0.0
 
 
 # =============================================================================================

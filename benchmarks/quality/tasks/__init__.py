@@ -1,6 +1,6 @@
 """Adaptation tasks with real metrics for the fine-tuning quality benchmark.
 
-Four tasks, each rebuilt exactly from a seed, each with train and eval items kept apart (no eval
+Five tasks, each rebuilt exactly from a seed, each with train and eval items kept apart (no eval
 prompt appears in train):
 
 | task                    | kind         | metric (who computes it)                                      |
@@ -9,6 +9,7 @@ prompt appears in train):
 | `text_to_sql`           | "sql"        | Spider-style execution accuracy on a fixed SQLite DB (`Task.score`) |
 | `continued_pretraining` | "perplexity" | held-out perplexity on unseen Shakespeare plays (the runner)  |
 | `sequence_choice`       | "choice"     | log-likelihood ranking accuracy (`choice_accuracy`)           |
+| `category_choice`       | "choice"     | log-likelihood ranking accuracy (`choice_accuracy`)           |
 
 SFT pairs are `Example(prompt, answer)`: the loss covers the answer tokens only, and every answer
 starts with a space so that it tokenizes the same way after the prompt as it does in the middle of
@@ -23,8 +24,9 @@ tiny model from scratch. Only the standard library is used.
 (True, False)
 
 One module per task: `word_problems` (arithmetic), `sql` (text_to_sql), `shakespeare`
-(continued_pretraining), `choice` (sequence_choice), plus `base` (the items, `Task` and shared
-helpers) and `corpus` (pretraining_corpus). Every public name is re-exported here.
+(continued_pretraining), `choice` (sequence_choice), `categories` (category_choice), plus `base`
+(the items, `Task` and shared helpers) and `corpus` (pretraining_corpus). Every public name is
+re-exported here.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from collections.abc import Callable
 from functools import partial
 
 from .base import DEFAULT_CACHE, ChoiceItem, Example, Task, first_line
+from .categories import CATEGORIES, category_choice
 from .choice import choice_accuracy, sequence_choice
 from .corpus import GCIDE, PYTHON_DOCS, clean_gcide, html_to_text, pretraining_corpus
 from .shakespeare import (
@@ -48,11 +51,11 @@ from .sql import SQL_TIMEOUT_S, execution_match, sql_database_script, text_to_sq
 from .word_problems import arithmetic, extract_number, gsm8k_score
 
 __all__ = [
-    "CHUNK_CHARS", "DEFAULT_CACHE", "GCIDE", "N_EVAL_PLAYS", "PYTHON_DOCS", "SHAKESPEARE_PIN", "SQL_TIMEOUT_S",
-    "TASKS", "ChoiceItem", "Example", "Task", "arithmetic", "choice_accuracy", "chunk_text", "clean_gcide",
-    "clean_play_text", "continued_pretraining", "execution_match", "extract_number", "first_line",
-    "gsm8k_score", "html_to_text", "pretraining_corpus", "sequence_choice", "shakespeare_texts",
-    "sql_database_script", "text_to_sql",
+    "CATEGORIES", "CHUNK_CHARS", "DEFAULT_CACHE", "GCIDE", "N_EVAL_PLAYS", "PYTHON_DOCS", "SHAKESPEARE_PIN",
+    "SQL_TIMEOUT_S", "TASKS", "ChoiceItem", "Example", "Task", "arithmetic", "category_choice",
+    "choice_accuracy", "chunk_text", "clean_gcide", "clean_play_text", "continued_pretraining",
+    "execution_match", "extract_number", "first_line", "gsm8k_score", "html_to_text", "pretraining_corpus",
+    "sequence_choice", "shakespeare_texts", "sql_database_script", "text_to_sql",
 ]
 
 TASKS: dict[str, Callable[..., Task]] = {
@@ -60,4 +63,5 @@ TASKS: dict[str, Callable[..., Task]] = {
     "text_to_sql": partial(text_to_sql, seed=0, n_train=2000, n_eval=200),
     "continued_pretraining": partial(continued_pretraining, seed=0, n_train_chars=400_000, n_eval_docs=100),
     "sequence_choice": partial(sequence_choice, seed=0, n_train=2000, n_eval=200),
+    "category_choice": partial(category_choice, seed=0, n_train=2000, n_eval=200),
 }
