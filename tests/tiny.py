@@ -43,7 +43,7 @@ def make_tiny_causal_lm(arch: str, hidden: int = 32, layers: int = 4, seed: int 
         }
         if arch != "gpt_neox":
             sizes["num_key_value_heads"] = 2
-    config = AutoConfig.for_model(arch, vocab_size=TINY_VOCAB, **{**sizes, **_TINY_ARCH_OVERRIDES[arch], **overrides})
+    config = AutoConfig.for_model(arch, **{"vocab_size": TINY_VOCAB, **sizes, **_TINY_ARCH_OVERRIDES[arch], **overrides})
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return AutoModelForCausalLM.from_config(config)

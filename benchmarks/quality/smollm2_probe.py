@@ -36,6 +36,8 @@ VARIANTS: dict[str, dict] = {
     "m95_ap_protect8": dict(mask_protect_dims=8),
     "m95_ap_protect8_mean_fill": dict(mask_protect_dims=8, mask_fill="mean"),
     "m95_protect8_mean_fill": dict(mask_protect_dims=8, mask_fill="mean", anchor=False),
+    "m95_ap_gaussian_fill": dict(mask_fill="gaussian"),
+    "m95_gaussian_fill": dict(mask_fill="gaussian", anchor=False),
 }
 
 
