@@ -147,3 +147,23 @@ def test_delta_codec_rows_see_samples_again_and_send_less(tokenizer):
     wire = run.run_one(spec, mode, load=_load(tokenizer))["codec_wire_bytes_per_token"]
     # 24 rows over 8 samples: the first epoch at 2 bytes/value, the next two at 2 bits + scale
     assert wire["fwd"] < wire["measured_fwd"] < 0.5 * wire["dense"]
+
+
+def test_gradient_probe_cosine_is_one_for_a_lossless_scheme_and_lower_for_masks(tokenizer, monkeypatch):
+    from benchmarks.quality import gradient_probe
+
+    monkeypatch.setattr(gradient_probe, "SCHEMES", {
+        "quant8": dict(codec=dict(codec="quant4", bits=8)),
+        "M75": dict(mask=dict(mask_ratio=0.75)),
+        "M75 gaussian fill": dict(mask=dict(mask_ratio=0.75, fill="gaussian")),
+    })
+    model, _ = _load(tokenizer)()
+    rows = [evaluate.sft_row(tokenizer, f"Question: {a} plus 1?", f" {a + 1}", 32) for a in range(8)]
+    width = max(len(r["input_ids"]) for r in rows)
+    batch = {key: torch.tensor([r[key] + [pad] * (width - len(r[key])) for r in rows])
+             for key, pad in (("input_ids", 0), ("attention_mask", 0), ("labels", -100))}
+    result = gradient_probe.probe(model, batch, {k: v for k, v in batch.items() if k != "labels"})
+    assert result["Dense"]["cos"] == 1.0
+    assert result["quant8"]["cos"] > 0.99 and abs(result["quant8"]["loss"] - result["Dense"]["loss"]) < 0.05
+    assert result["M75"]["cos"] < 0.95 and result["M75"]["loss"] != result["Dense"]["loss"]
+    assert -1.0 <= result["M75 gaussian fill"]["cos"] <= 1.0

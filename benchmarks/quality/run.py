@@ -268,7 +268,7 @@ def plan(mode: Mode, tables: tuple[str, ...]) -> list[RunSpec]:
         specs += [RunSpec("codecs", row, task, mode.seeds[0], dict(DENSE), codec)
                   for task in TASK_NAMES for row, codec in CODECS.items()]
     if "ablations" in tables:
-        specs += [RunSpec("ablations", row, ABLATION_TASK, mode.seeds[0], dict(mask_ratio=0.95, **knobs))
+        specs += [RunSpec("ablations", row, ABLATION_TASK, mode.seeds[0], {"mask_ratio": 0.95, **knobs})
                   for row, knobs in ABLATIONS.items()]
     return specs
 
