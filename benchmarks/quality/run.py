@@ -112,7 +112,8 @@ class RunSpec:
 
     @property
     def run_id(self) -> str:
-        safe = "".join(c if c.isalnum() else "_" for c in self.row)
+        spelled = self.row.translate(str.maketrans({"τ": "tau", "Δ": "delta", "α": "alpha"}))
+        safe = "".join(c if c.isascii() and c.isalnum() else "_" for c in spelled)  # portable file names
         return f"{self.table}__{safe}__{self.task}__seed{self.seed}"
 
 
