@@ -4,8 +4,6 @@ validation and diagnostics."""
 
 from __future__ import annotations
 
-import copy
-
 import numpy as np
 import pytest
 import torch
