@@ -87,8 +87,55 @@ class PayloadCounter:
         self.fwd_bytes = self.bwd_bytes = self.tokens = 0
 
 
+class BoundaryHooks:
+    """What every set of boundary hooks shares (masks here, codecs in ``codecs``): they act only on
+    training forwards, ``disabled()`` runs the dense model in training mode, ``remove()`` detaches."""
+
+    enabled: bool
+    boundary_layers: list[int]
+    _hooks: list
+
+    @contextlib.contextmanager
+    def disabled(self) -> Iterator[None]:
+        """Run the dense model in training mode (the anchor's forward/backward)."""
+        previous, self.enabled = self.enabled, False
+        try:
+            yield
+        finally:
+            self.enabled = previous
+
+    def remove(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+
+    def _is_training_forward(self, module: nn.Module) -> bool:
+        return module.training and self.enabled and torch.is_grad_enabled()
+
+    @torch.no_grad()
+    def dense_boundary_outputs(self, model: nn.Module, batch: dict) -> list[torch.Tensor]:
+        """The hidden state leaving every boundary layer in one dense forward on ``batch`` (under a
+        private RNG, so calibrating does not move the training's random stream)."""
+        _, layers = find_decoder_layers(model)
+        captured: dict[int, torch.Tensor] = {}
+
+        def capture(index: int):
+            def hook(module, args, output):
+                captured[index] = (output[0] if isinstance(output, tuple) else output).detach()
+            return hook
+
+        hooks = [layers[i].register_forward_hook(capture(b)) for b, i in enumerate(self.boundary_layers)]
+        try:
+            with self.disabled(), private_rng(next(model.parameters()).device):
+                model(**batch)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        return [captured[b] for b in range(len(self.boundary_layers))]
+
+
 @dataclass
-class BoundaryHandle:
+class BoundaryHandle(BoundaryHooks):
     """Boundaries attached to a model. ``remove()`` restores the plain dense model."""
 
     masks: list[BoundaryMask]
@@ -110,20 +157,6 @@ class BoundaryHandle:
                 mask.fill.advance()
         self.step, self.microbatch = step, -1
 
-    @contextlib.contextmanager
-    def disabled(self) -> Iterator[None]:
-        """Run the dense model in training mode (the anchor's forward/backward)."""
-        previous, self.enabled = self.enabled, False
-        try:
-            yield
-        finally:
-            self.enabled = previous
-
-    def remove(self) -> None:
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks.clear()
-
     @torch.no_grad()
     def protect_largest_dims(self, model: nn.Module, batch: dict, count: int) -> list[list[int]]:
         """Always keep, at every boundary, the ``count`` dims of largest RMS on ``batch`` (dense forward).
@@ -137,22 +170,8 @@ class BoundaryHandle:
         if count == 0 or not self.masks:
             return [[] for _ in self.masks]
         require(count < self.keep, "mask_protect_dims", count, f"be < K={self.keep}, the dims kept per token")
-        _, layers = find_decoder_layers(model)
-        squares: dict[int, torch.Tensor] = {}
-
-        def capture(index: int):
-            def hook(module, args, output):
-                hidden = output[0] if isinstance(output, tuple) else output
-                squares[index] = hidden.detach().float().pow(2).reshape(-1, hidden.shape[-1]).mean(0)
-            return hook
-
-        hooks = [layers[i].register_forward_hook(capture(b)) for b, i in enumerate(self.boundary_layers)]
-        try:
-            with self.disabled(), private_rng(next(model.parameters()).device):
-                model(**batch)
-        finally:
-            for hook in hooks:
-                hook.remove()
+        hidden = self.dense_boundary_outputs(model, batch)
+        squares = [h.float().pow(2).reshape(-1, h.shape[-1]).mean(0) for h in hidden]
         for b, mask in enumerate(self.masks):
             mask.protected = squares[b].topk(count).indices.sort().values.cpu()
         return [mask.protected.tolist() for mask in self.masks]
@@ -183,9 +202,6 @@ class BoundaryHandle:
         for mask, fill_state, protected in zip(self.masks, state["fills"], state["protected"]):
             mask.fill.load_state_dict(fill_state)
             mask.protected = None if protected is None else protected.clone()
-
-    def _is_training_forward(self, module: nn.Module) -> bool:
-        return module.training and self.enabled and torch.is_grad_enabled()
 
     def _on_model_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if not self._is_training_forward(module):

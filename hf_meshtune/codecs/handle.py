@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -13,8 +11,13 @@ import torch
 from torch import Tensor, nn
 
 from .._validation import require
-from ..boundaries import PayloadCounter, _hidden_size, find_decoder_layers, split_stages
-from ..masking import private_rng
+from ..boundaries import (
+    BoundaryHooks,
+    PayloadCounter,
+    _hidden_size,
+    find_decoder_layers,
+    split_stages,
+)
 from .base import CODECS_ATTR, BoundaryCodec
 from .kinds import CODECS
 
@@ -26,7 +29,7 @@ def sample_keys(input_ids: Tensor) -> list[bytes]:
 
 
 @dataclass
-class CodecHandle:
+class CodecHandle(BoundaryHooks):
     """Codecs attached at a model's pipeline boundaries. ``remove()`` restores the plain dense model.
 
     While attached, ``codecs`` is registered on the model as ``model.boundary_codecs``: a learned
@@ -48,19 +51,8 @@ class CodecHandle:
     _keys: list[bytes] | None = field(default=None, repr=False)
     _hooks: list = field(default_factory=list, repr=False)
 
-    @contextlib.contextmanager
-    def disabled(self) -> Iterator[None]:
-        """Run the dense model in training mode."""
-        previous, self.enabled = self.enabled, False
-        try:
-            yield
-        finally:
-            self.enabled = previous
-
     def remove(self) -> None:
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks.clear()
+        super().remove()
         if self._model is not None and getattr(self._model, CODECS_ATTR, None) is self.codecs:
             delattr(self._model, CODECS_ATTR)
         self._model = None
@@ -88,27 +80,9 @@ class CodecHandle:
             codec.load_codec_state(codec_state)
 
     def _boundary_activations(self, model: nn.Module, batch: dict) -> list[Tensor]:
-        _, layers = find_decoder_layers(model)
-        captured: dict[int, Tensor] = {}
-
-        def capture(index: int):
-            def hook(module: nn.Module, args: tuple, output: Any) -> None:
-                captured[index] = (output[0] if isinstance(output, tuple) else output).detach()
-            return hook
-
-        hooks = [layers[i].register_forward_hook(capture(b)) for b, i in enumerate(self.boundary_layers)]
-        try:
-            with self.disabled(), private_rng(next(model.parameters()).device):
-                model(**batch)
-        finally:
-            for hook in hooks:
-                hook.remove()
+        hidden = self.dense_boundary_outputs(model, batch)
         real = batch.get("attention_mask")
-        hidden = [captured[b] for b in range(len(self.boundary_layers))]
         return hidden if real is None else [h[real.to(h.device).bool()] for h in hidden]
-
-    def _is_training_forward(self, module: nn.Module) -> bool:
-        return module.training and self.enabled and torch.is_grad_enabled()
 
     def _on_model_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if not self._is_training_forward(module):

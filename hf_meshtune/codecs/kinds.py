@@ -183,7 +183,7 @@ class BottleneckCodec(BoundaryCodec):
         return float(self.rank * dtype_bytes), float(self.rank * dtype_bytes)
 
 
-class DeltaQuantCodec(BoundaryCodec):
+class DeltaQuantCodec(QuantCodec):
     """AQ-SGD (Wang et al., 2022, "Fine-tuning Language Models over Slow Networks using Activation
     Compression with Guarantees"): send quantised changes of each sample's boundary activation.
 
@@ -201,11 +201,7 @@ class DeltaQuantCodec(BoundaryCodec):
     needs_keys = True
 
     def __init__(self, hidden_size: int, bits: int = 4, grad_bits: int | None = None, dtype_bytes: int = 2) -> None:
-        super().__init__(hidden_size, dtype_bytes)
-        grad_bits = bits if grad_bits is None else grad_bits
-        _check_bits("bits", bits)
-        _check_bits("grad_bits", grad_bits)
-        self.bits, self.grad_bits = bits, grad_bits
+        super().__init__(hidden_size, bits, grad_bits, dtype_bytes)
         self.buffers: dict[bytes, Tensor] = {}
 
     def forward(self, hidden: Tensor, keys: list[bytes] | None = None) -> Tensor:
@@ -231,9 +227,7 @@ class DeltaQuantCodec(BoundaryCodec):
         self.buffers[key] = rebuilt
         return rebuilt, nbytes
 
-    def wire_bytes_per_token(self, hidden_size: int, dtype_bytes: int = 2) -> tuple[float, float]:
-        self._same_width(hidden_size)
-        return float(_quantized_bytes(hidden_size, self.bits)), float(_quantized_bytes(hidden_size, self.grad_bits))
+    # wire_bytes_per_token: QuantCodec's, the steady state (every sample seen before)
 
     def codec_state(self) -> dict:
         return {"buffers": {key: value.clone() for key, value in self.buffers.items()}}
