@@ -41,11 +41,15 @@ SCHEMES: dict[str, dict] = {
 }
 
 
-def _batch(tokenizer, items, seq_len: int, pad: int) -> dict:
-    rows = [sft_row(tokenizer, e.prompt, e.answer, seq_len) for e in items]
+def _pad(rows: list[dict], pad: int) -> dict:
+    """Right-pad SFT rows into a batch (labels -100, attention 0 on the padding)."""
     width = max(len(r["input_ids"]) for r in rows)
     fill = lambda key, value: torch.tensor([r[key] + [value] * (width - len(r[key])) for r in rows])  # noqa: E731
     return {"input_ids": fill("input_ids", pad), "attention_mask": fill("attention_mask", 0), "labels": fill("labels", -100)}
+
+
+def _without_labels(batch: dict) -> dict:
+    return {k: v for k, v in batch.items() if k != "labels"}
 
 
 def _grad(model, batch, params: list) -> tuple[float, torch.Tensor]:
@@ -87,9 +91,9 @@ def tiny() -> dict:
     from .pretrain import load_tiny_llama
 
     model, tokenizer = load_tiny_llama()
-    items = arithmetic(0, 48, 8).train
+    rows = [sft_row(tokenizer, e.prompt, e.answer, 128) for e in arithmetic(0, 48, 8).train]
     pad = tokenizer.eos_token_id
-    return probe(model, _batch(tokenizer, items[:16], 128, pad), {k: v for k, v in _batch(tokenizer, items[16:48], 128, pad).items() if k != "labels"})
+    return probe(model, _pad(rows[:16], pad), _without_labels(_pad(rows[16:48], pad)))
 
 
 def smollm2() -> dict:
@@ -100,13 +104,8 @@ def smollm2() -> dict:
     freeze_all_but_last(model, 8)  # as in the main job
     items = gsm8k_items()
     rows = [sft_features(tokenizer, it["question"], it["answer"], 160) for it in items[:24]]
-    width = max(len(r["input_ids"]) for r in rows)
-    pad = tokenizer.pad_token_id or 0
-    fill = lambda rs, key, value: torch.tensor([r[key] + [value] * (width - len(r[key])) for r in rs])  # noqa: E731
-    batch = {"input_ids": fill(rows[:8], "input_ids", pad), "attention_mask": fill(rows[:8], "attention_mask", 0),
-             "labels": fill(rows[:8], "labels", -100)}
-    calibration = {"input_ids": fill(rows[8:], "input_ids", pad), "attention_mask": fill(rows[8:], "attention_mask", 0)}
-    return probe(model, batch, calibration)
+    both = _pad(rows, tokenizer.pad_token_id or 0)  # one width for both halves
+    return probe(model, {k: v[:8] for k, v in both.items()}, _without_labels({k: v[8:] for k, v in both.items()}))
 
 
 def write(results: dict[str, dict]) -> None:

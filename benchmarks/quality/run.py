@@ -206,10 +206,10 @@ def run_one(spec: RunSpec, mode: Mode, load: Callable = load_tiny_llama) -> dict
                                       max_length=mode.seq_len if fixed else None, label_pad_token_id=-100)
     knobs = dict(spec.knobs)
     codec_handle = None
+    calibrate = _calibration_batches(train, collator, 32)
     if spec.codec is not None:
         codec_kwargs = {k: v for k, v in spec.codec.items() if k != "codec"}
         codec_handle = attach_codec(model, knobs.get("num_stages", 4), spec.codec["codec"], **codec_kwargs)
-        calibrate = _calibration_batches(train, collator, 32)
         codec_handle.fit(model, calibrate(0))
     with tempfile.TemporaryDirectory() as tmp:
         args = MeshTrainingArguments(
@@ -223,7 +223,7 @@ def run_one(spec: RunSpec, mode: Mode, load: Callable = load_tiny_llama) -> dict
         timer = StepTimer(trainer)
         trainer.add_callback(timer)
         if spec.codec is not None and spec.codec["codec"] == "pca":
-            trainer.add_callback(CodecRefit(codec_handle, model, _calibration_batches(train, collator, 32), 20))
+            trainer.add_callback(CodecRefit(codec_handle, model, calibrate, 20))
         eval_before = trainer.evaluate()["eval_loss"]
         started = time.time()
         trainer.train()
