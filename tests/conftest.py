@@ -33,3 +33,16 @@ def single_thread_torch():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+# =============================================================================================
+# Multi-process tests: the one launcher (gloo on loopback, spawned processes, hard timeout).
+# =============================================================================================
+
+from tests.distributed import launch as _launch  # noqa: E402
+
+
+@pytest.fixture
+def launcher() -> Callable:
+    """``launcher(fn, world_size, *args, timeout=120, env=None)`` → per-rank return values (tests/distributed.py)."""
+    return _launch

@@ -1,0 +1,159 @@
+"""The X × Y mesh: who is who, validated once, passed to everything that needs it.
+
+X data-parallel replicas, each a pipeline of Y stages, one process per (replica, stage), global rank
+``replica · Y + stage``. With the anchor on, replica X-1 is the dense anchor and replicas 0..X-2 form
+the fast masked circuit; without it all X replicas are fast. Groups:
+
+* PP group of replica r: its Y ranks, in stage order (the pipeline's sends and receives);
+* DP group of stage s: stage s of every *fast* replica (Streaming DiLoCo syncs only with its peers);
+* anchor peers of stage s: the anchor's stage s and stage s of every fast replica.
+
+``MeshTopology.validate`` runs before any collective, from facts every rank already has (world size,
+mesh shape, number of decoder layers), so an impossible mesh fails on every rank with the same
+message instead of hanging in a rendezvous.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from ._validation import require
+
+__all__ = ["MESH_ENV", "MeshGroups", "MeshTopology", "parse_mesh"]
+
+MESH_ENV = "MESHTUNE_MESH"
+_MESH_RE = re.compile(r"^\s*(\d+)\s*[xX×]\s*(\d+)\s*$")
+
+
+def parse_mesh(text: str, field: str = "mesh") -> tuple[int, int]:
+    """"XxY" → (X, Y): X replicas (the anchor's included) of Y pipeline stages each."""
+    match = _MESH_RE.match(str(text))
+    require(match is not None, field, text, "look like XxY, e.g. 3x2 (X replicas, Y stages)")
+    replicas, stages = int(match.group(1)), int(match.group(2))
+    require(replicas >= 1 and stages >= 1, field, text, "have X >= 1 replicas and Y >= 1 stages")
+    return replicas, stages
+
+
+@dataclass(frozen=True)
+class MeshTopology:
+    """X replicas × Y stages; replica X-1 is the anchor when ``anchor``.
+
+    Example:
+        >>> mesh = MeshTopology(replicas=3, stages=2, anchor=True)
+        >>> mesh.coords(5), mesh.fast_replicas, mesh.dp_ranks(1), mesh.anchor_rank(1)
+        ((2, 1), [0, 1], [1, 3], 5)
+    """
+
+    replicas: int
+    stages: int
+    anchor: bool = True
+
+    def __post_init__(self) -> None:
+        require(isinstance(self.replicas, int) and self.replicas >= 1, "replicas", self.replicas, "be an int >= 1 (X)")
+        require(isinstance(self.stages, int) and self.stages >= 1, "stages", self.stages, "be an int >= 1 (Y)")
+        if self.anchor:
+            require(self.replicas >= 2, "replicas", self.replicas,
+                    "be >= 2 when the anchor is on (replica X-1 is the anchor, at least one replica must be fast)")
+
+    @classmethod
+    def from_environment(cls, world_size: int, num_stages: int, anchor: bool, num_layers: int,
+                         mesh: str | None = None) -> MeshTopology:
+        """The topology of this job: ``mesh`` ("XxY", default ``$MESHTUNE_MESH``) or X = world / Y.
+
+        Raises ``ValueError`` (the same on every rank) for a mesh that cannot run: world size ≠ X·Y,
+        a Y that differs from ``num_stages``, X < 2 with the anchor on, Y > number of layers.
+        """
+        spec = mesh if mesh is not None else os.environ.get(MESH_ENV)
+        if spec:
+            replicas, stages = parse_mesh(spec, MESH_ENV if mesh is None else "mesh")
+            require(stages == num_stages, "num_stages", num_stages,
+                    f"equal Y = {stages} of the mesh {spec} (one pipeline stage per process of a replica)")
+        else:
+            require(world_size % num_stages == 0, "num_stages", num_stages,
+                    f"divide the world size {world_size} (X = world size / Y replicas of Y stages)")
+            replicas, stages = world_size // num_stages, num_stages
+        topology = cls(replicas, stages, anchor)
+        topology.validate(world_size, num_layers)
+        return topology
+
+    def validate(self, world_size: int, num_layers: int) -> None:
+        require(world_size == self.world_size, "world_size", world_size,
+                f"equal X·Y = {self.replicas}·{self.stages} = {self.world_size} (one process per replica and stage)")
+        require(self.stages <= num_layers, "num_stages", self.stages,
+                f"be <= the model's {num_layers} decoder layers (every stage holds at least one)")
+
+    # --- ranks -------------------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return self.replicas * self.stages
+
+    def rank(self, replica: int, stage: int) -> int:
+        require(0 <= replica < self.replicas, "replica", replica, f"lie in [0, {self.replicas})")
+        require(0 <= stage < self.stages, "stage", stage, f"lie in [0, {self.stages})")
+        return replica * self.stages + stage
+
+    def coords(self, rank: int) -> tuple[int, int]:
+        """Global rank → (replica, stage)."""
+        require(0 <= rank < self.world_size, "rank", rank, f"lie in [0, {self.world_size})")
+        return divmod(rank, self.stages)
+
+    @property
+    def anchor_replica(self) -> int | None:
+        return self.replicas - 1 if self.anchor else None
+
+    @property
+    def fast_replicas(self) -> list[int]:
+        return list(range(self.replicas - 1 if self.anchor else self.replicas))
+
+    def is_anchor(self, rank: int) -> bool:
+        return self.anchor and self.coords(rank)[0] == self.replicas - 1
+
+    def pp_ranks(self, replica: int) -> list[int]:
+        return [self.rank(replica, s) for s in range(self.stages)]
+
+    def dp_ranks(self, stage: int) -> list[int]:
+        return [self.rank(r, stage) for r in self.fast_replicas]
+
+    def anchor_rank(self, stage: int) -> int | None:
+        return None if not self.anchor else self.rank(self.replicas - 1, stage)
+
+    def describe(self) -> str:
+        fast = len(self.fast_replicas)
+        anchor = f" + 1 anchor replica (replica {self.replicas - 1})" if self.anchor else ""
+        return f"{self.replicas}x{self.stages} mesh: {fast} fast replica(s){anchor}, {self.stages} stage(s) each"
+
+    # --- process groups ----------------------------------------------------------------------
+    def build_groups(self) -> MeshGroups:
+        """Create every replica's PP group (a collective: every rank calls it, in the same order)."""
+        require(dist.is_initialized(), "torch.distributed", "not initialized", "be initialized before building the mesh's groups")
+        require(dist.get_world_size() == self.world_size, "world_size", dist.get_world_size(), f"equal X·Y = {self.world_size}")
+        pp = [dist.new_group(self.pp_ranks(r)) for r in range(self.replicas)]
+        replica, stage = self.coords(dist.get_rank())
+        return MeshGroups(self, dist.get_rank(), replica, stage, pp[replica])
+
+
+@dataclass(frozen=True)
+class MeshGroups:
+    """This process's place in the mesh and the PP group of its replica."""
+
+    topology: MeshTopology
+    rank: int
+    replica: int
+    stage: int
+    pp_group: object
+
+    @property
+    def is_anchor(self) -> bool:
+        return self.topology.is_anchor(self.rank)
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.stage == self.topology.stages - 1

@@ -1,0 +1,191 @@
+"""Distributed pipeline stages of a Hugging Face causal LM with compact masked boundaries.
+
+``StageModule`` is one stage of a manual split: the first holds the token embeddings, the last the
+final norm and the LM head, every stage its contiguous slice of decoder layers (the same
+``split_stages`` as the single-process boundaries) and rebuilds the causal mask and the rotary
+embeddings for itself, so nothing but the boundary payload crosses between stages.
+
+On a masked replica the payload of boundary ℓ is the compact [B, T, K] tensor of kept values:
+``BoundaryMask.send`` (a gather) ends stage ℓ and ``BoundaryMask.receive`` (a scatter into the fill)
+starts stage ℓ+1. Both sides compute the keep-set from g(ℓ, step, microbatch, T, H, seed), so no
+index or mask ever travels, and autograd turns the pair into a compact [B, T, K] gradient on the way
+back. The anchor replica runs the same stages dense ([B, T, H]).
+
+``MeshStage`` is torch's ``PipelineStage`` with two additions: it tells its module which microbatch
+a forward belongs to (the mask's clock), and it books every activation and gradient it hands to
+the backend on the ``Wire`` (``pp_fwd``/``pp_bwd``, or ``anchor`` on the anchor's pipeline).
+Shapes are static (example tensors at construction), so no metadata inference runs a stray forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+from ._validation import require
+from .boundaries import find_decoder_layers, split_stages
+from .masking import BoundaryMask, keep_count
+from .wire import Wire
+
+__all__ = ["SUPPORTED_MODEL_TYPES", "MeshStage", "StageModule", "build_schedule", "causal_lm_loss", "stage_parameter_names"]
+
+# Decoder-only models whose base model is embed_tokens → layers (with rotary position embeddings
+# computed once by ``rotary_emb``) → norm, and whose layers take (hidden, attention_mask,
+# position_ids, position_embeddings): the layout the stages rebuild.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def _base_model(model: nn.Module) -> nn.Module:
+    layers_name, _ = find_decoder_layers(model)
+    base_name = layers_name.rsplit(".", 1)[0] if "." in layers_name else ""
+    return model.get_submodule(base_name) if base_name else model
+
+
+def _check_supported(model: nn.Module) -> None:
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    require(model_type in SUPPORTED_MODEL_TYPES, "model.config.model_type", model_type,
+            f"be one of {list(SUPPORTED_MODEL_TYPES)} for the distributed pipeline (its stages rebuild "
+            "this layout: embed_tokens → layers with rotary embeddings → norm → lm_head)")
+    sliding = [t for t in (getattr(config, "layer_types", None) or []) if t != "full_attention"]
+    require(not sliding and not getattr(config, "use_sliding_window", False), "model.config.layer_types",
+            sorted(set(sliding)) or "use_sliding_window=True", "be full attention only in the distributed pipeline")
+    require(getattr(model, "lm_head", None) is not None, "model.lm_head", None, "exist (a causal LM head)")
+
+
+def causal_lm_loss(model: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The model's own causal-LM loss (shifted cross-entropy, -100 ignored) as ``loss(logits, labels)``."""
+    vocab = model.config.get_text_config().vocab_size
+
+    def loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return model.loss_function(logits=logits, labels=labels, vocab_size=vocab)
+
+    return loss
+
+
+class StageModule(nn.Module):
+    """Stage ``stage`` of ``num_stages`` of a causal LM, sharing (not copying) the model's modules.
+
+    Args:
+        model: the full HF causal LM (Llama layout, see ``SUPPORTED_MODEL_TYPES``).
+        stage, num_stages: this stage's index and Y.
+        mask_in / mask_out: the boundary masks on the input (stage > 0) and output (stage < Y-1)
+            side; None runs that side dense (the anchor replica, or p = 0).
+
+    The forward takes ``input_ids`` [B, T] (first stage) or the boundary payload, and returns the
+    next payload, or the logits [B, T, V] on the last stage. Set ``step`` before each optimizer step;
+    ``microbatch`` is set by ``MeshStage`` before each forward.
+    """
+
+    def __init__(self, model: nn.Module, stage: int, num_stages: int,
+                 mask_in: BoundaryMask | None, mask_out: BoundaryMask | None) -> None:
+        super().__init__()
+        _check_supported(model)
+        _, layers = find_decoder_layers(model)
+        ranges = split_stages(len(layers), num_stages)
+        base = _base_model(model)
+        self.config = model.config
+        self.stage, self.num_stages = stage, num_stages
+        self.layer_range = ranges[stage]
+        self.hidden_size = self.config.get_text_config().hidden_size
+        self.embed_tokens = base.embed_tokens if stage == 0 else None
+        self.layers = nn.ModuleList([layers[i] for i in self.layer_range])
+        self.rotary_emb = base.rotary_emb
+        self.norm = base.norm if stage == num_stages - 1 else None
+        self.lm_head = model.lm_head if stage == num_stages - 1 else None
+        self.mask_in, self.mask_out = mask_in, mask_out
+        self.step, self.microbatch = 0, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from transformers.masking_utils import create_causal_mask
+
+        if self.embed_tokens is not None:
+            hidden = self.embed_tokens(x)
+        elif self.mask_in is not None:
+            idx = self.mask_in.indices(self.step, self.microbatch, x.shape[-2], self.hidden_size, x.device)
+            hidden = self.mask_in.receive(x, idx, self.hidden_size)
+        else:
+            hidden = x
+        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        causal = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=None,
+                                    cache=None, position_ids=positions)
+        rotary = self.rotary_emb(hidden, position_ids=positions)
+        for layer in self.layers:
+            out = layer(hidden, attention_mask=causal, position_ids=positions, position_embeddings=rotary)
+            hidden = out[0] if isinstance(out, tuple) else out
+        if self.lm_head is not None:
+            return self.lm_head(self.norm(hidden))
+        if self.mask_out is not None:
+            idx = self.mask_out.indices(self.step, self.microbatch, hidden.shape[-2], self.hidden_size, hidden.device)
+            return self.mask_out.send(hidden, idx)
+        return hidden
+
+    def payload_width(self, side: str) -> int:
+        """Values per token crossing this stage's ``side`` ("in"/"out") boundary: K, or H when dense."""
+        mask = self.mask_in if side == "in" else self.mask_out
+        if mask is None or mask.mask_ratio == 0.0:
+            return self.hidden_size
+        return keep_count(self.hidden_size, mask.mask_ratio)
+
+
+def stage_parameter_names(model: nn.Module, stage_module: StageModule) -> dict[str, nn.Parameter]:
+    """The full model's parameter names (as in its ``state_dict``) of the parameters a stage holds."""
+    owned = {id(p) for p in stage_module.parameters()}
+    return {name: p for name, p in model.named_parameters(remove_duplicate=False) if id(p) in owned}
+
+
+@dataclass
+class _Circuits:
+    forward: str
+    backward: str
+
+
+class MeshStage(PipelineStage):
+    """A ``PipelineStage`` whose module learns the microbatch index and whose sends go on the ``Wire``."""
+
+    def __init__(self, module: StageModule, *, group, device: torch.device, microbatch_size: int,
+                 seq_len: int, dtype: torch.dtype, wire: Wire, anchor: bool = False) -> None:
+        stage, num_stages = module.stage, module.num_stages
+        if stage == 0:
+            example_in = torch.zeros(microbatch_size, seq_len, dtype=torch.long, device=device)
+        else:
+            example_in = torch.zeros(microbatch_size, seq_len, module.payload_width("in"), dtype=dtype,
+                                     device=device, requires_grad=True)
+        if stage == num_stages - 1:
+            vocab = module.config.get_text_config().vocab_size
+            example_out = torch.zeros(microbatch_size, seq_len, vocab, dtype=dtype, device=device)
+        else:
+            example_out = torch.zeros(microbatch_size, seq_len, module.payload_width("out"), dtype=dtype,
+                                      device=device, requires_grad=True)  # marks the payload as differentiable
+        super().__init__(module, stage, num_stages, device, input_args=example_in, output_args=example_out, group=group)
+        self.wire = wire
+        self.circuits = _Circuits("anchor", "anchor") if anchor else _Circuits("pp_fwd", "pp_bwd")
+
+    def forward_one_chunk(self, fwd_chunk_id: int, args, kwargs=None, save_forward_output: bool = True):
+        self.submod.microbatch = fwd_chunk_id
+        return super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
+
+    def get_fwd_send_ops(self, fwd_chunk_id: int):
+        ops = super().get_fwd_send_ops(fwd_chunk_id)
+        for op in ops:
+            self.wire.record_send(self.circuits.forward, op.tensor)
+        return ops
+
+    def get_bwd_send_ops(self, bwd_chunk_id: int):
+        ops = super().get_bwd_send_ops(bwd_chunk_id)
+        for op in ops:
+            self.wire.record_send(self.circuits.backward, op.tensor)
+        return ops
+
+
+def build_schedule(stage: MeshStage, microbatches: int, loss_fn: Callable):
+    """1F1B over ``microbatches`` (GPipe when there are fewer microbatches than stages, which 1F1B
+    cannot schedule). Gradients are the mean over microbatches of each microbatch's mean loss."""
+    require(microbatches >= 1, "microbatches", microbatches, "be >= 1")
+    if microbatches >= stage.num_stages:
+        return Schedule1F1B(stage, microbatches, loss_fn=loss_fn, scale_grads=True)
+    return ScheduleGPipe(stage, microbatches, loss_fn=loss_fn, scale_grads=True)

@@ -1,0 +1,99 @@
+"""The distributed pipeline equals the single-process masked model (multi-process, gloo, loopback)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hf_meshtune.boundaries import attach_boundaries
+from hf_meshtune.masking import BoundaryMask, keep_count
+from hf_meshtune.mesh import MeshTopology
+from hf_meshtune.pipeline import MeshStage, StageModule, build_schedule, causal_lm_loss, stage_parameter_names
+from hf_meshtune.wire import Wire
+from tests.tiny import tiny_llama
+
+SEQ, MICRO, BATCH, HIDDEN, LAYERS, P = 12, 2, 8, 64, 4, 0.9
+
+
+def _batch(step: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(100 + step)
+    return torch.randint(3, 100, (BATCH, SEQ), generator=gen)
+
+
+def _masks(boundaries: int) -> list[BoundaryMask]:
+    return [BoundaryMask(b, P, seed=7) for b in range(boundaries)]
+
+
+def reference(num_stages: int, steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Single process: the masked model on the same microbatches; per-step loss, last step's grads."""
+    model = tiny_llama(seed=0, layers=LAYERS, hidden=HIDDEN)
+    handle = attach_boundaries(model, num_stages, mask_ratio=P, seed=7)
+    losses = []
+    for step in range(steps):
+        model.zero_grad()
+        handle.set_step(step)
+        ids = _batch(step)
+        chunks = ids.chunk(BATCH // MICRO)
+        total = 0.0
+        for chunk in chunks:
+            loss = model(input_ids=chunk, labels=chunk).loss / len(chunks)
+            loss.backward()
+            total += loss.item()
+        losses.append(total)
+    return losses, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _pipeline_worker(rank: int, world: int, steps: int) -> dict:
+    topology = MeshTopology(replicas=1, stages=world, anchor=False)
+    groups = topology.build_groups()
+    model = tiny_llama(seed=0, layers=LAYERS, hidden=HIDDEN)
+    masks = _masks(world - 1)
+    stage = groups.stage
+    module = StageModule(model, stage, world, masks[stage - 1] if stage > 0 else None,
+                         masks[stage] if stage < world - 1 else None)
+    wire = Wire()
+    pipe = MeshStage(module, group=groups.pp_group, device=torch.device("cpu"), microbatch_size=MICRO,
+                     seq_len=SEQ, dtype=torch.float32, wire=wire)
+    schedule = build_schedule(pipe, BATCH // MICRO, causal_lm_loss(model))
+    losses = []
+    for step in range(steps):
+        model.zero_grad()
+        module.step = step
+        ids = _batch(step)
+        out: list = []
+        if stage == 0 and stage == world - 1:
+            schedule.step(ids, target=ids, losses=out)
+        elif stage == 0:
+            schedule.step(ids)
+        elif stage == world - 1:
+            schedule.step(target=ids, losses=out)
+        else:
+            schedule.step()
+        losses.append(float(sum(l.item() for l in out) / len(out)) if out else None)
+    grads = {n: p.grad.clone() for n, p in stage_parameter_names(model, module).items() if p.grad is not None}
+    return {"losses": losses, "grads": grads, "wire": wire.to_dict()}
+
+
+@pytest.mark.parametrize("stages", [2, 4])
+def test_masked_pipeline_equals_single_process_masked_model(launcher, stages):
+    steps = 2
+    results = launcher(_pipeline_worker, stages, steps, timeout=180)
+    ref_losses, ref_grads = reference(stages, steps)
+    assert results[-1]["losses"] == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
+    seen = set()
+    for result in results:
+        for name, grad in result["grads"].items():
+            torch.testing.assert_close(grad, ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+            seen.add(name)
+    assert seen == set(ref_grads)
+    # the wire: only [MICRO, SEQ, K] payloads, forward and backward, on every boundary
+    keep = keep_count(HIDDEN, P)
+    per_message = MICRO * SEQ * keep * 4
+    microbatches = BATCH // MICRO
+    for stage, result in enumerate(results):
+        sent = result["wire"]["sent"]
+        expect_fwd = per_message * microbatches * steps if stage < stages - 1 else 0
+        expect_bwd = per_message * microbatches * steps if stage > 0 else 0
+        assert sent["pp_fwd"] == expect_fwd and sent["pp_bwd"] == expect_bwd
+        assert result["wire"]["messages"]["pp_fwd"] == (microbatches * steps if stage < stages - 1 else 0)
