@@ -1,0 +1,281 @@
+"""DP sync: Streaming DiLoCo + PowerSGD on torchft (multi-process gloo on loopback) and its pure math.
+
+Two real runs are shared by the multi-process tests (module fixtures): 3 fast replicas × 1 stage with
+PowerSGD and τ = 1 (each sync's Q all-reduce overlaps one inner step), and 2 replicas × 2 stages with
+dense averaging and τ = 0. Each process trains its stage on its own data
+with a local loss (the DP sync does not care where the gradients come from) and records its parameters
+around every inner step, every ``OuterUpdate`` and the ``Wire`` counters at each sync.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from hf_meshtune.dp_sync import (OuterFollower, OuterUpdate, PowerSGD, StreamingDiLoCo, decode, host_replica_store,
+                                 make_manager, power_iteration, start_lighthouse)
+from hf_meshtune.ledger import dp_payload_numel
+from hf_meshtune.wire import Wire
+from tests.distributed import launch  # the shared launcher; module fixtures cannot take `launcher`
+
+LR, MU = 0.7, 0.9
+SYNC_EVERY, FRAGMENTS, STEPS = 4, 2, 8  # a fragment syncs every 2 inner steps: 0 at 2, 1 at 4, 0 at 6, 1 at 8
+RANK = 2
+
+
+def _model(stage: int) -> nn.Sequential:
+    """Stage ``stage``'s module, identical on every replica; stages differ in their init only."""
+    torch.manual_seed(100 + stage)
+    # shapes cover every case: [32,16] and [16,32] compressed at r=2, [2,16] dense (36 > 32), biases dense
+    return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 16), nn.Tanh(), nn.Linear(16, 2))
+
+
+def _fragments(model: nn.Sequential) -> list[nn.Module]:
+    return [model[:2], model[2:]]
+
+
+def _flat(fragments: list[nn.Module]) -> list[list[torch.Tensor]]:
+    return [[p.detach().clone() for p in f.parameters()] for f in fragments]
+
+
+def _train_stage(rank: int, world: int, lighthouse: str, num_stages: int, powersgd_rank: int | None,
+                 delay: int) -> bytes:
+    replica, stage = divmod(rank, num_stages)
+    store = host_replica_store(replica, stage, host="127.0.0.1")
+    manager = make_manager(replica=replica, stage=stage, num_stages=num_stages, lighthouse_addr=lighthouse,
+                           store_addr=store.addr, store_port=store.port, timeout_s=20.0)
+    model = _model(stage)
+    fragments = _fragments(model)
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(1000 * replica + stage)  # every replica and stage: its own data
+    wire, record = Wire(), {"init": _flat(fragments), "pre": [], "post": [], "syncs": []}
+    inner.register_step_post_hook(lambda *_: record["pre"].append(_flat(fragments)))  # runs before DiLoCo's hook
+
+    def on_update(update: OuterUpdate) -> None:
+        record["syncs"].append({"step": len(record["pre"]), "update": update, "handed": wire.handed["dp"],
+                                "sent": wire.sent["dp"], "messages": wire.messages["dp"]})
+
+    diloco = StreamingDiLoCo(manager, fragments, inner, sync_every=SYNC_EVERY, fragment_sync_delay=delay,
+                             outer_lr=LR, outer_momentum=MU, powersgd_rank=powersgd_rank, wire=wire,
+                             on_outer_update=on_update)
+    with diloco:
+        for _ in range(STEPS):
+            x = torch.randn(8, 16, generator=gen)
+            loss = (model(x) - x[:, :2].sin()).pow(2).mean()
+            loss.backward()
+            inner.step()
+            inner.zero_grad()
+            record["post"].append(_flat(fragments))
+    record["global"] = [diloco.global_parameters(i) for i in range(FRAGMENTS)]
+    record["shapes"] = [[tuple(p.shape) for p in f.parameters()] for f in fragments]
+    manager.shutdown(wait=False)
+    torch.distributed.barrier()  # stage 0 hosts its replica's store: nobody leaves before all are done
+    return _pack(record)
+
+
+def _pack(record: dict) -> bytes:
+    """Tensors as bytes: tensors put on a multiprocessing queue travel as shared-memory handles that die
+    with the child process, which may exit before the parent has read them."""
+    buffer = io.BytesIO()
+    torch.save(record, buffer)
+    return buffer.getvalue()
+
+
+def _run(launcher, replicas: int, stages: int, powersgd_rank: int | None, delay: int) -> list[list[dict]]:
+    server, address = start_lighthouse(min_replicas=replicas)
+    try:
+        results = launcher(_train_stage, replicas * stages, address, stages, powersgd_rank, delay, timeout=120)
+    finally:
+        server.shutdown()
+    records = [torch.load(io.BytesIO(r), weights_only=False) for r in results]
+    return [records[r * stages:(r + 1) * stages] for r in range(replicas)]  # [replica][stage]
+
+
+@pytest.fixture(scope="module")
+def powersgd_run():
+    return [by_stage[0] for by_stage in _run(launch, replicas=3, stages=1, powersgd_rank=RANK, delay=1)]
+
+
+@pytest.fixture(scope="module")
+def dense_run():
+    return _run(launch, replicas=2, stages=2, powersgd_rank=None, delay=0)
+
+
+def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. staggered fragments: after fragment f's sync only fragment f is equal across replicas
+# ---------------------------------------------------------------------------------------------
+
+def test_synced_fragment_is_identical_across_replicas_and_only_it(powersgd_run):
+    syncs = powersgd_run[0]["syncs"]
+    assert [(s["update"].fragment, s["step"]) for s in syncs] == [(0, 2), (1, 4), (0, 6), (1, 8)]
+    assert [s["update"].step for s in syncs] == [1, 2, 3, 4]  # manager step after each commit
+    for sync in syncs:
+        after = [run["post"][sync["step"] - 1] for run in powersgd_run]
+        synced, other = sync["update"].fragment, 1 - sync["update"].fragment
+        assert all(_equal(after[0][synced], a[synced]) for a in after[1:])
+        assert not any(_equal(after[0][other], a[other]) for a in after[1:])
+    assert all(_equal(powersgd_run[0]["global"][f], run["global"][f]) for run in powersgd_run for f in (0, 1))
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. compression off: the outer step is Nesterov SGD on the plain mean of θ_global − θ_local
+# ---------------------------------------------------------------------------------------------
+
+def _nesterov_replay(runs: list[dict]) -> None:
+    """Replay every sync in float64 from the replicas' pre-sync params; compare with what they hold after."""
+    global_ = [[t.double() for t in frag] for frag in runs[0]["init"]]
+    momentum: list = [None] * FRAGMENTS
+    for sync in runs[0]["syncs"]:
+        f, k = sync["update"].fragment, sync["step"]
+        deltas = [torch.stack([g - run["pre"][k - 1][f][i].double() for run in runs]).mean(0)
+                  for i, g in enumerate(global_[f])]
+        momentum[f] = deltas if momentum[f] is None else [MU * b + d for b, d in zip(momentum[f], deltas)]
+        global_[f] = [g - LR * (d + MU * b) for g, d, b in zip(global_[f], deltas, momentum[f])]
+        for run in runs:
+            for got, want in zip(run["post"][k - 1][f], global_[f]):
+                torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-6)
+
+
+def test_dense_sync_equals_outer_nesterov_step_on_mean_pseudo_gradient(dense_run):
+    for stage in range(2):
+        runs = [by_stage[stage] for by_stage in dense_run]
+        assert [s["step"] for s in runs[0]["syncs"]] == [2, 4, 6, 8]
+        _nesterov_replay(runs)
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. bytes: r·(m+n) per compressed matrix, numel otherwise, 4 bytes each; ring factor on sent
+# ---------------------------------------------------------------------------------------------
+
+def test_powersgd_bytes_per_sync_match_rank(powersgd_run):
+    n = len(powersgd_run)
+    for run in powersgd_run:
+        before = {"handed": 0, "sent": 0, "messages": 0}
+        for sync in run["syncs"]:
+            shapes = run["shapes"][sync["update"].fragment]
+            payload = sum(RANK * (s[0] + s[1]) if len(s) == 2 and RANK * (s[0] + s[1]) < math.prod(s)
+                          else math.prod(s) for s in shapes)
+            assert payload == sum(dp_payload_numel(s, RANK) for s in shapes)  # the ledger's rule
+            compressed = sum(1 for s in shapes if len(s) == 2 and RANK * sum(s) < math.prod(s))
+            assert sync["handed"] - before["handed"] == payload * 4
+            assert sync["sent"] - before["sent"] == pytest.approx(payload * 4 * 2 * (n - 1) / n)
+            assert sync["messages"] - before["messages"] == len(shapes) + compressed  # P and Q each
+            before = sync
+    assert [len(run["shapes"][0]) for run in powersgd_run] == [2] * n
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. PowerSGD math against a float64 transcription (one process, no torchft)
+# ---------------------------------------------------------------------------------------------
+
+def _reference_round(m: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """PowerSGD (Vogels et al., Alg. 1) in float64, one replica: P = MQ, P̂ = orth(P), Q = MᵀP̂, M̂ = P̂Qᵀ."""
+    p, _ = torch.linalg.qr(m @ q)
+    return p @ (m.T @ p).T
+
+
+def test_powersgd_round_with_error_feedback_matches_float64_reference():
+    gen = torch.Generator().manual_seed(3)
+    grads = [torch.randn(12, 10, generator=gen) for _ in range(3)]
+    codec = PowerSGD(rank=2, seed=5)
+    assert torch.equal(codec.factor_q("w", (12, 10)), PowerSGD(rank=2, seed=5).factor_q("w", (12, 10)))
+    q, error, total = codec.factor_q("w", (12, 10)).double(), torch.zeros(12, 10, dtype=torch.float64), 0
+    for g in grads:
+        approx = codec.round("w", g)
+        m = g.double() + error
+        want = _reference_round(m, q)
+        torch.testing.assert_close(approx.double(), want, rtol=1e-5, atol=1e-5)
+        q = (m.T @ torch.linalg.qr(m @ q)[0])  # warm start from the averaged Q
+        error = m - want
+        torch.testing.assert_close(codec.error["w"].double(), error, rtol=1e-5, atol=1e-5)
+        total = total + approx.double()
+    # error feedback loses nothing: what was sent plus what is still owed equals what was produced
+    torch.testing.assert_close(total + codec.error["w"].double(), sum(g.double() for g in grads), rtol=0, atol=1e-4)
+
+
+def test_powersgd_full_rank_reconstructs_and_small_shapes_go_dense():
+    gen = torch.Generator().manual_seed(4)
+    m = torch.randn(6, 4, generator=gen)
+    p, q = power_iteration(m, torch.randn(4, 4, generator=gen))  # r = min(m, n)
+    torch.testing.assert_close(decode(p, q), m, rtol=1e-5, atol=1e-5)
+    codec = PowerSGD(rank=4)
+    assert not codec.compresses((6, 4)) and not codec.compresses((24,)) and codec.compresses((40, 30))
+    assert torch.equal(codec.round("m", m), m) and codec.error == {}
+
+
+def test_outer_update_decodes_factors_and_passes_dense_through():
+    p, q, b = torch.randn(40, 2), torch.randn(30, 2), torch.randn(30)
+    update = OuterUpdate(fragment=0, step=1, tensors=[p, q, b], rank=2)
+    grad, bias = update.pseudo_gradients([(40, 30), (30,)])
+    assert torch.equal(grad, p @ q.T) and bias is b
+    with pytest.raises(ValueError, match=r"shapes=\[\(40, 30\)\] is invalid: it must describe all 3 tensors"):
+        update.pseudo_gradients([(40, 30)])
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. the anchor's follower reaches θ_global from the OuterUpdates alone
+# ---------------------------------------------------------------------------------------------
+
+def test_outer_follower_tracks_global_parameters_with_powersgd(powersgd_run):
+    model = _model(0)
+    follower = OuterFollower(_fragments(model), outer_lr=LR, outer_momentum=MU)
+    for sync in powersgd_run[0]["syncs"]:
+        follower.apply(sync["update"])
+    for run in powersgd_run:
+        for f in range(FRAGMENTS):
+            for got, want in zip(_flat(follower.fragments)[f], run["global"][f]):
+                torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+        assert all(_equal(u["update"].tensors, v["update"].tensors)
+                   for u, v in zip(powersgd_run[0]["syncs"], run["syncs"]))
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. stage j syncs with stage j only
+# ---------------------------------------------------------------------------------------------
+
+def test_stages_sync_only_with_the_same_stage(dense_run):
+    (r0s0, r0s1), (r1s0, r1s1) = dense_run
+    for f in range(FRAGMENTS):
+        assert _equal(r0s0["global"][f], r1s0["global"][f]) and _equal(r0s1["global"][f], r1s1["global"][f])
+        assert not any(torch.allclose(a, b) for a, b in zip(r0s0["global"][f], r0s1["global"][f]))
+    assert not _equal(r0s0["post"][0][0], r1s0["post"][0][0])  # replicas did train on different data
+
+
+# ---------------------------------------------------------------------------------------------
+# 7. bad input: ValueError naming field, value and rule (validated before torchft is touched)
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"powersgd_rank": 0}, "powersgd_rank=0 is invalid: it must be None or an integer >= 1"),
+    ({"sync_every": 5}, r"sync_every=5 is invalid: it must be a multiple of the number of fragments \(2\)"),
+    ({"fragment_sync_delay": 2}, r"fragment_sync_delay=2 is invalid: it must be an integer in \[0, sync_every"),
+    ({"outer_momentum": 1.0}, r"outer_momentum=1.0 is invalid: it must lie in \[0, 1\)"),
+    ({"outer_lr": 0.0}, "outer_lr=0.0 is invalid: it must be > 0"),
+])
+def test_streaming_diloco_rejects_bad_settings(kwargs, message):
+    model = _model(0)
+    settings = {"sync_every": 4, "powersgd_rank": 2, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        StreamingDiLoCo(object(), _fragments(model), torch.optim.SGD(model.parameters(), lr=0.1), **settings)
+
+
+def test_other_entry_points_reject_bad_input():
+    with pytest.raises(ValueError, match="powersgd_rank=0 is invalid: it must be an integer >= 1"):
+        PowerSGD(rank=0)
+    with pytest.raises(ValueError, match=r"stage=2 is invalid: it must lie in \[0, 2\)"):
+        make_manager(replica=0, stage=2, num_stages=2, lighthouse_addr="x", store_addr="x", store_port=1)
+    with pytest.raises(ValueError, match=r"fragments\[0\]='Tanh' is invalid: it must own at least one parameter"):
+        StreamingDiLoCo(object(), [nn.Tanh()], None, sync_every=2, powersgd_rank=None)
+    with pytest.raises(ValueError, match="min_replicas=0 is invalid"):
+        start_lighthouse(0)
+    follower = OuterFollower(_fragments(_model(0)), outer_lr=LR, outer_momentum=MU)
+    with pytest.raises(ValueError, match=r"update.fragment=2 is invalid: it must lie in \[0, 2\)"):
+        follower.apply(OuterUpdate(fragment=2, step=1, tensors=[]))
