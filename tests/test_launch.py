@@ -1,0 +1,283 @@
+"""``meshtune launch`` and the accelerate configs: real processes, tiny scripts, no models.
+
+The children are small Python scripts written to ``tmp_path``; they report their environment and
+PIDs through files, so the tests can check what every rank saw and that nothing outlives the launcher.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.parse
+from pathlib import Path
+
+import pytest
+
+from hf_meshtune import cli
+from hf_meshtune.launch import child_env, free_port, launch_mesh, start_local_lighthouse
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Writes its env, argv and a verdict on the lighthouse to OUT/rank{RANK}.json. The socket connect
+# fails (and the rank exits 1) when nothing listens at TORCHFT_LIGHTHOUSE.
+_REPORT_SCRIPT = """
+import json, os, socket, sys, urllib.parse
+out = sys.argv[1]
+url = urllib.parse.urlsplit(os.environ["TORCHFT_LIGHTHOUSE"])
+with socket.create_connection((url.hostname, url.port), timeout=5):
+    pass
+keys = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+        "MESHTUNE_MESH", "TORCHFT_LIGHTHOUSE", "ACCELERATE_USE_CPU", "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS"]
+report = {"env": {k: os.environ.get(k) for k in keys}, "argv": sys.argv[2:], "lighthouse_connectable": True}
+with open(os.path.join(out, "rank%s.json" % os.environ["RANK"]), "w") as f:
+    json.dump(report, f)
+print("hello from rank", os.environ["RANK"])
+print("warning from rank", os.environ["RANK"], file=sys.stderr)
+"""
+
+# Every rank starts a grandchild (`sleep 60`) and publishes both PIDs; rank FAIL (argv[2]) exits 3 once
+# every rank has published, the others sleep. With argv[3] == "stubborn" the sleepers ignore SIGTERM.
+_SLEEPER_SCRIPT = """
+import os, signal, subprocess, sys, time
+out, fail, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+grandchild = subprocess.Popen(["sleep", "60"])
+tmp = os.path.join(out, "tmp%d" % rank)
+with open(tmp, "w") as f:
+    f.write("%d %d %s" % (os.getpid(), grandchild.pid, os.environ["TORCHFT_LIGHTHOUSE"]))
+os.replace(tmp, os.path.join(out, "pid%d" % rank))
+if rank == fail:
+    deadline = time.time() + 30
+    while sum(n.startswith("pid") for n in os.listdir(out)) < world and time.time() < deadline:
+        time.sleep(0.05)
+    sys.exit(3)
+if mode == "stubborn":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+time.sleep(60)
+"""
+
+
+def _script(tmp_path: Path, name: str, text: str) -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def _meshtune(*args: str) -> list[str]:
+    return [sys.executable, "-m", "hf_meshtune.cli", *args]
+
+
+def _gone(pid: int) -> bool:
+    """True when ``pid`` no longer runs (a zombie whose parent has not reaped it counts as gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def _wait_all_gone(pids: list[int], timeout: float = 5.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not all(_gone(p) for p in pids):
+        time.sleep(0.05)
+    return [p for p in pids if not _gone(p)]
+
+
+def _published(out: Path, world: int, timeout: float) -> list[tuple[int, int, str]]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and len(list(out.glob("pid*"))) < world:
+        time.sleep(0.05)
+    records = [(out / f"pid{r}").read_text().split() for r in range(world)]
+    return [(int(a), int(b), addr) for a, b, addr in records]
+
+
+def _port_closed(address: str, timeout: float = 5.0) -> bool:
+    url = urllib.parse.urlsplit(address)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((url.hostname, url.port), timeout=1):
+                pass
+        except OSError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+# ---------------------------------------------------------------------------------------------------
+# Pure parts
+# ---------------------------------------------------------------------------------------------------
+
+def test_child_env_is_torchrun_style_and_splits_cores() -> None:
+    env = child_env((3, 2), 5, cpu=True, master_port=1234, lighthouse="http://127.0.0.1:9",
+                    base={"PATH": "/bin", "RANK": "stale"}, cpu_count=16)
+    assert env["PATH"] == "/bin"
+    assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"]) == ("5", "6", "5", "6")
+    assert (env["MASTER_ADDR"], env["MASTER_PORT"], env["MESHTUNE_MESH"]) == ("127.0.0.1", "1234", "3x2")
+    assert env["TORCHFT_LIGHTHOUSE"] == "http://127.0.0.1:9"
+    assert (env["ACCELERATE_USE_CPU"], env["CUDA_VISIBLE_DEVICES"], env["OMP_NUM_THREADS"]) == ("true", "", "2")
+    one_core_each = child_env((8, 1), 0, cpu=True, master_port=1, lighthouse=None, base={}, cpu_count=2)
+    assert one_core_each["OMP_NUM_THREADS"] == "1"
+    exported = child_env((2, 1), 0, cpu=True, master_port=1, lighthouse=None, base={"OMP_NUM_THREADS": "7"})
+    assert exported["OMP_NUM_THREADS"] == "7"
+    gpu = child_env((2, 2), 0, cpu=False, master_port=1, lighthouse=None, base={})
+    assert "ACCELERATE_USE_CPU" not in gpu and "CUDA_VISIBLE_DEVICES" not in gpu and "TORCHFT_LIGHTHOUSE" not in gpu
+
+
+def test_local_lighthouse_answers_a_torchft_client_and_stops() -> None:
+    from datetime import timedelta
+
+    from torchft.coordination import LighthouseClient
+
+    server, address = start_local_lighthouse()
+    try:
+        assert address.startswith("http://127.0.0.1:")
+        LighthouseClient(address, connect_timeout=timedelta(seconds=5)).heartbeat("probe")
+    finally:
+        server.shutdown()
+    assert _port_closed(address)
+
+
+@pytest.mark.parametrize(("args", "needles"), [
+    (["--mesh", "3x0"], ["mesh='3x0'", "X >= 1 replicas and Y >= 1 stages"]),
+    (["--mesh", "abc"], ["mesh='abc'", "be XxY"]),
+    (["--mesh", "2x2", "--"], ["script=''", "be given after `--`"]),
+    (["--mesh", "2x2", "--", "no_such_script.py"], ["script='no_such_script.py'", "existing Python file"]),
+    (["--mesh", "2x2", "--lighthouse", "nowhere", "--", __file__], ["lighthouse='nowhere'", "host:port"]),
+])
+def test_bad_input_exits_2_naming_field_value_and_rule(args, needles, capsys) -> None:
+    assert cli.main(["launch", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("meshtune launch: error: ")
+    for needle in needles:
+        assert needle in err
+
+
+# ---------------------------------------------------------------------------------------------------
+# Real meshes
+# ---------------------------------------------------------------------------------------------------
+
+def test_cli_starts_every_rank_with_its_env_and_prefixes_output(tmp_path: Path) -> None:
+    script = _script(tmp_path, "report.py", _REPORT_SCRIPT)
+    out, logs = tmp_path / "out", tmp_path / "logs"
+    out.mkdir()
+    done = subprocess.run(_meshtune("launch", "--mesh", "2x2", "--cpu", "--log-dir", str(logs), "--",
+                                    str(script), str(out), "arg", "--flag"),
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    reports = [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
+    envs = [rep["env"] for rep in reports]
+    assert sorted(int(e["RANK"]) for e in envs) == [0, 1, 2, 3]
+    assert [e["LOCAL_RANK"] for e in envs] == ["0", "1", "2", "3"]
+    for key in ("WORLD_SIZE", "MASTER_PORT", "MESHTUNE_MESH", "TORCHFT_LIGHTHOUSE", "OMP_NUM_THREADS"):
+        assert len({e[key] for e in envs}) == 1, key
+    assert (envs[0]["WORLD_SIZE"], envs[0]["MESHTUNE_MESH"], envs[0]["MASTER_ADDR"]) == ("4", "2x2", "127.0.0.1")
+    assert (envs[0]["ACCELERATE_USE_CPU"], envs[0]["CUDA_VISIBLE_DEVICES"]) == ("true", "")
+    assert envs[0]["TORCHFT_LIGHTHOUSE"].startswith("http://127.0.0.1:")
+    assert all(rep["argv"] == ["arg", "--flag"] and rep["lighthouse_connectable"] for rep in reports)
+    for rank, tag in enumerate(["r0s0", "r0s1", "r1s0", "r1s1"]):  # rank r = replica r // Y, stage r % Y
+        assert f"[{tag}] hello from rank {rank}\n" in done.stdout
+        assert f"[{tag}] warning from rank {rank}\n" in done.stderr
+        assert f"[{tag}] hello from rank {rank}" in (logs / f"rank{rank}.log").read_text()
+    assert _port_closed(envs[0]["TORCHFT_LIGHTHOUSE"])  # the launcher stopped its lighthouse
+
+
+def test_module_form_and_given_lighthouse_are_passed_through(tmp_path: Path, capsys) -> None:
+    _script(tmp_path, "mesh_probe.py", """
+        import os, sys
+        print(os.environ["RANK"], os.environ["TORCHFT_LIGHTHOUSE"], *sys.argv[1:])
+    """)
+    code = launch_mesh((1, 2), ["-m", "mesh_probe", "x"], cpu=False, lighthouse="127.0.0.1:1",
+                       env={"PYTHONPATH": str(tmp_path)})
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "[r0s0] 0 http://127.0.0.1:1 x\n" in out and "[r0s1] 1 http://127.0.0.1:1 x\n" in out
+
+
+def test_failing_rank_stops_the_mesh_and_sets_the_exit_code(tmp_path: Path, capsys) -> None:
+    script = _script(tmp_path, "sleeper.py", _SLEEPER_SCRIPT)
+    out = tmp_path / "out"
+    out.mkdir()
+    start = time.monotonic()
+    # Rank 2 fails; the others ignore SIGTERM, so only the SIGKILL after grace_s ends them.
+    code = launch_mesh((2, 2), [str(script), str(out), "2", "stubborn"], cpu=True, grace_s=1.0)
+    elapsed = time.monotonic() - start
+    assert code == 3
+    assert elapsed < 15, elapsed
+    assert "rank 2 (r1s0) failed first with exit code 3" in capsys.readouterr().err
+    records = _published(out, 4, timeout=0)
+    survivors = _wait_all_gone([pid for rec in records for pid in rec[:2]])
+    assert survivors == []
+    assert _port_closed(records[0][2])
+
+
+def test_sigint_stops_every_child_and_the_lighthouse(tmp_path: Path) -> None:
+    script = _script(tmp_path, "sleeper.py", _SLEEPER_SCRIPT)
+    out = tmp_path / "out"
+    out.mkdir()
+    command = _meshtune("launch", "--mesh", "2x2", "--cpu", "--", str(script), str(out), "-1", "polite")
+    launcher = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        records = _published(out, 4, timeout=45)
+        launcher.send_signal(signal.SIGINT)
+        start = time.monotonic()
+        _, err = launcher.communicate(timeout=20)
+        elapsed = time.monotonic() - start
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 130, err
+    assert elapsed < 10, elapsed  # polite children die on the first SIGTERM, well inside the grace
+    assert "got SIGINT" in err
+    assert _wait_all_gone([pid for rec in records for pid in rec[:2]]) == []
+    assert _port_closed(records[0][2])
+
+
+# ---------------------------------------------------------------------------------------------------
+# accelerate configs
+# ---------------------------------------------------------------------------------------------------
+
+_ALLREDUCE_SCRIPT = """
+import json, os, sys
+import torch
+import torch.distributed as dist
+from accelerate import Accelerator
+torch.set_num_threads(1)
+state = Accelerator().state
+value = torch.tensor([float(state.process_index)])
+dist.all_reduce(value)
+report = {"rank": state.process_index, "world": state.num_processes, "sum": value.item(),
+          "type": str(state.distributed_type), "backend": dist.get_backend(), "env_rank": os.environ["RANK"],
+          "mesh": os.environ.get("MESHTUNE_MESH")}
+with open(os.path.join(sys.argv[1], "rank%d.json" % state.process_index), "w") as f:
+    json.dump(report, f)
+dist.destroy_process_group()  # without it gloo's threads abort the exit (SIGABRT) on torch 2.13
+"""
+
+
+def test_cpu_mesh_yaml_starts_six_gloo_ranks(tmp_path: Path) -> None:
+    script = _script(tmp_path, "allreduce.py", _ALLREDUCE_SCRIPT)
+    out = tmp_path / "out"
+    out.mkdir()
+    env = dict(os.environ, ACCELERATE_USE_CPU="true", MESHTUNE_MESH="3x2")
+    accelerate = Path(sys.executable).with_name("accelerate")
+    config = REPO / "accelerate_configs" / "cpu_mesh_3x2.yaml"
+    done = subprocess.run([str(accelerate), "launch", "--config_file", str(config),
+                           "--main_process_port", str(free_port()), str(script), str(out)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    reports = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
+    assert sorted(r["rank"] for r in reports) == [0, 1, 2, 3, 4, 5]
+    for r in reports:
+        assert (r["world"], r["sum"], r["backend"], r["mesh"]) == (6, 15.0, "gloo", "3x2")
+        assert r["type"] == "DistributedType.MULTI_CPU" and r["env_rank"] == str(r["rank"])
