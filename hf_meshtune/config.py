@@ -52,7 +52,11 @@ class MeshArguments:
     # --- mesh shape and DP sync (used by the byte ledger on one machine) ---
     num_replicas: int = field(default=8, metadata={"help": "X: data-parallel replicas, the anchor replica included."})
     dp_sync_every: int = field(default=20, metadata={"help": "Inner steps between Streaming DiLoCo outer syncs."})
-    dp_powersgd_rank: int | None = field(default=4, metadata={"help": "PowerSGD rank of the DP pseudo-gradient; None = uncompressed."})
+    dp_powersgd_rank: int | None = field(default=4, metadata={"help": "PowerSGD rank of the DP pseudo-gradient; None (or 0, for command lines) = uncompressed."})
+    dp_fragments: int = field(default=1, metadata={"help": "Streaming DiLoCo fragments per stage, synced at staggered steps (must divide dp_sync_every)."})
+    dp_sync_delay: int = field(default=0, metadata={"help": "Inner steps a fragment's all-reduce overlaps before its outer step is applied (< dp_sync_every / dp_fragments)."})
+    dp_outer_lr: float = field(default=0.7, metadata={"help": "Learning rate of the outer Nesterov SGD applied to the averaged pseudo-gradient."})
+    dp_outer_momentum: float = field(default=0.9, metadata={"help": "Nesterov momentum of the outer optimizer."})
     anchor_payload: str = field(default="gradient", metadata={"help": "What the anchor sends: the 'gradient' or its momentum's rank-r 'factors'."})
 
     def __post_init__(self) -> None:
@@ -67,6 +71,8 @@ class MeshArguments:
 
     def validate_mesh(self) -> None:
         """Raise ``ValueError`` naming the field, its value and the rule for any bad knob."""
+        if self.dp_powersgd_rank == 0:  # command lines cannot say None
+            self.dp_powersgd_rank = None
         require(0.0 <= self.mask_ratio < 1.0, "mask_ratio", self.mask_ratio, "lie in [0, 1)")
         require(self.num_stages >= 1, "num_stages", self.num_stages, "be >= 1")
         require(self.mask_fill in FILLS, "mask_fill", self.mask_fill, f"be one of {sorted(FILLS)}")
@@ -85,6 +91,14 @@ class MeshArguments:
             require(self.num_replicas >= 2, "num_replicas", self.num_replicas, "be >= 2 when anchor=True (one replica is the anchor)")
         require(self.dp_sync_every >= 1, "dp_sync_every", self.dp_sync_every, "be >= 1")
         _require_optional_positive("dp_powersgd_rank", self.dp_powersgd_rank)
+        require(isinstance(self.dp_fragments, int) and self.dp_fragments >= 1, "dp_fragments", self.dp_fragments, "be an int >= 1")
+        require(self.dp_sync_every % self.dp_fragments == 0, "dp_fragments", self.dp_fragments,
+                f"divide dp_sync_every={self.dp_sync_every} (one fragment syncs every dp_sync_every / dp_fragments steps)")
+        interval = self.dp_sync_every // self.dp_fragments
+        require(isinstance(self.dp_sync_delay, int) and 0 <= self.dp_sync_delay < interval, "dp_sync_delay", self.dp_sync_delay,
+                f"lie in [0, dp_sync_every / dp_fragments = {interval}) (a fragment's sync must land before the next one starts)")
+        require(self.dp_outer_lr > 0, "dp_outer_lr", self.dp_outer_lr, "be > 0")
+        require(0.0 <= self.dp_outer_momentum < 1.0, "dp_outer_momentum", self.dp_outer_momentum, "lie in [0, 1)")
         require(self.anchor_payload in ANCHOR_PAYLOADS, "anchor_payload", self.anchor_payload, f"be one of {list(ANCHOR_PAYLOADS)}")
 
     @property

@@ -31,7 +31,8 @@ from .boundaries import find_decoder_layers, split_stages
 from .masking import BoundaryMask, keep_count
 from .wire import Wire
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "MeshStage", "StageModule", "build_schedule", "causal_lm_loss", "stage_parameter_names"]
+__all__ = ["SUPPORTED_MODEL_TYPES", "MeshStage", "StageModule", "build_schedule", "causal_lm_loss", "stage_parameter_names",
+           "untie_embeddings"]
 
 # Decoder-only models whose base model is embed_tokens → layers (with rotary position embeddings
 # computed once by ``rotary_emb``) → norm, and whose layers take (hidden, attention_mask,
@@ -130,6 +131,24 @@ class StageModule(nn.Module):
         if mask is None or mask.mask_ratio == 0.0:
             return self.hidden_size
         return keep_count(self.hidden_size, mask.mask_ratio)
+
+
+def untie_embeddings(model: nn.Module) -> bool:
+    """Give the LM head its own copy of tied input embeddings; True if they were tied.
+
+    The first stage holds the embeddings and the last the head, on different processes, so one
+    shared matrix cannot stay shared: each stage trains its copy (both start from the pretrained
+    matrix) and the config says ``tie_word_embeddings=False`` so a saved checkpoint keeps both.
+    """
+    head, embed = getattr(model, "lm_head", None), model.get_input_embeddings()
+    if head is None or embed is None or head.weight is not embed.weight:
+        return False
+    head.weight = nn.Parameter(embed.weight.detach().clone(), requires_grad=embed.weight.requires_grad)
+    model.config.tie_word_embeddings = False
+    text = model.config.get_text_config()
+    if text is not model.config:
+        text.tie_word_embeddings = False
+    return True
 
 
 def stage_parameter_names(model: nn.Module, stage_module: StageModule) -> dict[str, nn.Parameter]:

@@ -23,6 +23,7 @@ from .anchor import AnchorBatches, AnchorCircuit
 from .boundaries import BoundaryHandle, attach_boundaries
 from .config import SPECTRAL_ADAMW, MeshArguments, MeshConfig
 from .ledger import LedgerSettings, compute_ledger, param_shapes_of
+from .mesh_job import is_distributed_job, train_on_mesh, validate_mesh_job
 from .optim.spectral import SpectralAdamW
 
 __all__ = ["MESH_STATE_NAME", "MeshCallback", "MeshTrainer", "MeshTrainerMixin"]
@@ -143,6 +144,15 @@ class MeshTrainerMixin:
     def _anchor_loss(self, model: nn.Module, batch) -> torch.Tensor:
         return self.compute_loss(model, batch)
 
+    # --- training -----------------------------------------------------------------------------
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        """The Trainer's loop on one process; the distributed mesh when launched on several."""
+        if not is_distributed_job():
+            return super().train(resume_from_checkpoint, *args, **kwargs)
+        require(not resume_from_checkpoint, "resume_from_checkpoint", resume_from_checkpoint,
+                "be None on the distributed mesh (mesh checkpoints are not written yet; resume runs on one process)")
+        return train_on_mesh(self)
+
     # --- logs ---------------------------------------------------------------------------------
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs:
@@ -238,5 +248,8 @@ class MeshTrainer(MeshTrainerMixin, Trainer):
     """
 
     def __init__(self, *args, **kwargs) -> None:
+        model, training_args = kwargs.get("model", args[0] if args else None), kwargs.get("args", args[1] if len(args) > 1 else None)
+        if is_distributed_job() and model is not None and isinstance(training_args, MeshArguments):
+            validate_mesh_job(model, training_args)  # an impossible mesh fails here, on every rank, before any rendezvous
         super().__init__(*args, **kwargs)
         self._setup_mesh()

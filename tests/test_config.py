@@ -26,7 +26,7 @@ BAD_KNOBS = [
     ("spectral_rank", 0, "be None or an int >= 1"),
     ("num_replicas", 1, "be >= 2 when anchor=True (one replica is the anchor)"),
     ("dp_sync_every", 0, "be >= 1"),
-    ("dp_powersgd_rank", 0, "be None or an int >= 1"),
+    ("dp_powersgd_rank", -1, "be None or an int >= 1"),
     ("anchor_payload", "weights", "be one of ['gradient', 'factors']"),
 ]
 
@@ -99,3 +99,20 @@ def test_trainer_rejects_more_stages_than_layers(tmp_path):
     args = MeshTrainingArguments(output_dir=str(tmp_path), num_stages=9, use_cpu=True)
     with pytest.raises(ValueError, match=r"num_stages=9 is invalid: it must be <= the number of decoder layers \(4\)"):
         MeshTrainer(model=tiny_llama(), args=args, train_dataset=pattern_dataset())
+
+
+def test_powersgd_rank_zero_means_uncompressed_for_command_lines():
+    assert MeshConfig(dp_powersgd_rank=0).dp_powersgd_rank is None
+
+
+@pytest.mark.parametrize("field, value, rule", [
+    ("dp_fragments", 3, "divide dp_sync_every=20"),
+    ("dp_fragments", 0, "be an int >= 1"),
+    ("dp_sync_delay", 20, "lie in [0, dp_sync_every / dp_fragments = 20)"),
+    ("dp_outer_lr", 0.0, "be > 0"),
+    ("dp_outer_momentum", 1.0, "lie in [0, 1)"),
+])
+def test_dp_sync_knobs_name_field_value_and_rule(field, value, rule):
+    with pytest.raises(ValueError) as error:
+        MeshConfig(**{field: value})
+    assert f"{field}={value!r} is invalid: it must {rule}" in str(error.value)

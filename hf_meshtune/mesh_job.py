@@ -1,0 +1,248 @@
+"""``MeshTrainer.train()`` on a distributed mesh: the glue between the Trainer and the mesh workers.
+
+When the job has several processes (``WORLD_SIZE`` > 1: ``meshtune launch``, ``torchrun`` or
+``accelerate launch``), every process runs this instead of the Trainer's single-process loop:
+
+1. the mesh topology is validated (``MeshTopology.from_environment``) before any collective;
+2. the Trainer's data (train dataset + collator) becomes fixed-shape [B·M, T] batches: fast replica r
+   at step t and the anchor at round k each draw their own rows (pure functions of seed and index);
+3. the process runs its stage (``mesh_runtime.run_worker``);
+4. at the end every process gets fast replica 0's final parameters (so ``save_model``/``evaluate``
+   work as after a single-process run), and rank 0 writes ``mesh_summary.json``: measured bytes per
+   token by circuit next to the analytic ledger, DP bytes per sync, anchor staleness, step times.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import statistics
+
+import torch
+import torch.distributed as dist
+
+from ._validation import require
+from .anchor import AnchorBatches
+from .boundaries import find_decoder_layers
+from .ledger import LedgerSettings, compute_ledger, param_shapes_of
+from .masking import stable_seed
+from .mesh import MESH_ENV, MeshTopology
+from .mesh_runtime import MeshResult, RunSettings, run_worker
+from .pipeline import untie_embeddings
+
+__all__ = ["LIGHTHOUSE_ENV", "SUMMARY_NAME", "is_distributed_job", "summarize", "train_on_mesh", "validate_mesh_job"]
+
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
+SUMMARY_NAME = "mesh_summary.json"
+
+
+def is_distributed_job() -> bool:
+    """True when this process is one of several (a launcher set WORLD_SIZE > 1)."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def validate_mesh_job(model, args) -> MeshTopology:
+    """The job's topology, or the same ``ValueError`` on every rank before any collective."""
+    _, layers = find_decoder_layers(model)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return MeshTopology.from_environment(world, args.num_stages, args.anchor, len(layers))
+
+
+def _pad_rows(batch: dict, seq_len: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = batch["input_ids"]
+    labels = batch.get("labels", ids)
+    require(ids.shape[1] <= seq_len, "batch sequence length", ids.shape[1], f"be <= the mesh's fixed length {seq_len}")
+    extra = seq_len - ids.shape[1]
+    if extra:
+        ids = torch.nn.functional.pad(ids, (0, extra), value=pad_id)
+        labels = torch.nn.functional.pad(labels, (0, extra), value=-100)
+    if "attention_mask" in batch:  # padded positions never count in the loss
+        mask = torch.nn.functional.pad(batch["attention_mask"], (0, extra), value=0)
+        labels = labels.masked_fill(mask == 0, -100)
+    return ids.long(), labels.long()
+
+
+class _ReplicaBatches:
+    """Fast replica ``replica``'s rows at step t: its share of the step's global batch, drawn from a
+    fresh permutation per pass (a pure function of seed and step, like the anchor's)."""
+
+    def __init__(self, dataset, collate, rows: int, replica: int, replicas: int, seed: int, seq_len: int, pad_id: int) -> None:
+        self.dataset, self.collate, self.rows = dataset, collate, rows
+        self.replica, self.replicas, self.seed = replica, replicas, seed
+        self.seq_len, self.pad_id = seq_len, pad_id
+        self._perm: tuple[int, torch.Tensor] | None = None
+
+    def _index(self, k: int) -> int:
+        epoch, position = divmod(k, len(self.dataset))
+        if self._perm is None or self._perm[0] != epoch:
+            gen = torch.Generator().manual_seed(stable_seed(b"meshtune-data", self.seed, epoch))
+            self._perm = (epoch, torch.randperm(len(self.dataset), generator=gen))
+        return int(self._perm[1][position])
+
+    def __call__(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        start = (step * self.replicas + self.replica) * self.rows
+        rows = [self.dataset[self._index(k)] for k in range(start, start + self.rows)]
+        return _pad_rows(self.collate(rows), self.seq_len, self.pad_id)
+
+
+def _fixed_length(dataset) -> int:
+    require(hasattr(dataset, "column_names") and "input_ids" in dataset.column_names, "train_dataset",
+            type(dataset).__name__, "be a tokenized datasets.Dataset with an 'input_ids' column on the mesh "
+            "(pipeline stages exchange fixed-shape tensors, so the longest row sets T)")
+    return max(len(ids) for ids in dataset["input_ids"])
+
+
+def _lighthouse(rank: int, fast_replicas: int) -> tuple[str, object | None]:
+    """The torchft lighthouse: ``$TORCHFT_LIGHTHOUSE``, or one that rank 0 starts for the job."""
+    address = os.environ.get(LIGHTHOUSE_ENV)
+    if address:
+        return address, None
+    from .dp_sync import start_lighthouse
+
+    store = dist.distributed_c10d._get_default_store()
+    server = None
+    if rank == 0:
+        server, address = start_lighthouse(min_replicas=fast_replicas)
+        store.set("meshtune/lighthouse", address)
+    return store.get("meshtune/lighthouse").decode(), server
+
+
+def train_on_mesh(trainer):
+    """Run ``trainer``'s training on the distributed mesh; returns a ``TrainOutput``."""
+    from transformers import get_scheduler
+    from transformers.trainer_utils import TrainOutput
+
+    args, model = trainer.args, trainer.model
+    topology = validate_mesh_job(model, args)
+    require(args.max_steps > 0, "max_steps", args.max_steps, "be > 0 on the distributed mesh (epochs are not counted there)")
+    _ = args.device  # accelerate creates the default process group for launched jobs
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    trainer.mesh_boundaries.remove()  # the stages apply the masks themselves
+    if untie_embeddings(model) and rank == 0:
+        print("hf_meshtune: the LM head was tied to the input embeddings; on the mesh the first and last stages "
+              "each train their own copy (tie_word_embeddings=False in the saved config)", flush=True)
+    groups = topology.build_groups()
+    link_group = dist.new_group(list(range(topology.world_size)))
+    lighthouse, server = _lighthouse(rank, len(topology.fast_replicas))
+
+    dataset = trainer.train_dataset
+    if hasattr(dataset, "column_names"):
+        dataset = trainer._remove_unused_columns(dataset, description="training")
+    seq_len = _fixed_length(dataset)
+    pad_id = getattr(getattr(trainer, "processing_class", None), "pad_token_id", None)
+    pad_id = pad_id if pad_id is not None else (model.config.pad_token_id or 0)
+    seed = args.data_seed if args.data_seed is not None else args.seed
+    micro, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
+    fast = topology.fast_replicas
+    replica, _ = topology.coords(rank)
+    batches = _ReplicaBatches(dataset, trainer.data_collator, micro * accumulation, min(replica, len(fast) - 1),
+                              len(fast), seed, seq_len, pad_id)
+    anchor_micro = args.anchor_microbatches or accumulation
+    anchor_rounds = AnchorBatches(dataset, trainer.data_collator, micro * anchor_micro, 1, seed)
+
+    def anchor_batches(round_index: int):
+        return _pad_rows(anchor_rounds(round_index)[0], seq_len, pad_id)
+
+    def scheduler(optimizer):
+        return get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=args.get_warmup_steps(args.max_steps),
+                             num_training_steps=args.max_steps, scheduler_specific_kwargs=args.lr_scheduler_kwargs)
+
+    def log(entry: dict) -> None:
+        print(json.dumps({"mesh": f"{topology.replicas}x{topology.stages}", **entry}), flush=True)
+
+    settings = RunSettings(
+        config=args.mesh_config, microbatch_size=micro, microbatches=accumulation, seq_len=seq_len,
+        max_steps=args.max_steps, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
+        weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm or None, scheduler=scheduler,
+        anchor_microbatches=anchor_micro, lighthouse=lighthouse, log=log, log_every=max(1, int(args.logging_steps)),
+    )
+    torch.manual_seed(args.seed)
+    result = run_worker(model, topology, groups.pp_group, link_group, settings, batches, anchor_batches)
+
+    result.params = result.global_params = None  # parameters travel by broadcast below, not pickled
+    results: list[MeshResult] = [None] * topology.world_size  # type: ignore[list-item]
+    dist.all_gather_object(results, result)
+    _share_final_parameters(model, topology)
+    summary = summarize(results, topology, trainer, seq_len)
+    if rank == 0:
+        os.makedirs(args.output_dir, exist_ok=True)
+        with open(os.path.join(args.output_dir, SUMMARY_NAME), "w") as handle:
+            json.dump(summary, handle, indent=2)
+        print(json.dumps({"mesh_summary": summary}, indent=2), flush=True)
+    trainer.state.global_step = args.max_steps
+    trainer.mesh_summary = summary
+    dist.barrier()
+    if server is not None:
+        server.shutdown()
+    losses = [loss for r in results if r.role == "fast" for loss in r.losses]
+    train_loss = float(statistics.fmean(losses)) if losses else math.nan
+    return TrainOutput(args.max_steps, train_loss, {"train_loss": train_loss, **{k: v for k, v in summary.items() if isinstance(v, (int, float))}})
+
+
+def _share_final_parameters(model, topology: MeshTopology) -> None:
+    """Every process gets fast replica 0's final parameters, stage by stage (tensor broadcasts), so
+    ``save_model``/``evaluate`` see the trained model on any rank."""
+    from .pipeline import StageModule
+
+    with torch.no_grad():
+        for stage in range(topology.stages):
+            owned = StageModule(model, stage, topology.stages, None, None)
+            for param in owned.parameters():
+                if param.requires_grad:
+                    dist.broadcast(param.data, src=topology.rank(0, stage))
+
+
+def summarize(results: list[MeshResult], topology: MeshTopology, trainer, seq_len: int) -> dict:
+    """Measured bytes per fast token by circuit (all ranks) next to the analytic ledger, and more."""
+    fast = [r for r in results if r.role == "fast"]
+    tokens = sum(r.tokens for r in fast if r.stage == 0)
+    measured = {c: sum(r.wire["sent"][c] for r in results) / max(tokens, 1) for c in ("pp_fwd", "pp_bwd", "dp", "anchor")}
+    measured["total"] = sum(measured.values())
+    steps = max((r.steps for r in fast), default=0)
+    rounds = max((len(r.anchor_rounds) for r in results if r.role == "anchor"), default=0)
+    cfg = trainer.args.mesh_config
+    dtype = str(next(trainer.model.parameters()).dtype).removeprefix("torch.")
+    tokens_per_step = tokens // max(steps * len(topology.fast_replicas), 1)
+    settings = LedgerSettings(
+        num_replicas=topology.replicas, num_stages=topology.stages, mask_ratio=cfg.mask_ratio,
+        tokens_per_step=max(tokens_per_step, 1), activation_dtype=dtype, grad_dtype=dtype, param_dtype=dtype,
+        sync_every=cfg.dp_sync_every, powersgd_rank=cfg.dp_powersgd_rank, anchor=cfg.anchor,
+        anchor_every=1, anchor_payload=cfg.anchor_payload,
+        anchor_tokens_per_round=trainer.args.per_device_train_batch_size * (cfg.anchor_microbatches or trainer.args.gradient_accumulation_steps) * seq_len,
+    )
+    shapes, hidden = param_shapes_of(trainer.model), trainer.model.config.get_text_config().hidden_size
+    ledger = compute_ledger(shapes, hidden, settings)
+    # The anchor's rounds follow its own pace, not a fixed anchor_every: its per-round part (dense
+    # pipeline + gradient delivery) scales with the rounds it really ran per fast step, R/S; the
+    # outer-update part does not. A(e) = updates + per_round/e, so per_round = 2·(A(1) − A(2)).
+    if cfg.anchor:
+        every2 = compute_ledger(shapes, hidden, dataclasses.replace(settings, anchor_every=2)).anchor
+        per_round = 2.0 * (ledger.anchor - every2)
+        anchor_analytic = (ledger.anchor - per_round) + per_round * rounds / max(steps, 1)
+    else:
+        anchor_analytic = 0.0
+    syncs = [(r.dp_syncs, sum(r.dp_sync_bytes)) for r in fast]
+    sync_count = sum(n for n, _ in syncs)
+    staleness = [arrival - snapshot for r in fast for arrival, snapshot in r.arrivals]
+    step_seconds = [s for r in fast for s in r.step_seconds[1:]] or [s for r in fast for s in r.step_seconds]
+    return {
+        "mesh": f"{topology.replicas}x{topology.stages}", "fast_replicas": len(topology.fast_replicas),
+        "anchor": topology.anchor, "steps": steps, "fast_tokens": tokens, "seq_len": seq_len,
+        "measured_bytes_per_token": measured,
+        "analytic_bytes_per_token": {"pp_fwd": ledger.pp_fwd, "pp_bwd": ledger.pp_bwd, "dp": ledger.dp, "anchor": anchor_analytic,
+                                     "total": ledger.pp_fwd + ledger.pp_bwd + ledger.dp + anchor_analytic},
+        "analytic_settings": dataclasses.asdict(settings),
+        "dp_syncs_per_rank": sync_count / max(len(fast), 1),
+        "dp_bytes_per_sync_per_rank": (sum(b for _, b in syncs) / sync_count) if sync_count else 0.0,
+        "anchor_rounds": rounds,
+        "anchor_arrivals": len(staleness),
+        "anchor_staleness_mean": statistics.fmean(staleness) if staleness else None,
+        "anchor_staleness_max": max(staleness) if staleness else None,
+        "step_seconds_mean": statistics.fmean(step_seconds) if step_seconds else None,
+        "final_loss": fast[-1].losses[-1] if fast and fast[-1].losses else None,
+        "mesh_env": os.environ.get(MESH_ENV),
+    }

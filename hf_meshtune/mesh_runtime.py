@@ -1,0 +1,559 @@
+"""One process of the distributed X × Y mesh: a fast masked stage or an anchor stage.
+
+Every process holds the full model (it loads the same checkpoint) and runs one pipeline stage of
+one replica (``pipeline.StageModule``; memory for the other stages' weights is not reclaimed yet).
+
+Fast replica r, stage s (``FastWorker``), per step:
+  1. its replica's 1F1B pipeline over the step's microbatches, compact [B, T, K] boundaries;
+  2. gradient clipping over the whole replica (one scalar all-reduce over the PP group);
+  3. drain the anchor inbox: every dense gradient that has arrived goes into ``SpectralAdamW``'s
+     anchor momentum (the staleness, fast steps between its snapshot and now, is recorded);
+  4. the inner optimizer step; Streaming DiLoCo (``dp_sync``) hooks it and syncs one fragment with
+     stage s of the other fast replicas every ``dp_sync_every / dp_fragments`` steps.
+  Replica 0 forwards every committed outer update (in its compressed wire form) to the anchor.
+
+Anchor stage s (``AnchorWorker``) keeps θ_global by replaying those outer updates (``OuterFollower``),
+and in rounds: on the freshest snapshot at least ``anchor_every`` fast steps after the previous one,
+its dense pipeline computes ∂L/∂θ on its own batch and sends the 2-D gradients to stage s of every
+fast replica. Anchor stage 0 picks each round's snapshot and tells the other anchor stages, so all
+stages of a round use the same one.
+
+The anchor never holds up a fast step: fast ranks receive on a background thread and only look at
+what has already arrived; what they send to the anchor goes through a background thread too.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ._validation import require
+from .config import MeshConfig
+from .fills import FILLS
+from .masking import BoundaryMask
+from .mesh import MeshTopology
+from .pipeline import MeshStage, StageModule, build_schedule, causal_lm_loss, stage_parameter_names
+from .wire import Wire
+
+__all__ = ["AnchorWorker", "FastWorker", "MeshResult", "RunSettings", "run_worker", "stage_fragments"]
+
+STOP, DATA = 0, 1
+TAG_UPDATE, TAG_UPDATE_PAYLOAD, TAG_GRAD, TAG_GRAD_PAYLOAD, TAG_ROUND = 101, 102, 201, 202, 301
+
+Batches = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class RunSettings:
+    """Everything a mesh process needs besides the model and its data."""
+
+    config: MeshConfig
+    microbatch_size: int
+    microbatches: int
+    seq_len: int
+    max_steps: int
+    lr: float = 2e-5
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    max_grad_norm: float | None = 1.0
+    scheduler: Callable | None = None  # optimizer → LR scheduler (stepped once per fast step)
+    anchor_microbatches: int | None = None
+    lighthouse: str | None = None
+    dp_timeout_s: float = 60.0
+    log: Callable[[dict], None] | None = None  # called on the logging rank with per-step metrics
+    log_every: int = 1
+    record_parameters: bool = False  # return final and θ_global parameters in the MeshResult (tests)
+
+    def __post_init__(self) -> None:
+        for name in ("microbatch_size", "microbatches", "seq_len", "max_steps", "log_every"):
+            value = getattr(self, name)
+            require(isinstance(value, int) and value >= 1, name, value, "be an int >= 1")
+        cfg = self.config
+        require(cfg.mask_fill in ("zeros", "mean"), "mask_fill", cfg.mask_fill,
+                "be 'zeros' or 'mean' on the distributed mesh (the 'gaussian' fill needs the anchor's dense "
+                "activations on every receiving stage, which the mesh does not send)")
+        require(cfg.mask_protect_dims == 0, "mask_protect_dims", cfg.mask_protect_dims,
+                "be 0 on the distributed mesh (choosing the dims needs a dense forward of the whole model)")
+        require(cfg.anchor_payload == "gradient", "anchor_payload", cfg.anchor_payload,
+                "be 'gradient' on the distributed mesh (the anchor sends its dense gradient)")
+
+
+@dataclass
+class MeshResult:
+    """What one process did: role, losses (last stages), wire bytes, syncs, anchor traffic."""
+
+    rank: int
+    replica: int
+    stage: int
+    role: str
+    steps: int = 0
+    tokens: int = 0
+    losses: list[float] = field(default_factory=list)
+    step_seconds: list[float] = field(default_factory=list)
+    wire: dict = field(default_factory=dict)
+    dp_syncs: int = 0
+    dp_sync_bytes: list[float] = field(default_factory=list)
+    arrivals: list[tuple[int, int]] = field(default_factory=list)  # (fast step on arrival, snapshot step)
+    anchor_rounds: list[int] = field(default_factory=list)  # snapshot step of every round (anchor)
+    params: dict[str, torch.Tensor] | None = None
+    global_params: list[torch.Tensor] | None = None  # θ_global of every fragment, flattened (fast: DiLoCo's; anchor: its own)
+
+
+# --------------------------------------------------------------------------------------------
+# Pieces shared by both roles
+# --------------------------------------------------------------------------------------------
+class _ParamSet(nn.Module):
+    """A DiLoCo fragment: some of a stage's trainable parameters (shared, not copied)."""
+
+    def __init__(self, params: Sequence[nn.Parameter]) -> None:
+        super().__init__()
+        self.params = nn.ParameterList(list(params))
+
+
+def stage_fragments(module: StageModule, count: int) -> list[nn.Module]:
+    """Split a stage's trainable parameters into ``count`` contiguous fragments (model order).
+
+    Embeddings go with the first layers, the final norm and the head with the last ones; every
+    fragment gets at least one parameter tensor and they are balanced by element count.
+    """
+    params = [p for p in module.parameters() if p.requires_grad]
+    require(len(params) >= count, "dp_fragments", count,
+            f"be <= the {len(params)} trainable parameter tensors of stage {module.stage}")
+    total = sum(p.numel() for p in params)
+    fragments: list[list[nn.Parameter]] = [[] for _ in range(count)]
+    seen, index = 0, 0
+    for i, p in enumerate(params):
+        left_params, left_frags = len(params) - i, count - index
+        if fragments[index] and (seen >= total * (index + 1) / count or left_params <= left_frags - 1):
+            index += 1
+        fragments[index].append(p)
+        seen += p.numel()
+    return [_ParamSet(f) for f in fragments]
+
+
+def _stage_module(model: nn.Module, stage: int, num_stages: int, cfg: MeshConfig, masked: bool) -> StageModule:
+    def mask(boundary: int) -> BoundaryMask | None:
+        if not masked or boundary < 0 or boundary >= num_stages - 1:
+            return None
+        return BoundaryMask(boundary, cfg.mask_ratio, cfg.mask_seed, cfg.mask_rescale, FILLS[cfg.mask_fill]())
+
+    return StageModule(model, stage, num_stages, mask(stage - 1), mask(stage))
+
+
+def _anchor_matrices(model: nn.Module, module: StageModule) -> list[tuple[str, nn.Parameter]]:
+    """The stage's trainable 2-D parameters, in a fixed order both ends of the anchor link share."""
+    return [(n, p) for n, p in stage_parameter_names(model, module).items() if p.requires_grad and p.ndim == 2]
+
+
+def _run_schedule(schedule, module: StageModule, ids: torch.Tensor, labels: torch.Tensor) -> float | None:
+    losses: list[torch.Tensor] = []
+    first, last = module.stage == 0, module.stage == module.num_stages - 1
+    if first and last:
+        schedule.step(ids, target=labels, losses=losses, return_outputs=False)
+    elif first:
+        schedule.step(ids, return_outputs=False)
+    elif last:
+        schedule.step(target=labels, losses=losses, return_outputs=False)
+    else:
+        schedule.step(return_outputs=False)
+    return float(torch.stack([l.detach() for l in losses]).mean()) if losses else None
+
+
+class _Sender:
+    """Blocking point-to-point sends on a background thread: ``put`` never waits for the peer."""
+
+    def __init__(self, wire: Wire, group, circuit: str) -> None:
+        self.wire, self.group, self.circuit = wire, group, circuit
+        self.queue: queue.Queue = queue.Queue()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._loop, daemon=True, name="mesh-sender")
+        self.thread.start()
+
+    def put(self, dst: int, tag: int, tensor: torch.Tensor) -> None:
+        self.queue.put((dst, tag, tensor))
+
+    def _loop(self) -> None:
+        while True:
+            item = self.queue.get()
+            if item is None:
+                return
+            dst, tag, tensor = item
+            try:
+                self.wire.send(self.circuit, tensor, dst, group=self.group, tag=tag)
+            except BaseException as error:  # noqa: BLE001 - reported by close()
+                self.error = error
+                return
+
+    def close(self) -> None:
+        self.queue.put(None)
+        self.thread.join()
+        if self.error is not None:
+            raise RuntimeError(f"sending to the anchor link failed: {self.error}") from self.error
+
+
+class _Receiver:
+    """Receives (header, payload) messages from one peer on a background thread into a queue.
+
+    ``header_len`` int64 header, first value DATA or STOP; ``payload_numel(header)`` says how many
+    float32 values follow a DATA header (0 = none). The thread ends after a STOP.
+    """
+
+    def __init__(self, wire: Wire, group, src: int, tags: tuple[int, int], header_len: int,
+                 payload_numel: Callable[[list[int]], int], circuit: str = "anchor") -> None:
+        self.wire, self.group, self.src, self.tags = wire, group, src, tags
+        self.header_len, self.payload_numel, self.circuit = header_len, payload_numel, circuit
+        self.queue: queue.Queue = queue.Queue()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._loop, daemon=True, name="mesh-receiver")
+        self.thread.start()
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                header = torch.zeros(self.header_len, dtype=torch.long)
+                self.wire.recv(self.circuit, header, self.src, group=self.group, tag=self.tags[0])
+                values = header.tolist()
+                if values[0] == STOP:
+                    self.queue.put(None)
+                    return
+                payload = torch.empty(self.payload_numel(values), dtype=torch.float32)
+                if payload.numel():
+                    self.wire.recv(self.circuit, payload, self.src, group=self.group, tag=self.tags[1])
+                self.queue.put((values, payload))
+        except BaseException as error:  # noqa: BLE001 - surfaced to the main thread
+            self.error = error
+            self.queue.put(None)
+
+    def ready(self) -> list:
+        """Every message that has arrived, without waiting (a STOP shows as None)."""
+        out = []
+        while True:
+            try:
+                out.append(self.queue.get_nowait())
+            except queue.Empty:
+                return out
+
+    def next(self):
+        """The next message, waiting for it (None after STOP)."""
+        return self.queue.get()
+
+    def join(self) -> None:
+        self.thread.join()
+        if self.error is not None:
+            raise RuntimeError(f"receiving on the anchor link failed: {self.error}") from self.error
+
+
+def _flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    if not tensors:
+        return torch.zeros(0, dtype=torch.float32)
+    return torch.cat([t.detach().reshape(-1).to(torch.float32) for t in tensors])
+
+
+def _unflatten(flat: torch.Tensor, shapes: Sequence[torch.Size]) -> list[torch.Tensor]:
+    out, offset = [], 0
+    for shape in shapes:
+        n = math.prod(shape)
+        out.append(flat[offset : offset + n].view(shape))
+        offset += n
+    require(offset == flat.numel(), "anchor message size", flat.numel(), f"equal the expected {offset} values")
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Fast replica stage
+# --------------------------------------------------------------------------------------------
+class FastWorker:
+    """Stage ``stage`` of fast replica ``replica``: masked pipeline, DiLoCo sync, anchor inbox."""
+
+    def __init__(self, model: nn.Module, topology: MeshTopology, pp_group, link_group, settings: RunSettings,
+                 batches: Batches, rank: int) -> None:
+        from .dp_sync import StreamingDiLoCo, host_replica_store, make_manager
+        from .optim.spectral import SpectralAdamW
+
+        self.topology, self.settings, self.batches = topology, settings, batches
+        self.replica, self.stage = topology.coords(rank)
+        cfg = settings.config
+        self.wire = Wire()
+        self.model = model
+        self.module = _stage_module(model, self.stage, topology.stages, cfg, masked=True)
+        dtype = next(model.parameters()).dtype
+        self.pipe = MeshStage(self.module, group=pp_group, device=torch.device("cpu"), microbatch_size=settings.microbatch_size,
+                              seq_len=settings.seq_len, dtype=dtype, wire=self.wire)
+        self.schedule = build_schedule(self.pipe, settings.microbatches, causal_lm_loss(model))
+        self.pp_group, self.link_group = pp_group, link_group
+        trainable = [p for p in self.module.parameters() if p.requires_grad]
+        require(len(trainable) > 0, "trainable parameters of stage", self.stage,
+                "include at least one (freeze fewer layers: every stage of the mesh trains)")
+        decay = [p for p in trainable if p.ndim >= 2]
+        no_decay = [p for p in trainable if p.ndim < 2]
+        groups = [{"params": decay, "weight_decay": settings.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        groups = [g for g in groups if g["params"]]
+        if cfg.anchor:
+            self.optimizer = SpectralAdamW(groups, lr=settings.lr, betas=settings.betas, eps=settings.eps,
+                                           alpha=cfg.spectral_alpha, tau=cfg.spectral_tau, anchor_beta=cfg.anchor_beta,
+                                           rank=cfg.spectral_rank, relative_tau=cfg.spectral_relative_tau, seed=cfg.mask_seed)
+        else:
+            self.optimizer = torch.optim.AdamW(groups, lr=settings.lr, betas=settings.betas, eps=settings.eps)
+        self.scheduler = settings.scheduler(self.optimizer) if settings.scheduler else None
+        self.fragments = stage_fragments(self.module, cfg.dp_fragments)
+        self.replica_store = host_replica_store(self.replica, self.stage, timeout_s=settings.dp_timeout_s)
+        self.manager = make_manager(replica=self.replica, stage=self.stage, num_stages=topology.stages,
+                                    lighthouse_addr=settings.lighthouse, store_addr=self.replica_store.addr,
+                                    store_port=self.replica_store.port, timeout_s=settings.dp_timeout_s)
+        self.diloco = StreamingDiLoCo(
+            self.manager, self.fragments, self.optimizer, sync_every=cfg.dp_sync_every,
+            fragment_sync_delay=cfg.dp_sync_delay, outer_lr=cfg.dp_outer_lr, outer_momentum=cfg.dp_outer_momentum,
+            powersgd_rank=cfg.dp_powersgd_rank, wire=self.wire, on_outer_update=self._on_outer_update, seed=cfg.mask_seed,
+        )
+        self.matrices = _anchor_matrices(model, self.module)
+        self.anchor_rank = topology.anchor_rank(self.stage)
+        self.inbox = self.outbox = None
+        if cfg.anchor:
+            numel = sum(p.numel() for _, p in self.matrices)
+            self.inbox = _Receiver(self.wire, link_group, self.anchor_rank, (TAG_GRAD, TAG_GRAD_PAYLOAD), 2,
+                                   lambda header: numel)
+            if self.replica == 0:
+                self.outbox = _Sender(self.wire, link_group, "anchor")
+        self.result = MeshResult(rank, self.replica, self.stage, "fast")
+        self._step = 0
+        self._dp_bytes_at_last_sync = 0.0
+
+    def _on_outer_update(self, update) -> None:
+        """A committed fragment sync: count it, and (replica 0) forward it to the anchor."""
+        self.result.dp_syncs += 1
+        sent = self.wire.sent["dp"]
+        self.result.dp_sync_bytes.append(sent - self._dp_bytes_at_last_sync)
+        self._dp_bytes_at_last_sync = sent
+        if self.outbox is not None:
+            payload = _flatten(update.tensors)
+            header = torch.tensor([DATA, self._step + 1, update.fragment, payload.numel()], dtype=torch.long)
+            self.outbox.put(self.anchor_rank, TAG_UPDATE, header)
+            self.outbox.put(self.anchor_rank, TAG_UPDATE_PAYLOAD, payload)
+
+    def _clip(self) -> None:
+        max_norm = self.settings.max_grad_norm
+        if not max_norm:
+            return
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        local = torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum() if grads else torch.zeros(())
+        total = local.reshape(1).clone()
+        if self.topology.stages > 1:
+            self.wire.all_reduce("pp_bwd", total, self.topology.stages, lambda t: dist.all_reduce(t, group=self.pp_group))
+        norm = float(total.sqrt())
+        if norm > max_norm:
+            for g in grads:
+                g.mul_(max_norm / (norm + 1e-6))
+
+    def _drain_anchor(self) -> None:
+        if self.inbox is None:
+            return
+        for message in self.inbox.ready():
+            if message is None:
+                continue
+            header, payload = message
+            grads = _unflatten(payload, [p.shape for _, p in self.matrices])
+            self.optimizer.update_anchor({p: g.to(p.dtype) for (_, p), g in zip(self.matrices, grads)})
+            self.result.arrivals.append((self._step, header[1]))
+
+    def run(self) -> MeshResult:
+        s = self.settings
+        tokens_per_step = s.microbatch_size * s.microbatches * s.seq_len
+        logging = self.stage == self.topology.stages - 1 and self.replica == 0
+        with self.diloco:
+            for step in range(s.max_steps):
+                self._step = step
+                start = time.perf_counter()
+                self.module.step = step
+                ids, labels = self.batches(step)
+                loss = _run_schedule(self.schedule, self.module, ids, labels)
+                self._clip()
+                self._drain_anchor()
+                self.optimizer.step()
+                if self.scheduler is not None:
+                    self.scheduler.step()
+                self.optimizer.zero_grad(set_to_none=True)
+                self.result.step_seconds.append(time.perf_counter() - start)
+                self.result.steps += 1
+                self.result.tokens += tokens_per_step
+                if loss is not None:
+                    self.result.losses.append(loss)
+                    if logging and s.log is not None and (step + 1) % s.log_every == 0:
+                        s.log({"step": step + 1, "loss": loss, "lr": self.optimizer.param_groups[0]["lr"],
+                               "step_seconds": self.result.step_seconds[-1]})
+        self._finish()
+        return self.result
+
+    def _finish(self) -> None:
+        if self.outbox is not None:
+            self.outbox.put(self.anchor_rank, TAG_UPDATE, torch.tensor([STOP, self._step + 1, -1, 0], dtype=torch.long))
+            self.outbox.close()
+        if self.inbox is not None:  # the anchor answers our STOP with its own once its round is done
+            self.inbox.join()
+            self._step = self.settings.max_steps
+            self._drain_anchor()
+        self.result.wire = self.wire.to_dict()
+        if self.settings.record_parameters:
+            self.result.params = {n: p.detach().clone() for n, p in stage_parameter_names(self.model, self.module).items()}
+            self.result.global_params = [_flatten(self.diloco.global_parameters(i)) for i in range(len(self.fragments))]
+        self.manager.shutdown(wait=False)
+
+
+# --------------------------------------------------------------------------------------------
+# Anchor replica stage
+# --------------------------------------------------------------------------------------------
+class AnchorWorker:
+    """Stage ``stage`` of the anchor replica: replays outer updates, computes dense gradients."""
+
+    def __init__(self, model: nn.Module, topology: MeshTopology, pp_group, link_group, settings: RunSettings,
+                 batches: Batches, rank: int) -> None:
+        from .dp_sync import OuterFollower
+
+        self.topology, self.settings, self.batches = topology, settings, batches
+        self.replica, self.stage = topology.coords(rank)
+        cfg = settings.config
+        self.wire = Wire()
+        self.model = model
+        self.module = _stage_module(model, self.stage, topology.stages, cfg, masked=False)
+        dtype = next(model.parameters()).dtype
+        microbatches = settings.anchor_microbatches or settings.microbatches
+        self.pipe = MeshStage(self.module, group=pp_group, device=torch.device("cpu"), microbatch_size=settings.microbatch_size,
+                              seq_len=settings.seq_len, dtype=dtype, wire=self.wire, anchor=True)
+        self.schedule = build_schedule(self.pipe, microbatches, causal_lm_loss(model))
+        self.link_group = link_group
+        self.fragments = stage_fragments(self.module, cfg.dp_fragments)
+        self.fragment_shapes = [[p.shape for p in f.parameters()] for f in self.fragments]
+        self.follower = OuterFollower(self.fragments, outer_lr=cfg.dp_outer_lr, outer_momentum=cfg.dp_outer_momentum)
+        self.matrices = _anchor_matrices(model, self.module)
+        self.source = topology.rank(0, self.stage)  # fast replica 0 forwards the outer updates
+        self.inbox = _Receiver(self.wire, link_group, self.source, (TAG_UPDATE, TAG_UPDATE_PAYLOAD), 4,
+                               lambda header: header[3])
+        self.result = MeshResult(rank, self.replica, self.stage, "anchor")
+        self.applied_step = 0  # fast steps reflected in this stage's parameters
+        self.stopped = False
+
+    def _apply(self, message) -> None:
+        from .dp_sync import OuterUpdate
+
+        header, payload = message
+        step, fragment = header[1], header[2]
+        rank = self.settings.config.dp_powersgd_rank
+        tensors = _unflatten(payload, update_shapes(self.fragment_shapes[fragment], rank))
+        self.follower.apply(OuterUpdate(fragment=fragment, step=step, tensors=tensors, rank=rank))
+        self.applied_step = step
+
+    def _advance_to(self, target: int) -> None:
+        """Apply queued outer updates until this stage's parameters reflect fast step ``target``."""
+        while self.applied_step < target:
+            message = self.inbox.next()
+            require(message is not None, "anchor round", target, "name a snapshot the fast circuit reached before it stopped")
+            self._apply(message)
+
+    def _choose_round(self, previous: int | None) -> int | None:
+        """Stage 0: the snapshot of the next round (None = the fast circuit has stopped)."""
+        if previous is None:
+            return 0
+        due = previous + self.settings.config.anchor_every
+        while self.applied_step < due:  # wait for a snapshot far enough ahead
+            message = self.inbox.next()
+            if message is None:
+                self.stopped = True
+                return None
+            self._apply(message)
+        for message in self.inbox.ready():  # then take the freshest one already here
+            if message is None:
+                self.stopped = True
+                break
+            self._apply(message)
+        return self.applied_step
+
+    def run(self) -> MeshResult:
+        stages = self.topology.stages
+        anchor_ranks = [self.topology.rank(self.replica, s) for s in range(stages)]
+        previous: int | None = None
+        round_index = 0
+        while True:
+            if self.stage == 0:
+                target = None if self.stopped else self._choose_round(previous)
+                message = torch.tensor([-1 if target is None else target], dtype=torch.long)
+                for dst in anchor_ranks[1:]:
+                    self.wire.send("anchor", message, dst, group=self.link_group, tag=TAG_ROUND)
+            else:
+                message = torch.zeros(1, dtype=torch.long)
+                self.wire.recv("anchor", message, anchor_ranks[0], group=self.link_group, tag=TAG_ROUND)
+                target = None if message.item() < 0 else int(message.item())
+                if target is not None:
+                    self._advance_to(target)
+            if target is None:
+                break
+            self._round(round_index, target)
+            previous, round_index = target, round_index + 1
+        self._finish()
+        return self.result
+
+    def _round(self, round_index: int, snapshot: int) -> None:
+        self.model.zero_grad(set_to_none=True)
+        self.module.step = round_index
+        ids, labels = self.batches(round_index)
+        loss = _run_schedule(self.schedule, self.module, ids, labels)
+        if loss is not None:
+            self.result.losses.append(loss)
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for _, p in self.matrices]
+        payload = _flatten(grads)
+        header = torch.tensor([DATA, snapshot], dtype=torch.long)
+        for replica in self.topology.fast_replicas:
+            dst = self.topology.rank(replica, self.stage)
+            self.wire.send("anchor", header, dst, group=self.link_group, tag=TAG_GRAD)
+            self.wire.send("anchor", payload, dst, group=self.link_group, tag=TAG_GRAD_PAYLOAD)
+        self.result.anchor_rounds.append(snapshot)
+        self.model.zero_grad(set_to_none=True)
+
+    def _finish(self) -> None:
+        while not self.stopped and self.inbox.next() is not None:  # updates after the last round
+            pass
+        self.inbox.join()
+        for replica in self.topology.fast_replicas:
+            self.wire.send("anchor", torch.tensor([STOP, -1], dtype=torch.long), self.topology.rank(replica, self.stage),
+                           group=self.link_group, tag=TAG_GRAD)
+        self.result.wire = self.wire.to_dict()
+        if self.settings.record_parameters:
+            self.result.params = {n: p.detach().clone() for n, p in stage_parameter_names(self.model, self.module).items()}
+            self.result.global_params = [_flatten(list(f.parameters())) for f in self.fragments]
+
+
+def update_shapes(shapes: Sequence[torch.Size], rank: int | None) -> list[tuple[int, ...]]:
+    """Shapes of an outer update's wire tensors: PowerSGD's P [m, r] and Q [n, r] for a compressed
+    [m, n] parameter, the parameter's own shape otherwise (``dp_sync.OuterUpdate`` order)."""
+    from .dp_sync import PowerSGD
+
+    codec = PowerSGD(rank) if rank is not None else None
+    out: list[tuple[int, ...]] = []
+    for shape in shapes:
+        if codec is not None and codec.compresses(shape):
+            out += [(shape[0], rank), (shape[1], rank)]
+        else:
+            out.append(tuple(shape))
+    return out
+
+
+def run_worker(model: nn.Module, topology: MeshTopology, pp_group, link_group, settings: RunSettings,
+               batches: Batches, anchor_batches: Batches | None = None) -> MeshResult:
+    """Run this process's part of the mesh (its role comes from its rank) and return what it did."""
+    rank = dist.get_rank()
+    if topology.is_anchor(rank):
+        require(anchor_batches is not None, "anchor_batches", None, "be given on the anchor replica")
+        worker = AnchorWorker(model, topology, pp_group, link_group, settings, anchor_batches, rank)
+    else:
+        worker = FastWorker(model, topology, pp_group, link_group, settings, batches, rank)
+    # Every torchft Manager heartbeats before any replica asks for its first quorum, so the
+    # lighthouse waits for all fast replicas instead of forming a quorum without a late starter.
+    dist.barrier()
+    return worker.run()

@@ -1,0 +1,60 @@
+"""MeshTrainer through the public entry point: an unchanged training script on `meshtune launch`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from hf_meshtune.masking import keep_count
+from tests.tiny import tiny_llama
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FLAGS = ["--num_stages", "2", "--max_steps", "12", "--per_device_train_batch_size", "2",
+         "--gradient_accumulation_steps", "2", "--learning_rate", "3e-3", "--mask_ratio", "0.9",
+         "--anchor_every", "2", "--dp_sync_every", "4", "--dp_fragments", "2", "--dp_powersgd_rank", "2",
+         "--logging_steps", "1", "--report_to", "none", "--save_strategy", "no"]
+
+
+def _launch(mesh: str, output_dir: str, *extra: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": ROOT, "RUST_LOG": "warn"}
+    command = [sys.executable, "-m", "hf_meshtune.cli", "launch", "--mesh", mesh, "--cpu", "--",
+               os.path.join(ROOT, "tests", "scripts", "mesh_sft.py"), "--output_dir", output_dir, *FLAGS, *extra]
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=400, cwd=ROOT)
+
+
+def test_meshtrainer_script_runs_unchanged_on_a_launched_3x2_mesh(tmp_path):
+    out = tmp_path / "run"
+    proc = _launch("3x2", str(out))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((out / "mesh_summary.json").read_text())
+    assert summary["mesh"] == "3x2" and summary["fast_replicas"] == 2 and summary["steps"] == 12
+    # boundaries: exactly the analytic K values per token each way (+ one clipping scalar per step backward)
+    measured, analytic = summary["measured_bytes_per_token"], summary["analytic_bytes_per_token"]
+    assert measured["pp_fwd"] == analytic["pp_fwd"] == keep_count(64, 0.9) * 4
+    clip = 4 * 12 * 4 * (2 * (2 - 1) / 2) / summary["fast_tokens"]  # 4 fast ranks × 12 steps × one fp32 norm, ring
+    assert measured["pp_bwd"] == pytest.approx(analytic["pp_bwd"] + clip, rel=1e-12)
+    assert measured["dp"] == pytest.approx(analytic["dp"], rel=1e-9)
+    assert measured["anchor"] == pytest.approx(analytic["anchor"], rel=0.02)  # + headers and round messages
+    assert summary["anchor_rounds"] >= 2 and summary["anchor_arrivals"] >= 2
+    assert summary["anchor_staleness_max"] >= 0
+    # the loss fell and the saved model is a plain transformers checkpoint with the trained weights
+    losses = [json.loads(line.split("] ", 1)[1])["loss"] for line in proc.stdout.splitlines()
+              if line.startswith("[r0s1] {") and '"loss"' in line]
+    assert len(losses) == 12 and sum(losses[-3:]) / 3 < sum(losses[:3]) / 3
+    saved = AutoModelForCausalLM.from_pretrained(out)
+    initial = tiny_llama(seed=0, layers=4, hidden=64)
+    for name in ("model.embed_tokens.weight", "model.layers.3.mlp.down_proj.weight", "lm_head.weight"):
+        assert not torch.equal(saved.state_dict()[name], initial.state_dict()[name]), name
+
+
+def test_a_mesh_that_does_not_fit_the_world_fails_fast_on_every_rank(tmp_path):
+    proc = _launch("2x2", str(tmp_path / "bad"), "--num_stages", "3")
+    assert proc.returncode != 0
+    text = proc.stdout + proc.stderr
+    assert "num_stages=3 is invalid: it must equal Y = 2 of the mesh 2x2" in text
