@@ -118,6 +118,9 @@ def train_on_mesh(trainer):
     topology = validate_mesh_job(model, args)
     require(args.max_steps > 0, "max_steps", args.max_steps, "be > 0 on the distributed mesh (epochs are not counted there)")
     _ = args.device  # accelerate creates the default process group for launched jobs
+    require(args.world_size == topology.world_size, "TrainingArguments.world_size", args.world_size,
+            f"equal WORLD_SIZE={topology.world_size} (accelerate did not join the launched processes; on CPU "
+            "export ACCELERATE_USE_CPU=true or pass --use_cpu, as `meshtune launch --cpu` does)")
     if not dist.is_initialized():
         dist.init_process_group("gloo")
     rank = dist.get_rank()

@@ -165,7 +165,7 @@ def _run_schedule(schedule, module: StageModule, ids: torch.Tensor, labels: torc
         schedule.step(target=labels, losses=losses, return_outputs=False)
     else:
         schedule.step(return_outputs=False)
-    return float(torch.stack([l.detach() for l in losses]).mean()) if losses else None
+    return float(torch.stack([loss.detach() for loss in losses]).mean()) if losses else None
 
 
 class _Sender:
@@ -268,10 +268,43 @@ def _unflatten(flat: torch.Tensor, shapes: Sequence[torch.Size]) -> list[torch.T
     return out
 
 
+class _StageWorker:
+    """What both roles share: this process's stage of its replica's pipeline, on the Wire."""
+
+    role = "fast"
+
+    def __init__(self, model: nn.Module, topology: MeshTopology, pp_group, link_group, settings: RunSettings,
+                 batches: Batches, rank: int) -> None:
+        anchor = self.role == "anchor"
+        self.topology, self.settings, self.batches = topology, settings, batches
+        self.replica, self.stage = topology.coords(rank)
+        self.pp_group, self.link_group = pp_group, link_group
+        self.wire = Wire()
+        self.model = model
+        masked = not anchor and settings.config.mask_ratio > 0
+        self.module = _stage_module(model, self.stage, topology.stages, settings.config, masked=masked)
+        microbatches = (settings.anchor_microbatches or settings.microbatches) if anchor else settings.microbatches
+        self.pipe = MeshStage(self.module, group=pp_group, device=torch.device("cpu"), microbatch_size=settings.microbatch_size,
+                              seq_len=settings.seq_len, dtype=next(model.parameters()).dtype, wire=self.wire, anchor=anchor)
+        self.schedule = build_schedule(self.pipe, microbatches, causal_lm_loss(model))
+        trainable = sum(1 for p in self.module.parameters() if p.requires_grad)
+        require(trainable > 0, "trainable parameters of stage", self.stage,
+                "include at least one (freeze fewer layers: every stage of the mesh trains)")
+        self.fragments = stage_fragments(self.module, settings.config.dp_fragments)
+        self.matrices = _anchor_matrices(model, self.module)
+        self.result = MeshResult(rank, self.replica, self.stage, self.role)
+
+    def _record(self, global_params: Callable[[], list[torch.Tensor]]) -> None:
+        self.result.wire = self.wire.to_dict()
+        if self.settings.record_parameters:
+            self.result.params = {n: p.detach().clone() for n, p in stage_parameter_names(self.model, self.module).items()}
+            self.result.global_params = global_params()
+
+
 # --------------------------------------------------------------------------------------------
 # Fast replica stage
 # --------------------------------------------------------------------------------------------
-class FastWorker:
+class FastWorker(_StageWorker):
     """Stage ``stage`` of fast replica ``replica``: masked pipeline, DiLoCo sync, anchor inbox."""
 
     def __init__(self, model: nn.Module, topology: MeshTopology, pp_group, link_group, settings: RunSettings,
@@ -279,20 +312,9 @@ class FastWorker:
         from .dp_sync import StreamingDiLoCo, host_replica_store, make_manager
         from .optim.spectral import SpectralAdamW
 
-        self.topology, self.settings, self.batches = topology, settings, batches
-        self.replica, self.stage = topology.coords(rank)
+        super().__init__(model, topology, pp_group, link_group, settings, batches, rank)
         cfg = settings.config
-        self.wire = Wire()
-        self.model = model
-        self.module = _stage_module(model, self.stage, topology.stages, cfg, masked=True)
-        dtype = next(model.parameters()).dtype
-        self.pipe = MeshStage(self.module, group=pp_group, device=torch.device("cpu"), microbatch_size=settings.microbatch_size,
-                              seq_len=settings.seq_len, dtype=dtype, wire=self.wire)
-        self.schedule = build_schedule(self.pipe, settings.microbatches, causal_lm_loss(model))
-        self.pp_group, self.link_group = pp_group, link_group
         trainable = [p for p in self.module.parameters() if p.requires_grad]
-        require(len(trainable) > 0, "trainable parameters of stage", self.stage,
-                "include at least one (freeze fewer layers: every stage of the mesh trains)")
         decay = [p for p in trainable if p.ndim >= 2]
         no_decay = [p for p in trainable if p.ndim < 2]
         groups = [{"params": decay, "weight_decay": settings.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
@@ -304,7 +326,6 @@ class FastWorker:
         else:
             self.optimizer = torch.optim.AdamW(groups, lr=settings.lr, betas=settings.betas, eps=settings.eps)
         self.scheduler = settings.scheduler(self.optimizer) if settings.scheduler else None
-        self.fragments = stage_fragments(self.module, cfg.dp_fragments)
         self.replica_store = host_replica_store(self.replica, self.stage, timeout_s=settings.dp_timeout_s)
         self.manager = make_manager(replica=self.replica, stage=self.stage, num_stages=topology.stages,
                                     lighthouse_addr=settings.lighthouse, store_addr=self.replica_store.addr,
@@ -314,7 +335,6 @@ class FastWorker:
             fragment_sync_delay=cfg.dp_sync_delay, outer_lr=cfg.dp_outer_lr, outer_momentum=cfg.dp_outer_momentum,
             powersgd_rank=cfg.dp_powersgd_rank, wire=self.wire, on_outer_update=self._on_outer_update, seed=cfg.mask_seed,
         )
-        self.matrices = _anchor_matrices(model, self.module)
         self.anchor_rank = topology.anchor_rank(self.stage)
         self.inbox = self.outbox = None
         if cfg.anchor:
@@ -323,7 +343,6 @@ class FastWorker:
                                    lambda header: numel)
             if self.replica == 0:
                 self.outbox = _Sender(self.wire, link_group, "anchor")
-        self.result = MeshResult(rank, self.replica, self.stage, "fast")
         self._step = 0
         self._dp_bytes_at_last_sync = 0.0
 
@@ -400,43 +419,29 @@ class FastWorker:
             self.inbox.join()
             self._step = self.settings.max_steps
             self._drain_anchor()
-        self.result.wire = self.wire.to_dict()
-        if self.settings.record_parameters:
-            self.result.params = {n: p.detach().clone() for n, p in stage_parameter_names(self.model, self.module).items()}
-            self.result.global_params = [_flatten(self.diloco.global_parameters(i)) for i in range(len(self.fragments))]
+        self._record(lambda: [_flatten(self.diloco.global_parameters(i)) for i in range(len(self.fragments))])
         self.manager.shutdown(wait=False)
 
 
 # --------------------------------------------------------------------------------------------
 # Anchor replica stage
 # --------------------------------------------------------------------------------------------
-class AnchorWorker:
+class AnchorWorker(_StageWorker):
     """Stage ``stage`` of the anchor replica: replays outer updates, computes dense gradients."""
+
+    role = "anchor"
 
     def __init__(self, model: nn.Module, topology: MeshTopology, pp_group, link_group, settings: RunSettings,
                  batches: Batches, rank: int) -> None:
         from .dp_sync import OuterFollower
 
-        self.topology, self.settings, self.batches = topology, settings, batches
-        self.replica, self.stage = topology.coords(rank)
+        super().__init__(model, topology, pp_group, link_group, settings, batches, rank)
         cfg = settings.config
-        self.wire = Wire()
-        self.model = model
-        self.module = _stage_module(model, self.stage, topology.stages, cfg, masked=False)
-        dtype = next(model.parameters()).dtype
-        microbatches = settings.anchor_microbatches or settings.microbatches
-        self.pipe = MeshStage(self.module, group=pp_group, device=torch.device("cpu"), microbatch_size=settings.microbatch_size,
-                              seq_len=settings.seq_len, dtype=dtype, wire=self.wire, anchor=True)
-        self.schedule = build_schedule(self.pipe, microbatches, causal_lm_loss(model))
-        self.link_group = link_group
-        self.fragments = stage_fragments(self.module, cfg.dp_fragments)
         self.fragment_shapes = [[p.shape for p in f.parameters()] for f in self.fragments]
         self.follower = OuterFollower(self.fragments, outer_lr=cfg.dp_outer_lr, outer_momentum=cfg.dp_outer_momentum)
-        self.matrices = _anchor_matrices(model, self.module)
         self.source = topology.rank(0, self.stage)  # fast replica 0 forwards the outer updates
         self.inbox = _Receiver(self.wire, link_group, self.source, (TAG_UPDATE, TAG_UPDATE_PAYLOAD), 4,
                                lambda header: header[3])
-        self.result = MeshResult(rank, self.replica, self.stage, "anchor")
         self.applied_step = 0  # fast steps reflected in this stage's parameters
         self.stopped = False
 
@@ -523,10 +528,7 @@ class AnchorWorker:
         for replica in self.topology.fast_replicas:
             self.wire.send("anchor", torch.tensor([STOP, -1], dtype=torch.long), self.topology.rank(replica, self.stage),
                            group=self.link_group, tag=TAG_GRAD)
-        self.result.wire = self.wire.to_dict()
-        if self.settings.record_parameters:
-            self.result.params = {n: p.detach().clone() for n, p in stage_parameter_names(self.model, self.module).items()}
-            self.result.global_params = [_flatten(list(f.parameters())) for f in self.fragments]
+        self._record(lambda: [_flatten(list(f.parameters())) for f in self.fragments])
 
 
 def update_shapes(shapes: Sequence[torch.Size], rank: int | None) -> list[tuple[int, ...]]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from hf_meshtune.boundaries import attach_boundaries
 from hf_meshtune.masking import BoundaryMask, keep_count
