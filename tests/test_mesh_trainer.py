@@ -58,3 +58,19 @@ def test_a_mesh_that_does_not_fit_the_world_fails_fast_on_every_rank(tmp_path):
     assert proc.returncode != 0
     text = proc.stdout + proc.stderr
     assert "num_stages=3 is invalid: it must equal Y = 2 of the mesh 2x2" in text
+
+
+def test_the_same_script_runs_under_accelerate_launch_with_its_own_lighthouse(tmp_path):
+    """accelerate's yaml for a local CPU mesh; no TORCHFT_LIGHTHOUSE, so global rank 0 starts one."""
+    out = tmp_path / "acc"
+    env = {key: value for key, value in os.environ.items() if key not in ("TORCHFT_LIGHTHOUSE", "MESHTUNE_MESH")}
+    env.update({"PYTHONPATH": ROOT, "RUST_LOG": "warn", "ACCELERATE_USE_CPU": "true"})
+    accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
+    command = [accelerate, "launch", "--config_file", os.path.join(ROOT, "accelerate_configs", "cpu_mesh_3x2.yaml"),
+               os.path.join(ROOT, "tests", "scripts", "mesh_sft.py"), "--output_dir", str(out), *FLAGS]
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=400, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((out / "mesh_summary.json").read_text())
+    assert summary["mesh"] == "3x2" and summary["mesh_env"] is None  # X inferred from WORLD_SIZE / num_stages
+    assert summary["dp_syncs_per_rank"] == 12 // 2 and summary["anchor_rounds"] >= 2
+    assert summary["measured_bytes_per_token"]["dp"] == pytest.approx(summary["analytic_bytes_per_token"]["dp"], rel=1e-9)

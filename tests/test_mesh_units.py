@@ -1,0 +1,111 @@
+"""Single-process pieces of the distributed mesh: refusals with the rule, fragments, untying, padding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_meshtune import MeshTrainer, MeshTrainingArguments
+from hf_meshtune.config import MeshConfig
+from hf_meshtune.masking import BoundaryMask
+from hf_meshtune.mesh_job import _fixed_length, _pad_rows
+from hf_meshtune.mesh_runtime import RunSettings, stage_fragments, update_shapes
+from hf_meshtune.pipeline import StageModule, untie_embeddings
+from hf_meshtune.wire import Wire
+from tests.tiny import make_tiny_causal_lm, pattern_dataset, tiny_llama
+
+
+@pytest.mark.parametrize("knob, value, rule", [
+    ("mask_fill", "gaussian", "be 'zeros' or 'mean' on the distributed mesh"),
+    ("mask_protect_dims", 2, "be 0 on the distributed mesh"),
+    ("anchor_payload", "factors", "be 'gradient' on the distributed mesh"),
+])
+def test_run_settings_refuse_what_the_mesh_cannot_do(knob, value, rule):
+    with pytest.raises(ValueError, match=f"{knob}={value!r} is invalid: it must {rule}"):
+        RunSettings(config=MeshConfig(**{knob: value}), microbatch_size=1, microbatches=1, seq_len=8, max_steps=1)
+
+
+def test_run_settings_need_positive_sizes():
+    with pytest.raises(ValueError, match="seq_len=0 is invalid: it must be an int >= 1"):
+        RunSettings(config=MeshConfig(), microbatch_size=1, microbatches=1, seq_len=0, max_steps=1)
+
+
+def test_pipeline_refuses_layouts_it_does_not_rebuild():
+    with pytest.raises(ValueError, match="model.config.model_type='gpt2' is invalid"):
+        StageModule(make_tiny_causal_lm("gpt2"), 0, 2, None, None)
+    sliding = make_tiny_causal_lm("qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=0)
+    with pytest.raises(ValueError, match="be full attention only"):
+        StageModule(sliding, 0, 2, None, None)
+
+
+def test_stage_split_owns_embeddings_first_and_head_last():
+    model = tiny_llama()
+    first, last = StageModule(model, 0, 2, None, BoundaryMask(0, 0.9)), StageModule(model, 1, 2, BoundaryMask(0, 0.9), None)
+    assert first.embed_tokens is model.model.embed_tokens and first.lm_head is None
+    assert last.lm_head is model.lm_head and last.norm is model.model.norm and last.embed_tokens is None
+    assert list(first.layer_range) == [0, 1] and list(last.layer_range) == [2, 3]
+    assert first.payload_width("out") == last.payload_width("in") == round(0.1 * 64)
+
+
+def test_fragments_are_contiguous_balanced_and_cover_the_stage_once():
+    stage = StageModule(tiny_llama(), 0, 2, None, None)
+    params = [p for p in stage.parameters() if p.requires_grad]
+    fragments = stage_fragments(stage, 3)
+    flat = [p for f in fragments for p in f.parameters()]
+    assert [id(p) for p in flat] == [id(p) for p in params]  # same tensors, model order, no copies
+    assert all(len(list(f.parameters())) > 0 for f in fragments)
+    with pytest.raises(ValueError, match="dp_fragments=999 is invalid"):
+        stage_fragments(stage, 999)
+
+
+def test_update_shapes_follow_the_powersgd_rule():
+    assert update_shapes([torch.Size([64, 32]), torch.Size([64])], 2) == [(64, 2), (32, 2), (64,)]
+    assert update_shapes([torch.Size([4, 4])], 2) == [(4, 4)]  # r·(m+n) = 16 is not smaller
+    assert update_shapes([torch.Size([64, 32])], None) == [(64, 32)]
+
+
+def test_tied_embeddings_are_untied_into_two_equal_copies():
+    model = tiny_llama()
+    model.lm_head.weight = model.model.embed_tokens.weight
+    model.config.tie_word_embeddings = True
+    assert untie_embeddings(model)
+    assert model.lm_head.weight is not model.model.embed_tokens.weight
+    assert torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)
+    assert model.config.tie_word_embeddings is False
+    assert not untie_embeddings(model)
+
+
+def test_rows_are_padded_to_the_fixed_length_and_pads_never_count():
+    batch = {"input_ids": torch.tensor([[5, 6, 7]]), "labels": torch.tensor([[5, 6, 7]]),
+             "attention_mask": torch.tensor([[1, 1, 0]])}
+    ids, labels = _pad_rows(batch, 5, pad_id=0)
+    assert ids.tolist() == [[5, 6, 7, 0, 0]] and labels.tolist() == [[5, 6, -100, -100, -100]]
+    with pytest.raises(ValueError, match="batch sequence length=3 is invalid: it must be <= the mesh's fixed length 2"):
+        _pad_rows(batch, 2, pad_id=0)
+    assert _fixed_length(pattern_dataset(4, 9)) == 9
+    with pytest.raises(ValueError, match="train_dataset='list' is invalid: it must be a tokenized datasets.Dataset"):
+        _fixed_length([{"text": "a"}])
+
+
+def test_wire_books_only_known_circuits():
+    wire = Wire()
+    wire.record_all_reduce("dp", torch.zeros(10), participants=4)
+    assert wire.handed["dp"] == 40 and wire.sent["dp"] == 2 * 3 / 4 * 40
+    with pytest.raises(ValueError, match="circuit='telemetry' is invalid"):
+        wire.record_send("telemetry", torch.zeros(1))
+
+
+def test_meshtrainer_refuses_a_mesh_launch_it_cannot_run(tmp_path, monkeypatch):
+    """Launched (WORLD_SIZE > 1), MeshTrainer checks the mesh before any rendezvous."""
+    args = MeshTrainingArguments(str(tmp_path), num_stages=2, report_to="none", use_cpu=True, max_steps=2)
+    no_steps = MeshTrainingArguments(str(tmp_path), num_stages=2, report_to="none", use_cpu=True)
+    data = pattern_dataset(8, 8)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("MESHTUNE_MESH", "3x2")
+    with pytest.raises(ValueError, match="world_size=4 is invalid: it must equal X·Y = 3·2 = 6"):
+        MeshTrainer(model=tiny_llama(), args=args, train_dataset=data)
+    monkeypatch.setenv("MESHTUNE_MESH", "2x2")
+    with pytest.raises(ValueError, match="resume_from_checkpoint='ckpt' is invalid"):
+        MeshTrainer(model=tiny_llama(), args=args, train_dataset=data).train(resume_from_checkpoint="ckpt")
+    with pytest.raises(ValueError, match="max_steps=-1 is invalid: it must be > 0 on the distributed mesh"):
+        MeshTrainer(model=tiny_llama(), args=no_steps, train_dataset=data).train()
