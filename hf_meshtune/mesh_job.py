@@ -129,7 +129,7 @@ def train_on_mesh(trainer):
         print("hf_meshtune: the LM head was tied to the input embeddings; on the mesh the first and last stages "
               "each train their own copy (tie_word_embeddings=False in the saved config)", flush=True)
     groups = topology.build_groups()
-    link_group = dist.new_group(list(range(topology.world_size)))
+    link_group = dist.new_group(list(range(topology.world_size)), backend="gloo")  # anchor link: CPU tensors
     lighthouse, server = _lighthouse(rank, len(topology.fast_replicas))
 
     dataset = trainer.train_dataset

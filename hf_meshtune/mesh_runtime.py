@@ -253,9 +253,10 @@ class _Receiver:
 
 
 def _flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One float32 CPU tensor (the anchor link is a gloo group, whatever the pipeline's backend)."""
     if not tensors:
         return torch.zeros(0, dtype=torch.float32)
-    return torch.cat([t.detach().reshape(-1).to(torch.float32) for t in tensors])
+    return torch.cat([t.detach().reshape(-1).to("cpu", torch.float32) for t in tensors])
 
 
 def _unflatten(flat: torch.Tensor, shapes: Sequence[torch.Size]) -> list[torch.Tensor]:
@@ -284,7 +285,8 @@ class _StageWorker:
         masked = not anchor and settings.config.mask_ratio > 0
         self.module = _stage_module(model, self.stage, topology.stages, settings.config, masked=masked)
         microbatches = (settings.anchor_microbatches or settings.microbatches) if anchor else settings.microbatches
-        self.pipe = MeshStage(self.module, group=pp_group, device=torch.device("cpu"), microbatch_size=settings.microbatch_size,
+        self.device = next(model.parameters()).device
+        self.pipe = MeshStage(self.module, group=pp_group, device=self.device, microbatch_size=settings.microbatch_size,
                               seq_len=settings.seq_len, dtype=next(model.parameters()).dtype, wire=self.wire, anchor=anchor)
         self.schedule = build_schedule(self.pipe, microbatches, causal_lm_loss(model))
         trainable = sum(1 for p in self.module.parameters() if p.requires_grad)
@@ -380,7 +382,7 @@ class FastWorker(_StageWorker):
                 continue
             header, payload = message
             grads = _unflatten(payload, [p.shape for _, p in self.matrices])
-            self.optimizer.update_anchor({p: g.to(p.dtype) for (_, p), g in zip(self.matrices, grads)})
+            self.optimizer.update_anchor({p: g.to(p.device, p.dtype) for (_, p), g in zip(self.matrices, grads)})
             self.result.arrivals.append((self._step, header[1]))
 
     def run(self) -> MeshResult:
@@ -392,7 +394,7 @@ class FastWorker(_StageWorker):
                 self._step = step
                 start = time.perf_counter()
                 self.module.step = step
-                ids, labels = self.batches(step)
+                ids, labels = (t.to(self.device) for t in self.batches(step))
                 loss = _run_schedule(self.schedule, self.module, ids, labels)
                 self._clip()
                 self._drain_anchor()
@@ -507,7 +509,7 @@ class AnchorWorker(_StageWorker):
     def _round(self, round_index: int, snapshot: int) -> None:
         self.model.zero_grad(set_to_none=True)
         self.module.step = round_index
-        ids, labels = self.batches(round_index)
+        ids, labels = (t.to(self.device) for t in self.batches(round_index))
         loss = _run_schedule(self.schedule, self.module, ids, labels)
         if loss is not None:
             self.result.losses.append(loss)
