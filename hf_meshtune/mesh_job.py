@@ -173,8 +173,10 @@ def train_on_mesh(trainer):
     summary = summarize(results, topology, trainer, seq_len)
     if rank == 0:
         os.makedirs(args.output_dir, exist_ok=True)
-        with open(os.path.join(args.output_dir, SUMMARY_NAME), "w") as handle:
+        path = os.path.join(args.output_dir, SUMMARY_NAME)
+        with open(f"{path}.tmp", "w") as handle:  # write then rename: never a half-written summary
             json.dump(summary, handle, indent=2)
+        os.replace(f"{path}.tmp", path)
         print(json.dumps({"mesh_summary": summary}, indent=2), flush=True)
     trainer.state.global_step = args.max_steps
     trainer.mesh_summary = summary
