@@ -119,20 +119,21 @@ class AnchorBatches:
 
     Samples are drawn without replacement from a fresh permutation per pass over the dataset, with
     a seed distinct from the fast circuit's sampler; being a function of the round index, a resumed
-    run sees exactly the batches an uninterrupted one would.
+    run sees exactly the batches an uninterrupted one would. ``tag`` separates samplers that share
+    a seed (the mesh's fast replicas draw with another tag).
     """
 
     def __init__(self, dataset, collate: Callable, batch_size: int, microbatches: int, seed: int,
-                 prepare: Callable = lambda batch: batch) -> None:
+                 prepare: Callable = lambda batch: batch, tag: bytes = b"meshtune-anchor") -> None:
         require(hasattr(dataset, "__len__") and len(dataset) > 0, "train_dataset", type(dataset).__name__,
                 "be a non-empty map-style dataset (with __len__) so the anchor can draw its own batches")
         self.dataset, self.collate, self.prepare = dataset, collate, prepare
-        self.batch_size, self.microbatches, self.seed = batch_size, microbatches, seed
+        self.batch_size, self.microbatches, self.seed, self.tag = batch_size, microbatches, seed, tag
         self._perm_cache: tuple[int, torch.Tensor] | None = None
 
     def _permutation(self, epoch: int) -> torch.Tensor:
         if self._perm_cache is None or self._perm_cache[0] != epoch:
-            gen = torch.Generator().manual_seed(stable_seed(b"meshtune-anchor", self.seed, epoch))
+            gen = torch.Generator().manual_seed(stable_seed(self.tag, self.seed, epoch))
             self._perm_cache = (epoch, torch.randperm(len(self.dataset), generator=gen))
         return self._perm_cache[1]
 

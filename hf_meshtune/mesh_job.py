@@ -27,7 +27,6 @@ from ._validation import require
 from .anchor import AnchorBatches
 from .boundaries import find_decoder_layers
 from .ledger import LedgerSettings, compute_ledger, param_shapes_of
-from .masking import stable_seed
 from .mesh import MESH_ENV, MeshTopology
 from .mesh_runtime import MeshResult, RunSettings, run_worker
 from .pipeline import untie_embeddings
@@ -65,26 +64,16 @@ def _pad_rows(batch: dict, seq_len: int, pad_id: int) -> tuple[torch.Tensor, tor
 
 
 class _ReplicaBatches:
-    """Fast replica ``replica``'s rows at step t: its share of the step's global batch, drawn from a
-    fresh permutation per pass (a pure function of seed and step, like the anchor's)."""
+    """Fast replica ``replica``'s rows at step t: its share of the step's global batch, drawn like the
+    anchor's (``AnchorBatches``: a fresh permutation per pass, a pure function of seed and index)."""
 
     def __init__(self, dataset, collate, rows: int, replica: int, replicas: int, seed: int, seq_len: int, pad_id: int) -> None:
-        self.dataset, self.collate, self.rows = dataset, collate, rows
-        self.replica, self.replicas, self.seed = replica, replicas, seed
-        self.seq_len, self.pad_id = seq_len, pad_id
-        self._perm: tuple[int, torch.Tensor] | None = None
-
-    def _index(self, k: int) -> int:
-        epoch, position = divmod(k, len(self.dataset))
-        if self._perm is None or self._perm[0] != epoch:
-            gen = torch.Generator().manual_seed(stable_seed(b"meshtune-data", self.seed, epoch))
-            self._perm = (epoch, torch.randperm(len(self.dataset), generator=gen))
-        return int(self._perm[1][position])
+        self.sampler = AnchorBatches(dataset, collate, rows, 1, seed, tag=b"meshtune-data")
+        self.replica, self.replicas, self.seq_len, self.pad_id = replica, replicas, seq_len, pad_id
 
     def __call__(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        start = (step * self.replicas + self.replica) * self.rows
-        rows = [self.dataset[self._index(k)] for k in range(start, start + self.rows)]
-        return _pad_rows(self.collate(rows), self.seq_len, self.pad_id)
+        (batch,) = self.sampler(step * self.replicas + self.replica)
+        return _pad_rows(batch, self.seq_len, self.pad_id)
 
 
 def _fixed_length(dataset) -> int:

@@ -20,7 +20,6 @@ Shapes are static (example tensors at construction), so no metadata inference ru
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -157,12 +156,6 @@ def stage_parameter_names(model: nn.Module, stage_module: StageModule) -> dict[s
     return {name: p for name, p in model.named_parameters(remove_duplicate=False) if id(p) in owned}
 
 
-@dataclass
-class _Circuits:
-    forward: str
-    backward: str
-
-
 class MeshStage(PipelineStage):
     """A ``PipelineStage`` whose module learns the microbatch index and whose sends go on the ``Wire``."""
 
@@ -182,7 +175,7 @@ class MeshStage(PipelineStage):
                                       device=device, requires_grad=True)  # marks the payload as differentiable
         super().__init__(module, stage, num_stages, device, input_args=example_in, output_args=example_out, group=group)
         self.wire = wire
-        self.circuits = _Circuits("anchor", "anchor") if anchor else _Circuits("pp_fwd", "pp_bwd")
+        self.fwd_circuit, self.bwd_circuit = ("anchor", "anchor") if anchor else ("pp_fwd", "pp_bwd")
 
     def forward_one_chunk(self, fwd_chunk_id: int, args, kwargs=None, save_forward_output: bool = True):
         self.submod.microbatch = fwd_chunk_id
@@ -191,13 +184,13 @@ class MeshStage(PipelineStage):
     def get_fwd_send_ops(self, fwd_chunk_id: int):
         ops = super().get_fwd_send_ops(fwd_chunk_id)
         for op in ops:
-            self.wire.record_send(self.circuits.forward, op.tensor)
+            self.wire.record_send(self.fwd_circuit, op.tensor)
         return ops
 
     def get_bwd_send_ops(self, bwd_chunk_id: int):
         ops = super().get_bwd_send_ops(bwd_chunk_id)
         for op in ops:
-            self.wire.record_send(self.circuits.backward, op.tensor)
+            self.wire.record_send(self.bwd_circuit, op.tensor)
         return ops
 
 

@@ -74,14 +74,6 @@ class Wire:
             self.sent[circuit] += 2.0 * (participants - 1) / participants * nbytes(tensor)
             self.messages[circuit] += 1
 
-    def isend(self, circuit: str, tensor: torch.Tensor, dst: int, group=None, tag: int = 0):
-        self.record_send(circuit, tensor)
-        return dist.isend(tensor, dst, group=group, tag=tag)
-
-    def irecv(self, circuit: str, tensor: torch.Tensor, src: int, group=None, tag: int = 0):
-        self.record_recv(circuit, tensor)
-        return dist.irecv(tensor, src, group=group, tag=tag)
-
     def send(self, circuit: str, tensor: torch.Tensor, dst: int, group=None, tag: int = 0) -> None:
         self.record_send(circuit, tensor)
         dist.send(tensor, dst, group=group, tag=tag)

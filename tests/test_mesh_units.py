@@ -109,3 +109,16 @@ def test_meshtrainer_refuses_a_mesh_launch_it_cannot_run(tmp_path, monkeypatch):
         MeshTrainer(model=tiny_llama(), args=args, train_dataset=data).train(resume_from_checkpoint="ckpt")
     with pytest.raises(ValueError, match="max_steps=-1 is invalid: it must be > 0 on the distributed mesh"):
         MeshTrainer(model=tiny_llama(), args=no_steps, train_dataset=data).train()
+
+
+def test_fast_replicas_draw_disjoint_shares_of_each_step_and_differ_from_the_anchor():
+    from hf_meshtune.anchor import AnchorBatches
+    from hf_meshtune.mesh_job import _ReplicaBatches
+
+    data = pattern_dataset(64, 8)
+    collate = lambda rows: {"input_ids": torch.tensor([r["input_ids"] for r in rows])}  # noqa: E731
+    replicas = [_ReplicaBatches(data, collate, 4, r, 2, seed=3, seq_len=8, pad_id=0) for r in range(2)]
+    rows = [{tuple(row) for row in replica(step)[0].tolist()} for step in range(8) for replica in replicas]
+    assert len(set().union(*rows)) == 64  # 8 steps × 2 replicas × 4 rows = one pass, no row twice
+    anchor = AnchorBatches(data, collate, 4, 1, seed=3)(0)[0]["input_ids"]
+    assert not torch.equal(anchor, replicas[0](0)[0])
