@@ -49,6 +49,17 @@ def validate_mesh_job(model, args) -> MeshTopology:
     return MeshTopology.from_environment(world, args.num_stages, args.anchor, len(layers))
 
 
+def _require_every_stage_trains(model, topology: MeshTopology) -> None:
+    """Every process holds the whole model, so each can check every stage (the same verdict on all
+    ranks, before any collective): a stage with nothing to train has nothing to sync or filter."""
+    from .pipeline import StageModule
+
+    for stage in range(topology.stages):
+        module = StageModule(model, stage, topology.stages, None, None)
+        require(any(p.requires_grad for p in module.parameters()), "trainable parameters of stage", stage,
+                "include at least one (freeze fewer layers: every stage of the mesh trains)")
+
+
 def _pad_rows(batch: dict, seq_len: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     ids = batch["input_ids"]
     labels = batch.get("labels", ids)
@@ -106,6 +117,7 @@ def train_on_mesh(trainer):
     args, model = trainer.args, trainer.model
     topology = validate_mesh_job(model, args)
     require(args.max_steps > 0, "max_steps", args.max_steps, "be > 0 on the distributed mesh (epochs are not counted there)")
+    _require_every_stage_trains(model, topology)
     _ = args.device  # accelerate creates the default process group for launched jobs
     require(args.world_size == topology.world_size, "TrainingArguments.world_size", args.world_size,
             f"equal WORLD_SIZE={topology.world_size} (accelerate did not join the launched processes; on CPU "

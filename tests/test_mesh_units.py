@@ -109,6 +109,9 @@ def test_meshtrainer_refuses_a_mesh_launch_it_cannot_run(tmp_path, monkeypatch):
         MeshTrainer(model=tiny_llama(), args=args, train_dataset=data).train(resume_from_checkpoint="ckpt")
     with pytest.raises(ValueError, match="max_steps=-1 is invalid: it must be > 0 on the distributed mesh"):
         MeshTrainer(model=tiny_llama(), args=no_steps, train_dataset=data).train()
+    # accelerate set up this process alone (as without ACCELERATE_USE_CPU=true): refused, not run 4 times
+    with pytest.raises(ValueError, match="TrainingArguments.world_size=1 is invalid: it must equal WORLD_SIZE=4"):
+        MeshTrainer(model=tiny_llama(), args=args, train_dataset=data).train()
 
 
 def test_fast_replicas_draw_disjoint_shares_of_each_step_and_differ_from_the_anchor():
@@ -122,3 +125,26 @@ def test_fast_replicas_draw_disjoint_shares_of_each_step_and_differ_from_the_anc
     assert len(set().union(*rows)) == 64  # 8 steps × 2 replicas × 4 rows = one pass, no row twice
     anchor = AnchorBatches(data, collate, 4, 1, seed=3)(0)[0]["input_ids"]
     assert not torch.equal(anchor, replicas[0](0)[0])
+
+
+def test_an_anchor_message_of_the_wrong_size_is_refused():
+    from hf_meshtune.mesh_runtime import _flatten, _unflatten
+
+    flat = _flatten([torch.ones(2, 3), torch.ones(4)])
+    assert [t.shape for t in _unflatten(flat, [torch.Size([2, 3]), torch.Size([4])])] == [(2, 3), (4,)]
+    with pytest.raises(ValueError, match="anchor message size=10 is invalid: it must equal the expected 6 values"):
+        _unflatten(flat, [torch.Size([2, 3])])
+
+
+def test_a_stage_with_nothing_to_train_is_refused_on_every_rank(tmp_path, monkeypatch):
+    """Each process holds the whole model, so every rank reaches the same verdict before any rendezvous."""
+    args = MeshTrainingArguments(str(tmp_path), num_stages=2, report_to="none", use_cpu=True, max_steps=2, anchor=False,
+                                 optim="adamw_torch")
+    model = tiny_llama()
+    for param in [*model.model.embed_tokens.parameters(), *model.model.layers[:2].parameters()]:
+        param.requires_grad_(False)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("MESHTUNE_MESH", "2x2")
+    trainer = MeshTrainer(model=model, args=args, train_dataset=pattern_dataset(8, 8))
+    with pytest.raises(ValueError, match="trainable parameters of stage=0 is invalid: it must include at least one"):
+        trainer.train()
