@@ -17,6 +17,21 @@ from .trainer import MeshTrainer, MeshTrainerMixin
 
 __version__ = "0.1.0"
 
+# Integrations whose libraries are optional (TRL, PEFT) or heavy to import load on first use.
+_LAZY = {
+    "MeshSFTConfig": "trl_trainers", "MeshSFTTrainer": "trl_trainers",
+    "MeshGRPOConfig": "trl_trainers", "MeshGRPOTrainer": "trl_trainers",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
     "SPECTRAL_ADAMW",
     "AnchorBatches",
@@ -26,6 +41,10 @@ __all__ = [
     "Ledger",
     "LedgerSettings",
     "MeshConfig",
+    "MeshGRPOConfig",
+    "MeshGRPOTrainer",
+    "MeshSFTConfig",
+    "MeshSFTTrainer",
     "MeshTrainer",
     "MeshTrainerMixin",
     "MeshTrainingArguments",

@@ -63,9 +63,23 @@ class MeshTrainerMixin:
     mesh_anchor: AnchorCircuit | None
 
     # --- set-up -------------------------------------------------------------------------------
+    # Whether ``train()`` runs the distributed X·Y mesh when launched on several processes.
+    _mesh_runs_distributed = True
+
+    def _validate_mesh_job_early(self, model, args) -> None:
+        """Before the Trainer's own set-up: an impossible launched job fails on every rank, before any rendezvous."""
+        if not is_distributed_job() or model is None or not isinstance(args, MeshArguments):
+            return
+        require(self._mesh_runs_distributed, "WORLD_SIZE", os.environ.get("WORLD_SIZE"),
+                f"be 1 for {type(self).__name__}: it trains on one process (the distributed X×Y mesh runs "
+                "supervised objectives: MeshTrainer, MeshSFTTrainer)")
+        if not isinstance(model, str):
+            validate_mesh_job(model, args)
+
     def _setup_mesh(self) -> None:
         require(isinstance(self.args, MeshArguments), "args", type(self.args).__name__,
                 "be a MeshTrainingArguments (or another MeshArguments config) for a Mesh trainer")
+        _check_peft_for_spectral(self.model, self.args)
         cfg = self.mesh_config
         self.mesh_boundaries = attach_boundaries(
             self.model, cfg.num_stages, cfg.mask_ratio, cfg.mask_seed, cfg.mask_rescale, cfg.mask_fill
@@ -193,6 +207,26 @@ class MeshTrainerMixin:
         return compute_ledger(param_shapes_of(self.model), self.mesh_boundaries.hidden_size, settings)
 
     # --- checkpoints --------------------------------------------------------------------------
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """The Trainer's save, plus a model card naming the mesh settings (``model_card.py``)."""
+        super().save_model(output_dir, _internal_call)
+        if self.args.should_save:
+            self.write_model_card(output_dir or self.args.output_dir)
+
+    def write_model_card(self, output_dir: str) -> str:
+        """Add the "Trained with hf_meshtune" section to ``output_dir/README.md``."""
+        from .model_card import mesh_card_section, write_mesh_card
+
+        hidden = self.mesh_boundaries.hidden_size if getattr(self, "mesh_boundaries", None) is not None else None
+        # the ledger at the run's own tokens per step, as last logged
+        logged = [e for e in self.state.log_history if "comm/total_bytes_per_token" in e]
+        ledger = {k.removeprefix("comm/").removesuffix("_bytes_per_token"): v for k, v in logged[-1].items()
+                  if k.startswith("comm/") and k.endswith("bytes_per_token") and "measured" not in k} if logged else None
+        config = getattr(self.model, "config", None)
+        base = getattr(config, "_name_or_path", None) or None
+        section = mesh_card_section(self.mesh_config, hidden, type(self).__name__, ledger)
+        return write_mesh_card(output_dir, section, base_model=base if base and not os.path.isdir(base) else None)
+
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         super()._save_optimizer_and_scheduler(output_dir)
         if self.args.should_save:
@@ -225,6 +259,23 @@ class MeshTrainerMixin:
             self.mesh_anchor.load_state_dict(state["anchor"])
 
 
+# PEFT methods whose trainable weights are matrices [out, r] / [r, in] that the spectral filter can
+# act on. Others train vectors or scalings (IA3), virtual tokens (prompt learning), … .
+SPECTRAL_PEFT_TYPES = ("LORA",)
+
+
+def _check_peft_for_spectral(model, args) -> None:
+    """``optim="spectral_adamw"`` filters weight matrices: refuse PEFT methods that train none."""
+    configs = getattr(model, "peft_config", None)
+    if not isinstance(configs, dict) or getattr(args, "optim", None) != SPECTRAL_ADAMW:
+        return
+    for name, config in configs.items():
+        kind = str(getattr(config.peft_type, "value", config.peft_type))
+        require(kind in SPECTRAL_PEFT_TYPES, f"peft_config[{name!r}].peft_type", kind,
+                f"be one of {list(SPECTRAL_PEFT_TYPES)} with optim='{SPECTRAL_ADAMW}' (the spectral filter acts on "
+                "weight matrices such as lora_A [r, in] and lora_B [out, r]); use another optim with anchor=False")
+
+
 def _atomic_torch_save(obj, path: str) -> None:
     """Write then rename, so a crash mid-save never leaves a truncated file under ``path``."""
     tmp = f"{path}.tmp-{os.getpid()}"
@@ -236,7 +287,7 @@ class MeshTrainer(MeshTrainerMixin, Trainer):
     """``transformers.Trainer`` with masked pipeline boundaries, the anchor circuit and SpectralAdamW.
 
     Swap ``Trainer`` for ``MeshTrainer`` and ``TrainingArguments`` for ``MeshTrainingArguments``;
-    everything else (gradient accumulation, evaluation, callbacks, ``report_to``, checkpoints and
+    ``peft_config=`` wraps the model in a PEFT adapter as TRL's trainers do; everything else (gradient accumulation, evaluation, callbacks, ``report_to``, checkpoints and
     resume) is the Trainer's own. Evaluation and generation run the dense model.
 
     Example:
@@ -247,9 +298,13 @@ class MeshTrainer(MeshTrainerMixin, Trainer):
         >>> trainer.train()                                                       # doctest: +SKIP
     """
 
-    def __init__(self, *args, **kwargs) -> None:
-        model, training_args = kwargs.get("model", args[0] if args else None), kwargs.get("args", args[1] if len(args) > 1 else None)
-        if is_distributed_job() and model is not None and isinstance(training_args, MeshArguments):
-            validate_mesh_job(model, training_args)  # an impossible mesh fails here, on every rank, before any rendezvous
-        super().__init__(*args, **kwargs)
+    def __init__(self, model=None, args=None, *positional, peft_config=None, **kwargs) -> None:
+        if peft_config is not None:  # as TRL's trainers do: wrap the model in the adapter first
+            require(model is not None and not isinstance(model, str), "model", type(model).__name__,
+                    "be a loaded PreTrainedModel when peft_config is given")
+            from peft import get_peft_model
+
+            model = get_peft_model(model, peft_config)
+        self._validate_mesh_job_early(model, args)
+        super().__init__(model, args, *positional, **kwargs)
         self._setup_mesh()

@@ -1,0 +1,175 @@
+"""TRL trainers on the mesh: ``MeshSFTTrainer`` and ``MeshGRPOTrainer`` (GSPO included).
+
+Each is TRL's own trainer with ``MeshTrainerMixin`` in front (the mixin ``MeshTrainer`` uses) and a
+config that is TRL's config plus the mesh knobs (``MeshArguments``), so ``optim="spectral_adamw"``
+and every flag of ``SFTConfig`` / ``GRPOConfig`` parse with ``HfArgumentParser``. No training loop
+is copied: TRL runs its loop, the mixin moves the mask clock, runs the anchor before each optimizer
+step and logs the byte ledger.
+
+What is masked in RL: only the policy's training forward/backward (train mode with autograd on).
+Generation, the reference model's log-probs, the old-policy log-probs and the reward functions all
+run under ``no_grad`` and therefore see the dense model. Two consequences are enforced here:
+
+- TRL must not compute π_old in a separate (dense) forward: that happens when
+  ``gradient_accumulation_steps`` is not a multiple of ``steps_per_generation · num_iterations``,
+  and the ratio π_θ/π_old would then measure the mask, not the update. Such configs are refused
+  when ``mask_ratio > 0``; with the defaults π_old is the detached masked forward itself.
+- The anchor's data in RL are rollouts, not prompts: each anchor round takes the dense gradient of
+  the GRPO/GSPO loss on the rollouts the fast circuit is training on (the current generation batch).
+
+GSPO (Zheng et al., 2025) is GRPO with sequence-level importance ratios:
+``MeshGRPOConfig(importance_sampling_level="sequence", loss_type="grpo")``, or ``MeshGRPOConfig.gspo()``.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from dataclasses import dataclass, field
+
+from trl import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
+
+from ._validation import require
+from .config import SPECTRAL_ADAMW, MeshArguments
+from .trainer import MeshTrainerMixin
+
+__all__ = ["MeshGRPOConfig", "MeshGRPOTrainer", "MeshSFTConfig", "MeshSFTTrainer"]
+
+_OPTIM_HELP = f"Optimizer: '{SPECTRAL_ADAMW}' (the anchor-filtered AdamW) or any transformers optimizer name."
+
+
+@dataclass
+class MeshSFTConfig(MeshArguments, SFTConfig):
+    """TRL's ``SFTConfig`` plus the mesh knobs; ``optim`` defaults to ``"spectral_adamw"``.
+
+    Example:
+        >>> args = MeshSFTConfig("out", mask_ratio=0.95, num_stages=4, max_length=512)  # doctest: +SKIP
+    """
+
+    optim: str = field(default=SPECTRAL_ADAMW, metadata={"help": _OPTIM_HELP})
+
+
+@dataclass
+class MeshGRPOConfig(MeshArguments, GRPOConfig):
+    """TRL's ``GRPOConfig`` plus the mesh knobs; ``optim`` defaults to ``"spectral_adamw"``.
+
+    GSPO is this config with ``importance_sampling_level="sequence"`` and ``loss_type="grpo"``
+    (``MeshGRPOConfig.gspo(...)`` sets both). TRL's own checks (batch sizes divisible by
+    ``num_generations``, …) run at construction, then the mesh's.
+
+    Example:
+        >>> args = MeshGRPOConfig.gspo("out", num_generations=8, mask_ratio=0.95)  # doctest: +SKIP
+    """
+
+    optim: str = field(default=SPECTRAL_ADAMW, metadata={"help": _OPTIM_HELP})
+
+    @classmethod
+    def gspo(cls, output_dir: str | None = None, **kwargs) -> MeshGRPOConfig:
+        """GSPO: sequence-level importance sampling with the GRPO loss (both settable in kwargs)."""
+        kwargs.setdefault("importance_sampling_level", "sequence")
+        kwargs.setdefault("loss_type", "grpo")
+        return cls(output_dir, **kwargs)
+
+    def __post_init__(self) -> None:
+        world = os.environ.get("WORLD_SIZE", "1")
+        require(world == "1", "WORLD_SIZE", world,
+                "be 1 for MeshGRPOConfig: GRPO/GSPO trains on one process (the distributed X×Y mesh runs supervised "
+                "objectives: MeshTrainer, MeshSFTTrainer)")
+        super().__post_init__()
+        # both are set up from a tokenized training batch before the first step; RL has only prompts then
+        require(self.mask_protect_dims == 0, "mask_protect_dims", self.mask_protect_dims,
+                "be 0 for GRPO/GSPO (protected dims are chosen on a training batch before the first rollout exists)")
+        require(self.mask_fill != "gaussian", "mask_fill", self.mask_fill,
+                "be 'zeros' or 'mean' for GRPO/GSPO (the Gaussian fill is calibrated on a training batch before the first rollout exists)")
+        if self.mask_ratio > 0:
+            every = self.steps_per_generation * self.num_iterations
+            require(self.gradient_accumulation_steps % every == 0, "gradient_accumulation_steps",
+                    self.gradient_accumulation_steps,
+                    f"be a multiple of steps_per_generation·num_iterations = {every} when mask_ratio > 0 "
+                    "(otherwise TRL computes π_old in a separate dense forward and the importance ratio "
+                    "compares the dense model with the masked one)")
+
+
+def _mesh_args(trainer_cls: type, config_cls: type, args, model, suffix: str):
+    """``args`` checked to be the trainer's Mesh config (TRL would silently convert anything else)."""
+    if args is None:
+        name = model if isinstance(model, str) else model.config._name_or_path or type(model).__name__
+        return config_cls(f"{str(name).rstrip('/').split('/')[-1]}-{suffix}")
+    require(isinstance(args, config_cls), "args", type(args).__name__,
+            f"be a {config_cls.__name__} for {trainer_cls.__name__} (its mesh knobs and optim='{SPECTRAL_ADAMW}' "
+            f"live there; TRL's own config does not accept optim='{SPECTRAL_ADAMW}')")
+    return args
+
+
+class _QuietAnchorLossMixin:
+    """TRL's ``compute_loss`` books training metrics (token accuracy, entropy, clip ratios, token
+    counts); the anchor's extra dense passes must not show up in them."""
+
+    def _anchor_loss(self, model, batch):
+        metrics = copy.deepcopy(getattr(self, "_metrics", None))
+        tokens = getattr(self, "_total_train_tokens", None)
+        try:
+            return super()._anchor_loss(model, batch)
+        finally:
+            if metrics is not None:
+                self._metrics = metrics
+            if tokens is not None:
+                self._total_train_tokens = tokens
+
+
+class MeshSFTTrainer(_QuietAnchorLossMixin, MeshTrainerMixin, SFTTrainer):
+    """TRL's ``SFTTrainer`` with masked pipeline boundaries, the anchor circuit and SpectralAdamW.
+
+    Takes everything ``SFTTrainer`` takes (datasets in any TRL format, ``peft_config=``, packing,
+    completion-only loss); ``args`` must be a ``MeshSFTConfig``. Launched on X·Y processes,
+    ``train()`` runs the distributed mesh like ``MeshTrainer``.
+
+    Example:
+        >>> from hf_meshtune import MeshSFTConfig, MeshSFTTrainer
+        >>> args = MeshSFTConfig("out", max_steps=100, mask_ratio=0.95, num_stages=4)  # doctest: +SKIP
+        >>> trainer = MeshSFTTrainer(model=model, args=args, train_dataset=dataset,
+        ...                          peft_config=LoraConfig(r=16, task_type="CAUSAL_LM"))  # doctest: +SKIP
+        >>> trainer.train()                                                           # doctest: +SKIP
+    """
+
+    def __init__(self, model, args: MeshSFTConfig | None = None, *positional, **kwargs) -> None:
+        args = _mesh_args(type(self), MeshSFTConfig, args, model, "SFT")
+        self._validate_mesh_job_early(model, args)
+        super().__init__(model, args, *positional, **kwargs)
+        self._setup_mesh()
+
+
+class MeshGRPOTrainer(_QuietAnchorLossMixin, MeshTrainerMixin, GRPOTrainer):
+    """TRL's ``GRPOTrainer`` (GRPO or GSPO) whose policy trains through the masked boundaries.
+
+    Generation, the reference model and the rewards stay dense (see the module docstring); the
+    anchor's dense gradient is taken on the rollouts being trained on. ``args`` must be a
+    ``MeshGRPOConfig``. One process per run: the distributed X·Y mesh runs supervised objectives.
+
+    Example:
+        >>> from hf_meshtune import MeshGRPOConfig, MeshGRPOTrainer
+        >>> from hf_meshtune.arithmetic import exact_answer_reward
+        >>> args = MeshGRPOConfig.gspo("out", num_generations=8, max_completion_length=32)  # doctest: +SKIP
+        >>> trainer = MeshGRPOTrainer(model=model, reward_funcs=exact_answer_reward, args=args,
+        ...                           train_dataset=prompts)                               # doctest: +SKIP
+        >>> trainer.train()                                                                # doctest: +SKIP
+    """
+
+    _mesh_runs_distributed = False
+
+    def __init__(self, model, reward_funcs=None, args: MeshGRPOConfig | None = None, *positional, **kwargs) -> None:
+        args = _mesh_args(type(self), MeshGRPOConfig, args, model, "GRPO")
+        self._validate_mesh_job_early(model, args)
+        super().__init__(model, reward_funcs, args, *positional, **kwargs)
+        self._setup_mesh()
+
+    def _anchor_batches(self, microbatches: int | None = None):
+        """Round r → the rollouts of the current generation batch (TRL buffers one slice per
+        accumulation step); the anchor differentiates the same loss on them, densely."""
+
+        def rollouts(round_index: int) -> list:
+            require(self._buffered_inputs is not None, "anchor rollouts", None,
+                    "exist before the first optimizer step (the anchor reads the generation batch being trained on)")
+            return list(self._buffered_inputs)
+
+        return rollouts
