@@ -189,8 +189,35 @@ def run_launch(args: argparse.Namespace) -> int:
                        lighthouse=args.lighthouse, log_dir=args.log_dir)
 
 
+# ---------------------------------------------------------------------------------------------------
+# meshtune report
+# ---------------------------------------------------------------------------------------------------
+
+def _add_report_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "report", help="plot and tabulate the runs in a folder: loss, bytes/token by circuit",
+        description="Find every run under RUN_DIR (a folder holding trainer_state.json, a checkpoint-N with one, "
+                    "mesh_summary.json or the demo's summary.json) and write loss.png (training loss vs step), "
+                    "bytes_per_token.png (pp_fwd, pp_bwd, dp, anchor per run: the logged ledger and, from "
+                    "mesh_summary.json, what the mesh measured on the wire) and report.md (a table per run, "
+                    "both plots embedded).")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a run's output_dir, or a folder of runs at any depth")
+    p.add_argument("--out", default=None, metavar="DIR", help="where to write the report (default RUN_DIR)")
+    p.set_defaults(handler=run_report)
+
+
+def run_report(args: argparse.Namespace) -> int:
+    """Handler of ``meshtune report``: prints the paths it wrote, one per line."""
+    from hf_meshtune.report import write_report  # lazy: pulls in matplotlib, torch and transformers
+
+    written = write_report(args.run_dir, args.out)
+    for key in ("report", "loss_plot", "bytes_plot"):
+        print(written[key])
+    return 0
+
+
 _SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
-    _add_ledger_parser, _add_demo_parser, _add_launch_parser)
+    _add_ledger_parser, _add_demo_parser, _add_launch_parser, _add_report_parser)
 """One registration function per subcommand."""
 
 

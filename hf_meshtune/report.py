@@ -1,0 +1,367 @@
+"""``meshtune report``: every run in a folder → a loss plot, a bytes-per-token plot and ``report.md``.
+
+A *run* is any folder (the folder given or one below it, at any depth) that holds what a run leaves:
+
+- ``trainer_state.json`` (``Trainer.save_state()``; also inside every ``checkpoint-N``): the log
+  history, whose training lines carry the analytic byte ledger (``comm/*_bytes_per_token``), the
+  compression against dense and the anchor staleness. The run's own file wins; without one the
+  newest checkpoint's is read, and a checkpoint folder is never a run of its own below its parent;
+- ``mesh_summary.json`` (the distributed mesh, ``mesh_job.summarize``): the bytes each circuit really
+  put on the wire, next to the analytic ledger, DP syncs, anchor rounds and staleness;
+- ``summary.json`` (``meshtune demo``): first/last training loss, dense eval loss, the last log line.
+
+One row per run (``run_row``) feeds everything: the table in ``report.md``, the bars and the tests.
+The plots are drawn on a bare ``matplotlib.figure.Figure`` (Agg), so no pyplot state or GUI
+backend is touched, even when this runs inside a notebook.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+from transformers.trainer import TRAINER_STATE_NAME
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from ._validation import require
+from .mesh_job import SUMMARY_NAME as MESH_SUMMARY_NAME
+
+__all__ = [
+    "BYTES_PLOT_NAME", "CIRCUITS", "DEMO_SUMMARY_NAME", "LOSS_PLOT_NAME", "MESH_SUMMARY_NAME", "REPORT_NAME",
+    "RunFiles", "find_runs", "load_run", "run_row", "write_report",
+]
+
+CIRCUITS = ("pp_fwd", "pp_bwd", "dp", "anchor")
+DEMO_SUMMARY_NAME = "summary.json"  # what ``demo.run_demo`` writes (it names no constant)
+REPORT_NAME, LOSS_PLOT_NAME, BYTES_PLOT_NAME = "report.md", "loss.png", "bytes_per_token.png"
+_RUN_FILES = frozenset({TRAINER_STATE_NAME, MESH_SUMMARY_NAME, DEMO_SUMMARY_NAME})
+_RUN_RULE = (f"contain at least one run: a folder with {TRAINER_STATE_NAME} (or {PREFIX_CHECKPOINT_DIR}-N/"
+             f"{TRAINER_STATE_NAME}), {MESH_SUMMARY_NAME} or {DEMO_SUMMARY_NAME}")
+_CHECKPOINT = re.compile(rf"{re.escape(PREFIX_CHECKPOINT_DIR)}-(\d+)")
+
+
+@dataclass
+class RunFiles:
+    """What one run folder holds, each file read once. ``name`` is its path below the report's root."""
+
+    name: str
+    folder: Path
+    sources: list[str]
+    state: dict[str, Any] | None
+    mesh: dict[str, Any] | None
+    demo: dict[str, Any] | None
+
+    @property
+    def log_history(self) -> list[dict[str, Any]]:
+        return self.state["log_history"] if self.state else []
+
+
+def write_report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None) -> dict[str, Any]:
+    """Find the runs under ``run_dir``; write ``loss.png``, ``bytes_per_token.png`` and ``report.md``.
+
+    ``out_dir`` defaults to ``run_dir``. Returns ``{"report", "loss_plot", "bytes_plot"}`` (paths as
+    strings), ``"rows"`` (one ``run_row`` per run, in folder order) and ``"bars"`` (the values drawn:
+    ``{"<run> analytic" | "<run> measured": {circuit: bytes per token}}``).
+    """
+    root = Path(run_dir)
+    require(root.is_dir(), "run_dir", str(run_dir), "be an existing folder")
+    folders = find_runs(root)
+    require(len(folders) > 0, "run_dir", str(run_dir), _RUN_RULE)
+    out = Path(out_dir) if out_dir is not None else root
+    require(not out.exists() or out.is_dir(), "out_dir", str(out), "be a folder (or not exist yet)")
+    # every file is read (and rejected if corrupt) before anything is written
+    runs = [load_run(root, folder) for folder in tqdm(folders, desc="meshtune report", unit="run", disable=None)]
+    rows = [run_row(run) for run in runs]
+    bars = bar_series(rows)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"report": out / REPORT_NAME, "loss_plot": out / LOSS_PLOT_NAME, "bytes_plot": out / BYTES_PLOT_NAME}
+    draw_loss(runs, rows, paths["loss_plot"])
+    draw_bytes(bars, paths["bytes_plot"])
+    paths["report"].write_text(format_report(root, rows), encoding="utf-8")
+    return {**{key: str(path) for key, path in paths.items()}, "rows": rows, "bars": bars}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Finding and reading runs
+# ---------------------------------------------------------------------------------------------------
+
+def find_runs(root: Path) -> list[Path]:
+    """Every run folder under ``root`` (``root`` included), parents before children, names sorted.
+
+    A ``checkpoint-N`` folder below ``root`` belongs to its parent: it makes the parent a run (a run
+    stopped before ``save_state``) and is not searched further.
+    """
+    found = []
+    for folder, subfolders, files in os.walk(root):
+        checkpoints = [name for name in subfolders if _CHECKPOINT.fullmatch(name)]
+        subfolders[:] = sorted(name for name in subfolders if name not in checkpoints)
+        here = Path(folder)
+        if _RUN_FILES & set(files) or any((here / name / TRAINER_STATE_NAME).is_file() for name in checkpoints):
+            found.append(here)
+    return found
+
+
+def load_run(root: Path, folder: Path) -> RunFiles:
+    """Read the run in ``folder``; a corrupt or malformed file is a ``ValueError`` naming it."""
+    state_file = _state_file(folder)
+    mesh_file, demo_file = folder / MESH_SUMMARY_NAME, folder / DEMO_SUMMARY_NAME
+    present = [path for path in (state_file, mesh_file, demo_file) if path is not None and path.is_file()]
+    state = _read_json(state_file) if state_file is not None else None
+    if state is not None:
+        history = state.get("log_history")
+        require(isinstance(history, list) and all(isinstance(entry, dict) for entry in history), "file",
+                str(state_file), "hold a log_history list of log dicts, as Trainer.save_state() writes it")
+    return RunFiles(
+        name=_run_name(root, folder), folder=folder, sources=[path.relative_to(folder).as_posix() for path in present],
+        state=state, mesh=_read_json(mesh_file) if mesh_file.is_file() else None,
+        demo=_read_json(demo_file) if demo_file.is_file() else None)
+
+
+def _state_file(folder: Path) -> Path | None:
+    """The run's own ``trainer_state.json``, else the one of its highest-numbered checkpoint."""
+    own = folder / TRAINER_STATE_NAME
+    if own.is_file():
+        return own
+    # numeric order: checkpoint-10 is newer than checkpoint-9, though it sorts before it as text
+    numbered = [(int(match[1]), path) for path in folder.iterdir()
+                if (match := _CHECKPOINT.fullmatch(path.name)) and (path / TRAINER_STATE_NAME).is_file()]
+    return max(numbered)[1] / TRAINER_STATE_NAME if numbered else None
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8", errors="replace"))
+    except json.JSONDecodeError as err:
+        # the same wording as require(); `from None`: the decoder's traceback adds nothing to it
+        raise ValueError(f"file={str(path)!r} is invalid: it must hold valid JSON ({err})") from None
+    require(isinstance(data, dict), "file", str(path), "hold a JSON object")
+    return data
+
+
+def _run_name(root: Path, folder: Path) -> str:
+    relative = folder.relative_to(root).as_posix()
+    return root.resolve().name if relative == "." else relative  # "." says nothing in a legend
+
+
+# ---------------------------------------------------------------------------------------------------
+# One row per run
+# ---------------------------------------------------------------------------------------------------
+
+def run_row(run: RunFiles) -> dict[str, Any]:
+    """The numbers a report shows for one run; ``None`` where the run's files do not say.
+
+    Training numbers come from the log history first, then from the mesh summary, then from the
+    demo's summary. ``bytes_per_token`` is analytic (the ledger: ``pp_fwd``, ``pp_bwd``, ``dp``,
+    ``anchor``, ``total``), ``measured_bytes_per_token`` what the distributed mesh put on the wire.
+    """
+    history, mesh, demo = run.log_history, run.mesh or {}, run.demo or {}
+    demo_log = demo.get("last_log") if isinstance(demo.get("last_log"), dict) else {}
+    train = [entry for entry in history if "loss" in entry]
+    evals = [entry for entry in history if "eval_loss" in entry]
+    return {
+        "run": run.name, "path": str(run.folder), "sources": run.sources,
+        "steps": _first(run.state and run.state.get("global_step"), mesh.get("steps"), demo_log.get("step")),
+        "first_train_loss": _first(train and train[0]["loss"], demo.get("masked_train_loss_first_log")),
+        "last_train_loss": _first(train and train[-1]["loss"], mesh.get("final_loss"), demo.get("masked_train_loss_last_log")),
+        "last_eval_loss": _first(evals and evals[-1]["eval_loss"], mesh.get("eval_loss"), demo.get("dense_eval_loss_after")),
+        "bytes_per_token": _first(_logged_ledger(history), _logged_ledger([demo_log]),
+                                  _circuit_dict(mesh.get("analytic_bytes_per_token"))),
+        "measured_bytes_per_token": _circuit_dict(mesh.get("measured_bytes_per_token")),
+        "compression_vs_dense": _first(_last_logged(history, "comm/compression_vs_dense_ratio"),
+                                       _last_logged([demo_log], "comm/compression_vs_dense_ratio")),
+        "anchor_staleness_steps": _first(_last_logged(history, "anchor/staleness_steps"),
+                                         _last_logged([demo_log], "anchor/staleness_steps"), mesh.get("anchor_staleness_mean")),
+        "mesh": run.mesh,
+    }
+
+
+def _first(*values: Any) -> Any:
+    """The first value that is neither None nor empty (``[]``, ``{}``); None if there is none."""
+    return next((value for value in values if value is not None and value != [] and value != {}), None)
+
+
+def _last_logged(history: list[dict[str, Any]], key: str) -> float | None:
+    return next((entry[key] for entry in reversed(history) if key in entry), None)
+
+
+def _logged_ledger(history: list[dict[str, Any]]) -> dict[str, float | None] | None:
+    """The last logged ``comm/<circuit>_bytes_per_token`` of each circuit and the total; None if none."""
+    ledger = {name: _last_logged(history, f"comm/{name}_bytes_per_token") for name in (*CIRCUITS, "total")}
+    return ledger if any(value is not None for value in ledger.values()) else None
+
+
+def _circuit_dict(values: Any) -> dict[str, float | None] | None:
+    if not isinstance(values, dict):
+        return None
+    return {name: values.get(name) for name in (*CIRCUITS, "total")}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Plots
+# ---------------------------------------------------------------------------------------------------
+
+def bar_series(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """``{"<run> analytic" | "<run> measured": {circuit: bytes per token}}``: the bars to draw."""
+    series: dict[str, dict[str, float]] = {}
+    for row in rows:
+        for kind, values in (("analytic", row["bytes_per_token"]), ("measured", row["measured_bytes_per_token"])):
+            if values:
+                series[f"{row['run']} {kind}"] = {c: float(values[c]) for c in CIRCUITS if values.get(c) is not None}
+    return series
+
+
+def draw_loss(runs: list[RunFiles], rows: list[dict[str, Any]], path: Path) -> None:
+    """Training loss vs step, one line per run; eval losses as crosses of the run's colour."""
+    fig, ax = _figure((7.0, 4.5))
+    from matplotlib.ticker import MaxNLocator  # after _figure, which explains a missing matplotlib
+
+    drawn = False
+    for index, (run, row) in enumerate(zip(runs, rows)):
+        color = f"C{index % 10}"
+        steps, losses = _points(run.log_history, "loss")
+        if not steps and row["steps"] is not None and row["last_train_loss"] is not None:
+            steps, losses = [row["steps"]], [row["last_train_loss"]]  # a summary gives only the last loss
+        if steps:
+            ax.plot(steps, losses, marker="o", markersize=3, color=color, label=run.name)
+        eval_steps, eval_losses = _points(run.log_history, "eval_loss")
+        if eval_steps:
+            ax.scatter(eval_steps, eval_losses, marker="x", s=40, color=color, label=f"{run.name} eval")
+        drawn = drawn or bool(steps or eval_steps)
+    if drawn:
+        ax.legend(fontsize="small")
+    else:
+        ax.text(0.5, 0.5, "no loss logged", ha="center", va="center", transform=ax.transAxes)
+    ax.set(xlabel="step", ylabel="loss", title="Training loss")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
+    ax.grid(alpha=0.3)
+    _save(fig, path)
+
+
+def _points(history: list[dict[str, Any]], key: str) -> tuple[list[float], list[float]]:
+    pairs = [(entry["step"], entry[key]) for entry in history if key in entry and "step" in entry]
+    return [step for step, _ in pairs], [value for _, value in pairs]
+
+
+def draw_bytes(series: dict[str, dict[str, float]], path: Path) -> None:
+    """Grouped bars: one group per circuit, one bar per run and kind (measured ones hatched), log y.
+
+    A log axis has no zero: a circuit that sends nothing (no anchor, one stage) gets a "0" instead of a bar.
+    """
+    fig, ax = _figure((max(7.0, 2.0 + 0.45 * len(series) * len(CIRCUITS)), 4.5))
+    width = 0.8 / max(len(series), 1)
+    runs = list(dict.fromkeys(label.rsplit(" ", 1)[0] for label in series))  # one colour per run
+    for index, (label, values) in enumerate(series.items()):
+        xs = [c + (index - (len(series) - 1) / 2) * width for c in range(len(CIRCUITS))]
+        heights = [values.get(c, math.nan) for c in CIRCUITS]
+        ax.bar(xs, [h if h > 0 else math.nan for h in heights], width, label=label,
+               color=f"C{runs.index(label.rsplit(' ', 1)[0]) % 10}", edgecolor="black", linewidth=0.5,
+               hatch="//" if label.endswith(" measured") else None)
+        for x, height in zip(xs, heights):
+            if height == 0:
+                ax.annotate("0", (x, 0), xycoords=("data", "axes fraction"), ha="center", va="bottom", fontsize="small")
+    if any(v > 0 for values in series.values() for v in values.values()):
+        ax.set_yscale("log")
+    ax.set_xticks(range(len(CIRCUITS)), CIRCUITS)
+    ax.set(ylabel="bytes per token", title="Bytes per fast-circuit token, by circuit")
+    ax.grid(axis="y", alpha=0.3, which="both")
+    if series:
+        ax.legend(fontsize="small")
+    _save(fig, path)
+
+
+def _figure(size: tuple[float, float]) -> tuple[Any, Any]:
+    try:
+        from matplotlib.figure import Figure
+    except ModuleNotFoundError as err:  # an optional extra: say which
+        raise ModuleNotFoundError("meshtune report draws with matplotlib: pip install 'hf_meshtune[report]'") from err
+    fig = Figure(figsize=size, layout="constrained")
+    return fig, fig.subplots()
+
+
+def _save(fig: Any, path: Path) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    FigureCanvasAgg(fig).print_png(str(path))
+
+
+# ---------------------------------------------------------------------------------------------------
+# report.md
+# ---------------------------------------------------------------------------------------------------
+
+def format_report(root: Path, rows: list[dict[str, Any]]) -> str:
+    """The Markdown report: a table of runs, the mesh's measured bytes if any, both plots."""
+    lines = [
+        f"# Training report: `{root}`", "",
+        f"{len(rows)} run{'s' if len(rows) != 1 else ''}. Bytes per token are per fast-circuit token, summed "
+        "over every link of the mesh: *analytic* is the byte ledger of the last training log "
+        "(`comm/*_bytes_per_token`), *measured* is what the distributed mesh put on the wire "
+        f"(`{MESH_SUMMARY_NAME}`).", "",
+        "## Runs", "", *_runs_table(rows), "",
+    ]
+    meshes = [row for row in rows if row["mesh"] is not None]
+    if meshes:
+        lines += ["## Distributed mesh: measured on the wire", "", *_mesh_bytes_table(meshes), "",
+                  *_mesh_numbers_table(meshes), ""]
+    lines += ["## Plots", "", f"![training loss vs step]({LOSS_PLOT_NAME})", "",
+              f"![bytes per token by circuit]({BYTES_PLOT_NAME})", ""]
+    return "\n".join(lines)
+
+
+def _runs_table(rows: list[dict[str, Any]]) -> list[str]:
+    header = ["run", "steps", "first train loss", "last train loss", "last eval loss",
+              *(f"{c} B/token" for c in CIRCUITS), "total B/token", "vs dense", "anchor staleness (steps)", "from"]
+    table = [_table_row(header), _table_row(["---", *["---:"] * (len(header) - 2), "---"])]
+    for row in rows:
+        ledger = row["bytes_per_token"] or {}
+        compression = row["compression_vs_dense"]
+        table.append(_table_row([
+            row["run"], _fmt(row["steps"], "d"), *(_fmt(row[k], ".4f") for k in ("first_train_loss", "last_train_loss", "last_eval_loss")),
+            *(_fmt(ledger.get(c), ",.1f") for c in (*CIRCUITS, "total")),
+            "–" if compression is None else f"{compression:.2f}×", _fmt(row["anchor_staleness_steps"], ".3g"),
+            ", ".join(row["sources"])]))
+    return table
+
+
+def _mesh_bytes_table(rows: list[dict[str, Any]]) -> list[str]:
+    table = [_table_row(["run", "mesh", "circuit", "measured B/token", "analytic B/token"]), "|---|---|---|---:|---:|"]
+    for row in rows:
+        measured, analytic = row["measured_bytes_per_token"] or {}, _circuit_dict(row["mesh"].get("analytic_bytes_per_token")) or {}
+        for circuit in (*CIRCUITS, "total"):
+            table.append(_table_row([row["run"], str(row["mesh"].get("mesh", "–")), circuit,
+                                     _fmt(measured.get(circuit), ",.1f"), _fmt(analytic.get(circuit), ",.1f")]))
+    return table
+
+
+def _mesh_numbers_table(rows: list[dict[str, Any]]) -> list[str]:
+    header = ["run", "steps", "fast tokens", "DP bytes per sync per rank", "syncs per rank", "anchor rounds",
+              "staleness mean / max", "step s", "final loss"]
+    table = [_table_row(header), _table_row(["---", *["---:"] * (len(header) - 1)])]
+    for row in rows:
+        mesh = row["mesh"]
+        staleness = f"{_fmt(mesh.get('anchor_staleness_mean'), '.2f')} / {_fmt(mesh.get('anchor_staleness_max'), 'g')}"
+        table.append(_table_row([
+            row["run"], _fmt(mesh.get("steps"), "d"), _fmt(mesh.get("fast_tokens"), ",d"),
+            _fmt(mesh.get("dp_bytes_per_sync_per_rank"), ",.0f"), _fmt(mesh.get("dp_syncs_per_rank"), "g"),
+            _fmt(mesh.get("anchor_rounds"), "d"), staleness, _fmt(mesh.get("step_seconds_mean"), ".1f"),
+            _fmt(mesh.get("final_loss"), ".4f")]))
+    return table
+
+
+def _fmt(value: Any, spec: str) -> str:
+    """``value`` formatted with ``spec``; "–" when missing, ``str(value)`` when it does not fit the spec."""
+    if value is None:
+        return "–"
+    try:
+        return format(value, spec)
+    except (TypeError, ValueError):  # e.g. a float step count under "d"
+        return str(value)
+
+
+def _table_row(cells: list[str]) -> str:
+    return "| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |"
