@@ -179,7 +179,8 @@ def train_on_mesh(trainer):
             json.dump(summary, handle, indent=2)
         os.replace(f"{path}.tmp", path)
         print(json.dumps({"mesh_summary": summary}, indent=2), flush=True)
-    trainer.state.global_step = args.max_steps
+    trainer.state.global_step = trainer.state.max_steps = args.max_steps
+    trainer.state.log_history.extend(_log_history(results, summary))
     trainer.mesh_summary = summary
     dist.barrier()
     if server is not None:
@@ -187,6 +188,19 @@ def train_on_mesh(trainer):
     losses = [loss for r in results if r.role == "fast" for loss in r.losses]
     train_loss = float(statistics.fmean(losses)) if losses else math.nan
     return TrainOutput(args.max_steps, train_loss, {"train_loss": train_loss, **{k: v for k, v in summary.items() if isinstance(v, (int, float))}})
+
+
+def _log_history(results: list[MeshResult], summary: dict) -> list[dict]:
+    """The Trainer's log history for the mesh run: the fast replicas' mean loss per step, and the
+    measured bytes per token by circuit on the last line (what ``meshtune report`` and
+    ``trainer_state.json`` readers expect)."""
+    per_replica = [r.losses for r in results if r.role == "fast" and r.losses]
+    steps = min((len(losses) for losses in per_replica), default=0)
+    history = [{"step": i + 1, "loss": statistics.fmean(losses[i] for losses in per_replica)} for i in range(steps)]
+    if history:
+        measured = summary["measured_bytes_per_token"]
+        history[-1].update({f"comm/measured_{name}_bytes_per_token": float(value) for name, value in measured.items()})
+    return history
 
 
 def _share_final_parameters(model, topology: MeshTopology) -> None:

