@@ -20,7 +20,8 @@ __version__ = "0.1.0"
 # Integrations whose libraries are optional (TRL, PEFT) or heavy to import load on first use.
 _LAZY = {
     "MeshSFTConfig": "trl_trainers", "MeshSFTTrainer": "trl_trainers",
-    "MeshGRPOConfig": "trl_trainers", "MeshGRPOTrainer": "trl_trainers",
+    "MeshGRPOConfig": "trl_trainers", "MeshGRPOTrainer": "trl_trainers", "MeshGSPOConfig": "trl_trainers",
+    "MeshAccelerator": "accelerate", "MeshPlugin": "accelerate",
 }
 
 
@@ -40,9 +41,12 @@ __all__ = [
     "BoundaryMask",
     "Ledger",
     "LedgerSettings",
+    "MeshAccelerator",
     "MeshConfig",
     "MeshGRPOConfig",
     "MeshGRPOTrainer",
+    "MeshGSPOConfig",
+    "MeshPlugin",
     "MeshSFTConfig",
     "MeshSFTTrainer",
     "MeshTrainer",

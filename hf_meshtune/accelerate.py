@@ -1,0 +1,481 @@
+"""The mesh's numerics in your own Accelerate loop: ``MeshPlugin`` + ``MeshAccelerator``.
+
+accelerate's ``kwargs_handlers`` take only accelerate's own classes, so the plugin comes with an
+``Accelerator`` subclass. ``MeshAccelerator.prepare`` does what ``MeshTrainer`` does at set-up:
+
+- masked boundaries on the model (forward hooks: K = round((1-p)·H) of H dims per token cross each
+  of the Y-1 boundaries; parameter names and checkpoints unchanged);
+- the user's ``torch.optim.AdamW``/``Adam`` becomes a ``SpectralAdamW`` over the same param groups
+  (same lr, betas, eps, weight_decay; LR schedulers built on it are moved over), so the optimizer
+  accelerate hands back wraps it;
+- an ``AnchorCircuit`` whose dense gradients G_anc of parameter snapshots, taken every
+  ``anchor_every`` optimizer steps on the anchor's own batches, reach the optimizer Δ steps later.
+
+The loop itself does not change: step hooks on the optimizer drive the mesh. Before each real
+optimizer step the anchor runs (snapshot if due, deliveries if due); after it the mask clock moves
+to the next step. accelerate's optimizer wrapper only steps on sync steps, so under
+``accelerator.accumulate(model)`` the clock counts optimizer steps and the k-th training forward
+inside one is microbatch k, as in ``MeshTrainer`` and on the distributed pipeline.
+
+Several processes (``accelerate launch`` with WORLD_SIZE > 1) run plain accelerate DDP around the
+masked model: every process draws the same masks from (step, microbatch) and computes the same anchor
+gradient. The X×Y distributed mesh (compact pipeline, DiLoCo, an anchor replica) is reached through
+``MeshTrainer``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import typing
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedType, send_to_device
+from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
+from torch.utils.data import DataLoader, IterableDataset
+
+from ._validation import require
+from .anchor import AnchorBatches, AnchorCircuit
+from .boundaries import BoundaryHandle, attach_boundaries, find_decoder_layers
+from .config import MeshArguments
+from .ledger import Ledger, LedgerSettings, compute_ledger, param_shapes_of
+from .optim.spectral import SpectralAdamW
+from .trainer import _RESUME_KNOBS
+
+__all__ = ["ENV_PREFIX", "MeshAccelerator", "MeshPlugin"]
+
+# MESHTUNE_<FIELD>; no field is called "mesh", so MESHTUNE_MESH stays the launcher's mesh shape.
+ENV_PREFIX = "MESHTUNE_"
+_TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
+
+
+class _FromEnvironment:
+    """Default of every env-backed plugin field: "not given" (None is a real value for some knobs)."""
+
+    def __repr__(self) -> str:
+        return "FROM_ENV"
+
+
+FROM_ENV: Any = _FromEnvironment()
+
+
+def _env_field(default: Any, help: str) -> Any:
+    return field(default=FROM_ENV, metadata={"help": help, "library_default": default})
+
+
+def _env_backed(cls: type) -> type:
+    """Re-declare every ``MeshArguments`` field of ``cls`` with the ``FROM_ENV`` default.
+
+    The fields keep their names, order, types and help; their validation stays ``MeshArguments``'.
+    Applied before ``@dataclass``, which then sees the re-declarations as overrides.
+    """
+    annotations = cls.__dict__.get("__annotations__", {})
+    for f in dataclasses.fields(MeshArguments):
+        annotations[f.name] = f.type
+        setattr(cls, f.name, _env_field(f.default, f.metadata["help"]))
+    cls.__annotations__ = annotations
+    return cls
+
+
+def parse_env_value(name: str, text: str, kind: Any) -> Any:
+    """``text`` of environment variable ``name`` as a value of the field type ``kind``.
+
+    bool: true/false/1/0/yes/no; ``X | None``: "none" → None, else X; a bad value raises a
+    ``ValueError`` naming the variable, its value and the rule.
+    """
+    value = text.strip()
+    members = typing.get_args(kind)
+    optional = type(None) in members
+    if optional:
+        if value.lower() == "none":
+            return None
+        (kind,) = [member for member in members if member is not type(None)]
+    if kind is bool:
+        require(value.lower() in _TRUE + _FALSE, name, text, f"be one of {'/'.join(_TRUE + _FALSE)}")
+        return value.lower() in _TRUE
+    if kind in (int, float):
+        rule = ("be an int" if kind is int else "be a number") + (" or 'none'" if optional else "")
+        try:
+            return kind(value)
+        except ValueError:
+            require(False, name, text, rule)
+    return value
+
+
+@dataclass
+@_env_backed
+class MeshPlugin(MeshArguments):
+    """The mesh knobs for ``MeshAccelerator``: ``MeshArguments``' fields, defaults from the environment.
+
+    Every knob (``mask_ratio`` (p), ``num_stages`` (Y), ``anchor_delay`` (Δ), ``anchor_beta`` (β_anc),
+    ``spectral_tau`` (τ_p), ``spectral_alpha`` (α), …; see ``config.MeshArguments``) that is not
+    passed takes ``$MESHTUNE_<FIELD>`` (``MESHTUNE_MASK_RATIO=0.9``, ``MESHTUNE_ANCHOR=false``,
+    ``MESHTUNE_SPECTRAL_RANK=none``) when that variable is set and not empty, else the library
+    default. Explicit arguments win, ``None`` included. Values are validated like ``MeshConfig``'s;
+    a bad value from the environment names its variable.
+
+    Plugin-only fields:
+        anchor_seed: seed of the anchor's own sampler (``AnchorBatches``: a hash-seeded permutation,
+            independent of the training DataLoader's sampler and of torch's RNG).
+        anchor_loss_fn: ``(model, batch) → scalar loss`` of the anchor's dense pass; default
+            ``model(**batch).loss``.
+
+    Example:
+        >>> from hf_meshtune.accelerate import MeshAccelerator, MeshPlugin
+        >>> plugin = MeshPlugin(mask_ratio=0.95, num_stages=4, anchor_every=20, anchor_delay=20)
+        >>> plugin.num_stages, plugin.anchor_delay
+        (4, 20)
+        >>> accelerator = MeshAccelerator(mesh_plugin=plugin)          # doctest: +SKIP
+    """
+
+    anchor_seed: int = _env_field(0, "Seed of the anchor's own sampler (AnchorBatches), independent of the training loader's.")
+    anchor_loss_fn: Callable[[nn.Module, Mapping[str, torch.Tensor]], torch.Tensor] | None = field(
+        default=None, metadata={"help": "(model, batch) → loss of the anchor's dense pass; None = model(**batch).loss."})
+
+    def __post_init__(self) -> None:
+        from_env = self._resolve_defaults()
+        try:
+            super().__post_init__()
+            require(isinstance(self.anchor_seed, int) and not isinstance(self.anchor_seed, bool),
+                    "anchor_seed", self.anchor_seed, "be an int")
+            require(self.anchor_loss_fn is None or callable(self.anchor_loss_fn), "anchor_loss_fn",
+                    self.anchor_loss_fn, "be None or a callable (model, batch) → loss")
+        except ValueError as error:
+            knob = str(error).split("=", 1)[0]
+            if knob not in from_env:
+                raise
+            raise ValueError(f"{error} (the value came from ${from_env[knob]})") from None
+
+    @staticmethod
+    def env_var(name: str) -> str:
+        """The environment variable that sets field ``name``: ``MESHTUNE_<NAME>``."""
+        return ENV_PREFIX + name.upper()
+
+    def _resolve_defaults(self) -> dict[str, str]:
+        """Fill every field not passed from its variable, else the library default; returns field → variable read."""
+        kinds = typing.get_type_hints(type(self))
+        from_env = {}
+        for f in dataclasses.fields(self):
+            if getattr(self, f.name) is not FROM_ENV:
+                continue
+            name, text = self.env_var(f.name), os.environ.get(self.env_var(f.name), "")
+            if text.strip():
+                setattr(self, f.name, parse_env_value(name, text, kinds[f.name]))
+                from_env[f.name] = name
+            else:
+                setattr(self, f.name, f.metadata["library_default"])
+        return from_env
+
+
+def _model_loss(model: nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    return model(**batch).loss
+
+
+# torch Adam/AdamW group keys that SpectralAdamW has no use for (checked below where they matter).
+_ADAM_ONLY_KEYS = ("amsgrad", "maximize", "foreach", "capturable", "differentiable", "fused", "decoupled_weight_decay")
+
+
+def spectral_adamw_like(optimizer: torch.optim.Optimizer, plugin: MeshPlugin) -> SpectralAdamW:
+    """A ``SpectralAdamW`` over ``optimizer``'s param groups, same lr/betas/eps/weight_decay per group,
+    with the plugin's α, τ_p, β_anc, rank and relative τ. ``optimizer`` is a fresh torch Adam/AdamW."""
+    name = type(optimizer).__name__
+    require(not optimizer.state, "optimizer", name,
+            "have taken no step yet when MeshAccelerator replaces it by SpectralAdamW (its moments would be lost)")
+    groups = []
+    for group in optimizer.param_groups:
+        require(not group.get("amsgrad", False), "amsgrad", True, "be False (SpectralAdamW is AdamW without amsgrad)")
+        require(not group.get("maximize", False), "maximize", True, "be False (SpectralAdamW minimises)")
+        decoupled = group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW))
+        require(decoupled or group["weight_decay"] == 0, "weight_decay", group["weight_decay"],
+                f"be 0 for {name} without decoupled_weight_decay (its L2 penalty is not AdamW's decoupled decay); use AdamW")
+        groups.append({key: value for key, value in group.items() if key not in _ADAM_ONLY_KEYS})
+    defaults = optimizer.defaults
+    return SpectralAdamW(
+        groups, lr=defaults["lr"], betas=defaults["betas"], eps=defaults["eps"], weight_decay=defaults["weight_decay"],
+        alpha=plugin.spectral_alpha, tau=plugin.spectral_tau, anchor_beta=plugin.anchor_beta, rank=plugin.spectral_rank,
+        relative_tau=plugin.spectral_relative_tau, seed=plugin.mask_seed,
+    )
+
+
+def _move_schedulers(objects: Sequence[Any], old: torch.optim.Optimizer, new: torch.optim.Optimizer) -> None:
+    """LR schedulers built on the replaced optimizer drive its replacement (whose groups carry their lr)."""
+    for obj in objects:
+        for scheduler in (obj, *getattr(obj, "_schedulers", ())):  # SequentialLR / ChainedScheduler children
+            if isinstance(scheduler, LRScheduler) and scheduler.optimizer is old:
+                scheduler.optimizer = new
+                _track_step_calls(new)
+
+
+def _track_step_calls(optimizer: torch.optim.Optimizer) -> None:
+    """Mark ``optimizer.step`` the way an LR scheduler built on it would have (torch's LRScheduler
+    warns on its first step if the optimizer's step lacks that mark, and checks it was called)."""
+    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
+        return
+    owner, step = weakref.ref(optimizer), type(optimizer).step
+
+    @functools.wraps(step)
+    def tracked_step(*args, **kwargs):
+        opt = owner()
+        opt._opt_called = True
+        return step(opt, *args, **kwargs)
+
+    tracked_step._wrapped_by_lr_sched = True
+    optimizer.step = tracked_step
+
+
+def _unique(objects: Sequence[Any], kind: type) -> list:
+    """The objects of type ``kind`` in order, each once (the same object may be passed twice)."""
+    found: list = []
+    for obj in objects:
+        if isinstance(obj, kind) and all(obj is not seen for seen in found):
+            found.append(obj)
+    return found
+
+
+class MeshAccelerator(Accelerator):
+    """``accelerate.Accelerator`` whose ``prepare`` puts the model, optimizer and loader on the mesh.
+
+    Masked boundaries (p, Y), SpectralAdamW (α, τ_p, β_anc) and the anchor circuit (every
+    ``anchor_every`` steps, Δ = ``anchor_delay``) are set from ``mesh_plugin`` (None: a
+    ``MeshPlugin()`` from the environment). The first ``prepare`` call that holds a model sets the
+    mesh up; it must hold the model's one optimizer and, with ``anchor=True``, its training
+    ``DataLoader`` (the first one passed) over a map-style dataset, which the anchor draws its own
+    batches from. Later calls (evaluation loaders, a reference model) are plain accelerate.
+
+    With ``anchor=True`` the optimizer must be ``torch.optim.AdamW``/``Adam`` (replaced) or a
+    ``SpectralAdamW`` (kept); with ``anchor=False`` any optimizer is kept and only drives the clock.
+    After ``prepare``: ``mesh_boundaries`` (``BoundaryHandle``), ``mesh_anchor`` (``AnchorCircuit``
+    or None), ``spectral_optimizer`` (or None), ``mesh_step`` (optimizer steps taken) and
+    ``mesh_log_entries()``; ``log({"loss": ...})`` adds those entries, as ``MeshTrainer`` does.
+    ``save_state``/``load_state`` carry the mesh state (clock, pending anchor gradients, fills).
+    Single device or DDP; DeepSpeed, FSDP and Megatron-LM are refused. On several processes this is
+    data parallelism around the masked model; the X×Y mesh runs through ``MeshTrainer``.
+
+    Example:
+        >>> from hf_meshtune.accelerate import MeshAccelerator as Accelerator, MeshPlugin
+        >>> accelerator = Accelerator(mesh_plugin=MeshPlugin(mask_ratio=0.95, num_stages=4))   # doctest: +SKIP
+        >>> model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)  # doctest: +SKIP
+        >>> for batch in loader:                                                                # doctest: +SKIP
+        ...     with accelerator.accumulate(model):
+        ...         accelerator.backward(model(**batch).loss)
+        ...         optimizer.step(); scheduler.step(); optimizer.zero_grad()
+    """
+
+    def __init__(self, *args, mesh_plugin: MeshPlugin | None = None, **kwargs) -> None:
+        plugin = MeshPlugin() if mesh_plugin is None else mesh_plugin  # a bad environment fails before accelerate starts
+        require(isinstance(plugin, MeshPlugin), "mesh_plugin", type(plugin).__name__, "be a MeshPlugin (or None)")
+        super().__init__(*args, **kwargs)
+        self.mesh_plugin = plugin
+        self.mesh_boundaries: BoundaryHandle | None = None
+        self.mesh_anchor: AnchorCircuit | None = None
+        self.spectral_optimizer: SpectralAdamW | None = None
+        self.mesh_step = 0
+        self._mesh_model: nn.Module | None = None
+        self._mesh_steps_logged = 0
+        self._mesh_hooks: list = []
+
+    # --- set-up -------------------------------------------------------------------------------
+    def prepare(self, *args, device_placement=None):
+        """accelerate's ``prepare``, with the mesh set up on the first call that holds a model.
+
+        Returns the objects in the order given, the optimizer being accelerate's wrapper around the
+        ``SpectralAdamW`` that replaced a torch AdamW/Adam.
+        """
+        if self._mesh_model is not None or not any(isinstance(obj, nn.Module) for obj in args):
+            return super().prepare(*args, device_placement=device_placement)
+        model, optimizer, loader = self._training_objects(args)
+        mesh_optimizer = self._mesh_optimizer(optimizer)
+        boundaries = self._attach(model)
+        try:
+            anchor = self._build_anchor(model, mesh_optimizer, boundaries, loader) if self.mesh_plugin.anchor else None
+            if mesh_optimizer is not optimizer:
+                _move_schedulers(args, optimizer, mesh_optimizer)
+                args = tuple(mesh_optimizer if obj is optimizer else obj for obj in args)
+            result = super().prepare(*args, device_placement=device_placement)
+        except BaseException:
+            boundaries.remove()
+            raise
+        if mesh_optimizer is not optimizer:
+            # a scheduler left out of prepare() still holds the old optimizer: hand it the SpectralAdamW's
+            # groups (as placed by accelerate, which rebuilds them) so its lr changes reach the real optimizer
+            optimizer.param_groups = mesh_optimizer.param_groups
+        self._mesh_model, self.mesh_boundaries, self.mesh_anchor = model, boundaries, anchor
+        self.spectral_optimizer = mesh_optimizer if isinstance(mesh_optimizer, SpectralAdamW) else None
+        self._wire_clock(mesh_optimizer)
+        self._prepare_masks(model, loader)
+        self.register_for_checkpointing(_MeshState(self))
+        return result
+
+    def _training_objects(self, args: Sequence[Any]) -> tuple[nn.Module, torch.optim.Optimizer, DataLoader | None]:
+        """(model, its optimizer, the first DataLoader or None), validated before anything changes."""
+        require(self.distributed_type not in (DistributedType.DEEPSPEED, DistributedType.FSDP, DistributedType.MEGATRON_LM),
+                "distributed_type", str(self.distributed_type),
+                "be a single device or DDP for MeshAccelerator (the spectral filter needs whole matrices); "
+                "the distributed mesh runs through MeshTrainer")
+        modules = _unique(args, nn.Module)
+        optimizers = _unique(args, torch.optim.Optimizer)
+        loaders = _unique(args, DataLoader)
+        require(len(optimizers) == 1, "optimizers passed with the model", len(optimizers),
+                "be exactly 1 in the first prepare() call that holds the model (its steps drive the mask clock and the anchor)")
+        optimizer = optimizers[0]
+        model = modules[0] if len(modules) == 1 else self._model_of(modules, optimizer)
+        find_decoder_layers(model)  # a model without a decoder-layer list fails here, naming its class
+        plugin = self.mesh_plugin
+        needs = [why for why, wanted in (("anchor=True", plugin.anchor), ("mask_protect_dims > 0", plugin.mask_protect_dims > 0),
+                                         ("mask_fill='gaussian'", plugin.mask_fill == "gaussian")) if wanted]
+        if needs:
+            require(bool(loaders), "DataLoader", None,
+                    f"be passed to the same prepare() call as the model when {needs[0]} (the mesh draws its own "
+                    "batches from the training loader's dataset); pass the training DataLoader there")
+        return model, optimizer, (loaders[0] if loaders else None)
+
+    @staticmethod
+    def _model_of(modules: Sequence[nn.Module], optimizer: torch.optim.Optimizer) -> nn.Module:
+        trained = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        owners = [m for m in modules if any(id(p) in trained for p in m.parameters())]
+        require(len(owners) == 1, "models holding the optimizer's parameters", len(owners),
+                "be exactly 1 (the model that trains on the mesh)")
+        return owners[0]
+
+    def _attach(self, model: nn.Module) -> BoundaryHandle:
+        plugin = self.mesh_plugin
+        return attach_boundaries(model, plugin.num_stages, plugin.mask_ratio, plugin.mask_seed,
+                                 plugin.mask_rescale, plugin.mask_fill)
+
+    def _mesh_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """The optimizer to prepare: the user's, or a SpectralAdamW in place of a torch Adam/AdamW."""
+        if not self.mesh_plugin.anchor or isinstance(optimizer, SpectralAdamW):
+            return optimizer
+        require(isinstance(optimizer, (torch.optim.AdamW, torch.optim.Adam)), "optimizer", type(optimizer).__name__,
+                "be torch.optim.AdamW or Adam (replaced by SpectralAdamW) or a SpectralAdamW when anchor=True "
+                "(the anchor's gradients feed SpectralAdamW's spectral filter); set anchor=False to keep another optimizer")
+        return spectral_adamw_like(optimizer, self.mesh_plugin)
+
+    def _anchor_batches(self, loader: DataLoader | None, microbatches: int) -> AnchorBatches:
+        """The anchor's own batches: same dataset, collate_fn and batch size as the training loader."""
+        require(loader is not None, "DataLoader", None,
+                "be passed with the model (the anchor and the mask set-up draw batches from it)")
+        dataset = loader.dataset
+        require(not isinstance(dataset, IterableDataset) and hasattr(dataset, "__getitem__"), "train DataLoader dataset",
+                type(dataset).__name__, "be map-style (__len__ and __getitem__) so the anchor can draw its own batches; "
+                "use anchor=False with an iterable dataset")
+        batch_size = loader.batch_size or getattr(loader.batch_sampler, "batch_size", None)
+        require(isinstance(batch_size, int) and batch_size >= 1, "train DataLoader batch_size", batch_size,
+                "be a positive int (the anchor draws batches of the same size)")
+        return AnchorBatches(dataset, loader.collate_fn, batch_size, microbatches, self.mesh_plugin.anchor_seed,
+                             prepare=lambda batch: send_to_device(batch, self.device))
+
+    def _build_anchor(self, model: nn.Module, optimizer: torch.optim.Optimizer, boundaries: BoundaryHandle,
+                      loader: DataLoader | None) -> AnchorCircuit:
+        """The anchor on the trainable matrices the optimizer holds (the ones its filter acts on)."""
+        plugin = self.mesh_plugin
+        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        params = {name: p for name, p in model.named_parameters() if p.requires_grad and p.ndim == 2 and id(p) in held}
+        batches = self._anchor_batches(loader, plugin.anchor_microbatches or self.gradient_accumulation_steps)
+        return AnchorCircuit(model, params, boundaries, plugin.anchor_every, plugin.anchor_delay, batches,
+                             plugin.anchor_loss_fn or _model_loss)
+
+    def _prepare_masks(self, model: nn.Module, loader: DataLoader | None) -> None:
+        """Protected dims and a first Gaussian-fill estimate, on the anchor sampler's first batch (as MeshTrainer)."""
+        plugin, handle = self.mesh_plugin, self.mesh_boundaries
+        if plugin.mask_protect_dims == 0 and plugin.mask_fill != "gaussian":
+            return
+        batch = self._anchor_batches(loader, microbatches=1)(0)[0]
+        if plugin.mask_protect_dims:
+            handle.protect_largest_dims(model, batch, plugin.mask_protect_dims)
+        if plugin.mask_fill == "gaussian":
+            handle.calibrate_fills(model, {k: v for k, v in batch.items() if k != "labels"})
+
+    # --- the clock: optimizer step hooks ------------------------------------------------------
+    def _wire_clock(self, optimizer: torch.optim.Optimizer) -> None:
+        """Anchor before, clock after every real optimizer step; the loop calls nothing of ours."""
+        self._mesh_hooks = [optimizer.register_step_pre_hook(self._before_optimizer_step),
+                            optimizer.register_step_post_hook(self._after_optimizer_step)]
+        self.mesh_boundaries.set_step(self.mesh_step)
+
+    def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+        if self.mesh_anchor is not None:
+            with torch.enable_grad():  # the dense snapshot gradient, even if step() runs under no_grad
+                self.mesh_anchor.on_step(self.mesh_step, optimizer)
+
+    def _after_optimizer_step(self, optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+        self.mesh_step += 1
+        self.mesh_boundaries.set_step(self.mesh_step)
+
+    # --- logs ---------------------------------------------------------------------------------
+    def log(self, values: dict, step: int | None = None, log_kwargs: dict | None = None) -> None:
+        """accelerate's ``log``; a training line (one with ``"loss"``) gains the mesh entries, in place."""
+        if "loss" in values:
+            values.update({k: v for k, v in self.mesh_log_entries().items() if k not in values})
+        super().log(values, step=step, log_kwargs=log_kwargs)
+
+    def mesh_log_entries(self) -> dict[str, float]:
+        """``MeshTrainer``'s log keys since the last call: ``comm/*`` (analytic ledger of the whole
+        mesh at this run's tokens per step, and what this process's boundaries produced),
+        ``spectral/*`` (cosines of G and G_proj with M_anc, mean d) and ``anchor/staleness_steps``."""
+        handle = self.mesh_boundaries
+        if handle is None:
+            return {}
+        entries: dict[str, float] = {}
+        counter = handle.counter
+        steps = max(self.mesh_step - self._mesh_steps_logged, 1)
+        self._mesh_steps_logged = self.mesh_step
+        if counter.tokens:
+            entries.update(self.mesh_ledger(max(counter.tokens // steps, 1)).log_dict())
+            if handle.masks:
+                entries["comm/measured_pp_fwd_bytes_per_token"] = counter.fwd_bytes / counter.tokens
+                entries["comm/measured_pp_bwd_bytes_per_token"] = counter.bwd_bytes / counter.tokens
+            counter.reset()
+        if self.spectral_optimizer is not None:
+            entries.update(self.spectral_optimizer.last_diagnostics or {})
+        if self.mesh_anchor is not None and self.mesh_anchor.last_staleness is not None:
+            entries["anchor/staleness_steps"] = float(self.mesh_anchor.last_staleness)
+        return entries
+
+    def mesh_ledger(self, tokens_per_step: int) -> Ledger:
+        """The analytic ledger of this model and the plugin's mesh at ``tokens_per_step`` tokens per fast replica."""
+        plugin, model = self.mesh_plugin, self._mesh_model
+        dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+        settings = LedgerSettings(
+            num_replicas=plugin.num_replicas, num_stages=plugin.num_stages, mask_ratio=plugin.mask_ratio,
+            tokens_per_step=tokens_per_step, activation_dtype=dtype, grad_dtype=dtype, param_dtype=dtype,
+            sync_every=plugin.dp_sync_every, powersgd_rank=plugin.dp_powersgd_rank, anchor=plugin.anchor,
+            anchor_every=plugin.anchor_every, anchor_payload=plugin.anchor_payload, anchor_rank=plugin.spectral_rank or 8,
+        )
+        return compute_ledger(param_shapes_of(model), self.mesh_boundaries.hidden_size, settings)
+
+
+class _MeshState:
+    """What ``save_state`` must keep for an exact resume beyond model and optimizer: the clock, the
+    boundaries' fill state and the anchor gradients in flight (the optimizer carries M_anc and U, d, V)."""
+
+    def __init__(self, accelerator: MeshAccelerator) -> None:
+        self.accelerator = accelerator
+
+    def state_dict(self) -> dict:
+        acc = self.accelerator
+        return {
+            "config": dataclasses.asdict(acc.mesh_plugin.mesh_config),
+            "step": acc.mesh_step,
+            "boundaries": acc.mesh_boundaries.state_dict(),
+            "anchor": None if acc.mesh_anchor is None else acc.mesh_anchor.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        acc = self.accelerator
+        current = dataclasses.asdict(acc.mesh_plugin.mesh_config)
+        for knob in _RESUME_KNOBS:
+            saved = state["config"].get(knob)
+            require(saved == current[knob], knob, current[knob],
+                    f"equal the checkpoint's value {saved!r} to resume exactly (start a new run to change it)")
+        acc.mesh_step = acc._mesh_steps_logged = state["step"]
+        acc.mesh_boundaries.load_state_dict(state["boundaries"])
+        if acc.mesh_anchor is not None and state["anchor"] is not None:
+            acc.mesh_anchor.load_state_dict(state["anchor"])
