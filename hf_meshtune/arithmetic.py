@@ -8,7 +8,8 @@ problems come in TRL's formats:
   assistant turn "The answer is N."), which ``SFTTrainer`` trains on with the loss on the completion;
 - ``prompt_dataset``: conversational prompts plus an ``answer`` column, which ``GRPOTrainer`` passes
   to reward functions as a keyword argument;
-- ``exact_answer_reward``: 1.0 when the last integer in a completion equals the answer, else 0.0.
+- ``exact_answer_reward``: 1.0 when the last integer in a completion equals the answer, else 0.0;
+- ``exact_match``: the same score for greedy answers of a model, the before/after figure of a run.
 """
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ import random
 import re
 
 import datasets
+import torch
 
 from ._validation import require
 
-__all__ = ["ANSWER_TEMPLATE", "exact_answer_reward", "extract_answer", "problems", "prompt_dataset", "sft_dataset"]
+__all__ = ["ANSWER_TEMPLATE", "exact_answer_reward", "exact_match", "extract_answer", "problems", "prompt_dataset", "sft_dataset"]
 
 ANSWER_TEMPLATE = "The answer is {answer}."
 _OPERATORS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
@@ -73,3 +75,25 @@ def _text(completion) -> str:
 def exact_answer_reward(completions: list, answer: list[str], **kwargs) -> list[float]:
     """TRL reward function: 1.0 where the completion's last integer equals the reference answer."""
     return [1.0 if extract_answer(_text(c)) == str(a) else 0.0 for c, a in zip(completions, answer, strict=True)]
+
+
+@torch.no_grad()
+def exact_match(model, tokenizer, items: list[dict[str, str]], batch_size: int = 16, max_new_tokens: int = 16) -> float:
+    """Fraction of ``items`` whose greedy answer (chat template, left-padded batches) is exactly right."""
+    was_training, side = model.training, tokenizer.padding_side
+    model.eval()
+    tokenizer.padding_side = "left"
+    correct = 0
+    try:
+        for start in range(0, len(items), batch_size):
+            chunk = items[start : start + batch_size]
+            prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p["question"]}], tokenize=False,
+                                                     add_generation_prompt=True) for p in chunk]
+            encoded = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
+            out = model.generate(**encoded, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+            texts = tokenizer.batch_decode(out[:, encoded["input_ids"].shape[1]:], skip_special_tokens=True)
+            correct += sum(extract_answer(t) == p["answer"] for t, p in zip(texts, chunk))
+    finally:
+        model.train(was_training)
+        tokenizer.padding_side = side
+    return correct / len(items)

@@ -18,7 +18,7 @@ run under ``no_grad`` and therefore see the dense model. Two consequences are en
   the GRPO/GSPO loss on the rollouts the fast circuit is training on (the current generation batch).
 
 GSPO (Zheng et al., 2025) is GRPO with sequence-level importance ratios:
-``MeshGRPOConfig(importance_sampling_level="sequence", loss_type="grpo")``, or ``MeshGRPOConfig.gspo()``.
+``MeshGRPOConfig(importance_sampling_level="sequence", loss_type="grpo")``, i.e. ``MeshGSPOConfig``.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from ._validation import require
 from .config import SPECTRAL_ADAMW, MeshArguments
 from .trainer import MeshTrainerMixin
 
-__all__ = ["MeshGRPOConfig", "MeshGRPOTrainer", "MeshSFTConfig", "MeshSFTTrainer"]
+__all__ = ["MeshGRPOConfig", "MeshGRPOTrainer", "MeshGSPOConfig", "MeshSFTConfig", "MeshSFTTrainer"]
 
 _OPTIM_HELP = f"Optimizer: '{SPECTRAL_ADAMW}' (the anchor-filtered AdamW) or any transformers optimizer name."
 
@@ -69,26 +69,19 @@ class MeshGRPOConfig(MeshArguments, GRPOConfig):
     """TRL's ``GRPOConfig`` plus the mesh knobs; ``optim`` defaults to ``"spectral_adamw"``.
 
     GSPO is this config with ``importance_sampling_level="sequence"`` and ``loss_type="grpo"``
-    (``MeshGRPOConfig.gspo(...)`` sets both). TRL's own checks (batch sizes divisible by
+    (``MeshGSPOConfig`` has those defaults). TRL's own checks (batch sizes divisible by
     ``num_generations``, …) run at construction, then the mesh's.
 
     Example:
-        >>> args = MeshGRPOConfig.gspo("out", num_generations=8, mask_ratio=0.95)  # doctest: +SKIP
+        >>> args = MeshGRPOConfig("out", num_generations=8, mask_ratio=0.95)  # doctest: +SKIP
     """
 
     optim: str = field(default=SPECTRAL_ADAMW, metadata={"help": _OPTIM_HELP})
 
-    @classmethod
-    def gspo(cls, output_dir: str | None = None, **kwargs) -> MeshGRPOConfig:
-        """GSPO: sequence-level importance sampling with the GRPO loss (both settable in kwargs)."""
-        kwargs.setdefault("importance_sampling_level", "sequence")
-        kwargs.setdefault("loss_type", "grpo")
-        return cls(output_dir, **kwargs)
-
     def __post_init__(self) -> None:
         world = os.environ.get("WORLD_SIZE", "1")
         require(world == "1", "WORLD_SIZE", world,
-                "be 1 for MeshGRPOConfig: GRPO/GSPO trains on one process (the distributed X×Y mesh runs supervised "
+                f"be 1 for {type(self).__name__}: GRPO/GSPO trains on one process (the distributed X×Y mesh runs supervised "
                 "objectives: MeshTrainer, MeshSFTTrainer)")
         _default_bf16(self)
         super().__post_init__()
@@ -104,6 +97,19 @@ class MeshGRPOConfig(MeshArguments, GRPOConfig):
                     f"be a multiple of steps_per_generation·num_iterations = {every} when mask_ratio > 0 "
                     "(otherwise TRL computes π_old in a separate dense forward and the importance ratio "
                     "compares the dense model with the masked one)")
+
+
+@dataclass
+class MeshGSPOConfig(MeshGRPOConfig):
+    """GSPO (group sequence policy optimisation): ``MeshGRPOConfig`` whose defaults are sequence-level
+    importance ratios, π_θ(y|x)/π_old(y|x) normalised by length, with the GRPO loss.
+
+    Example:
+        >>> args = MeshGSPOConfig("out", num_generations=8, max_completion_length=32)  # doctest: +SKIP
+    """
+
+    importance_sampling_level: str = field(default="sequence", metadata={"help": "GSPO: 'sequence' (one ratio per completion)."})
+    loss_type: str = field(default="grpo", metadata={"help": "GSPO uses the GRPO loss."})
 
 
 def _mesh_args(trainer_cls: type, config_cls: type, args, model, suffix: str):
@@ -165,7 +171,7 @@ class MeshGRPOTrainer(_QuietAnchorLossMixin, MeshTrainerMixin, GRPOTrainer):
     Example:
         >>> from hf_meshtune import MeshGRPOConfig, MeshGRPOTrainer
         >>> from hf_meshtune.arithmetic import exact_answer_reward
-        >>> args = MeshGRPOConfig.gspo("out", num_generations=8, max_completion_length=32)  # doctest: +SKIP
+        >>> args = MeshGSPOConfig("out", num_generations=8, max_completion_length=32)  # doctest: +SKIP
         >>> trainer = MeshGRPOTrainer(model=model, reward_funcs=exact_answer_reward, args=args,
         ...                           train_dataset=prompts)                               # doctest: +SKIP
         >>> trainer.train()                                                                # doctest: +SKIP

@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from hf_meshtune import MeshGRPOConfig, MeshGRPOTrainer, MeshSFTConfig, MeshSFTTrainer, MeshTrainer, MeshTrainingArguments
+from hf_meshtune import MeshGRPOTrainer, MeshGSPOConfig, MeshSFTConfig, MeshSFTTrainer, MeshTrainer, MeshTrainingArguments
 from hf_meshtune.arithmetic import exact_answer_reward, extract_answer, problems, prompt_dataset, sft_dataset
 from hf_meshtune.assets import smollm2_checkpoint
 from hf_meshtune.masking import BoundaryMask
@@ -53,7 +53,7 @@ def sft(tokenizer, out, peft_config=None, steps: int = 3, **knobs):
 
 
 def grpo(tokenizer, out, model=None, peft_config=None, reward=length_reward, **knobs):
-    args = MeshGRPOConfig.gspo(str(out), max_steps=2, per_device_train_batch_size=4, num_generations=4,
+    args = MeshGSPOConfig(str(out), max_steps=2, per_device_train_batch_size=4, num_generations=4,
                                max_completion_length=8, learning_rate=1e-3, **{**COMMON, **MESH, **knobs})
     return MeshGRPOTrainer(model=model if model is not None else tiny(tokenizer), reward_funcs=reward, args=args,
                            train_dataset=prompt_dataset(16), processing_class=tokenizer, peft_config=peft_config)
@@ -226,14 +226,14 @@ def test_gspo_with_lora_saves_an_adapter_and_uses_the_disabled_adapter_as_refere
 
 def test_grpo_settings_that_mix_dense_and_masked_policies_are_refused(tokenizer, tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"gradient_accumulation_steps=2 is invalid: it must be a multiple of steps_per_generation·num_iterations = 4"):
-        MeshGRPOConfig.gspo(str(tmp_path), per_device_train_batch_size=4, num_generations=4, gradient_accumulation_steps=2,
+        MeshGSPOConfig(str(tmp_path), per_device_train_batch_size=4, num_generations=4, gradient_accumulation_steps=2,
                             steps_per_generation=4, **COMMON)
-    MeshGRPOConfig.gspo(str(tmp_path), per_device_train_batch_size=4, num_generations=4, gradient_accumulation_steps=2,
+    MeshGSPOConfig(str(tmp_path), per_device_train_batch_size=4, num_generations=4, gradient_accumulation_steps=2,
                         steps_per_generation=4, mask_ratio=0.0, anchor=False, **COMMON)  # dense policy: TRL's own rule
     with pytest.raises(ValueError, match="generation_batch_size .* must be divisible by num_generations"):
-        MeshGRPOConfig.gspo(str(tmp_path), per_device_train_batch_size=4, num_generations=3, **COMMON)  # TRL's check
+        MeshGSPOConfig(str(tmp_path), per_device_train_batch_size=4, num_generations=3, **COMMON)  # TRL's check
     with pytest.raises(ValueError, match="mask_protect_dims=4 is invalid"):
-        MeshGRPOConfig.gspo(str(tmp_path), per_device_train_batch_size=4, num_generations=4, mask_protect_dims=4, **COMMON)
+        MeshGSPOConfig(str(tmp_path), per_device_train_batch_size=4, num_generations=4, mask_protect_dims=4, **COMMON)
     monkeypatch.setenv("WORLD_SIZE", "6")
-    with pytest.raises(ValueError, match="WORLD_SIZE='6' is invalid: it must be 1 for MeshGRPOConfig"):
+    with pytest.raises(ValueError, match="WORLD_SIZE='6' is invalid: it must be 1 for MeshGSPOConfig"):
         grpo(tokenizer, tmp_path / "dist")
