@@ -45,9 +45,9 @@ from ._validation import require
 from .anchor import AnchorBatches, AnchorCircuit
 from .boundaries import BoundaryHandle, attach_boundaries, find_decoder_layers
 from .config import MeshArguments
-from .ledger import Ledger, LedgerSettings, compute_ledger, param_shapes_of
+from .ledger import Ledger
 from .optim.spectral import SpectralAdamW
-from .trainer import _RESUME_KNOBS
+from .trainer import mesh_ledger, mesh_log_entries, require_resume_knobs
 
 __all__ = ["ENV_PREFIX", "MeshAccelerator", "MeshPlugin"]
 
@@ -420,36 +420,15 @@ class MeshAccelerator(Accelerator):
         """``MeshTrainer``'s log keys since the last call: ``comm/*`` (analytic ledger of the whole
         mesh at this run's tokens per step, and what this process's boundaries produced),
         ``spectral/*`` (cosines of G and G_proj with M_anc, mean d) and ``anchor/staleness_steps``."""
-        handle = self.mesh_boundaries
-        if handle is None:
+        if self.mesh_boundaries is None:
             return {}
-        entries: dict[str, float] = {}
-        counter = handle.counter
         steps = max(self.mesh_step - self._mesh_steps_logged, 1)
         self._mesh_steps_logged = self.mesh_step
-        if counter.tokens:
-            entries.update(self.mesh_ledger(max(counter.tokens // steps, 1)).log_dict())
-            if handle.masks:
-                entries["comm/measured_pp_fwd_bytes_per_token"] = counter.fwd_bytes / counter.tokens
-                entries["comm/measured_pp_bwd_bytes_per_token"] = counter.bwd_bytes / counter.tokens
-            counter.reset()
-        if self.spectral_optimizer is not None:
-            entries.update(self.spectral_optimizer.last_diagnostics or {})
-        if self.mesh_anchor is not None and self.mesh_anchor.last_staleness is not None:
-            entries["anchor/staleness_steps"] = float(self.mesh_anchor.last_staleness)
-        return entries
+        return mesh_log_entries(self.mesh_boundaries, self.mesh_anchor, self.spectral_optimizer, steps, self.mesh_ledger)
 
     def mesh_ledger(self, tokens_per_step: int) -> Ledger:
         """The analytic ledger of this model and the plugin's mesh at ``tokens_per_step`` tokens per fast replica."""
-        plugin, model = self.mesh_plugin, self._mesh_model
-        dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-        settings = LedgerSettings(
-            num_replicas=plugin.num_replicas, num_stages=plugin.num_stages, mask_ratio=plugin.mask_ratio,
-            tokens_per_step=tokens_per_step, activation_dtype=dtype, grad_dtype=dtype, param_dtype=dtype,
-            sync_every=plugin.dp_sync_every, powersgd_rank=plugin.dp_powersgd_rank, anchor=plugin.anchor,
-            anchor_every=plugin.anchor_every, anchor_payload=plugin.anchor_payload, anchor_rank=plugin.spectral_rank or 8,
-        )
-        return compute_ledger(param_shapes_of(model), self.mesh_boundaries.hidden_size, settings)
+        return mesh_ledger(self._mesh_model, self.mesh_boundaries.hidden_size, self.mesh_plugin, tokens_per_step)
 
 
 class _MeshState:
@@ -470,11 +449,7 @@ class _MeshState:
 
     def load_state_dict(self, state: dict) -> None:
         acc = self.accelerator
-        current = dataclasses.asdict(acc.mesh_plugin.mesh_config)
-        for knob in _RESUME_KNOBS:
-            saved = state["config"].get(knob)
-            require(saved == current[knob], knob, current[knob],
-                    f"equal the checkpoint's value {saved!r} to resume exactly (start a new run to change it)")
+        require_resume_knobs(state["config"], acc.mesh_plugin.mesh_config)
         acc.mesh_step = acc._mesh_steps_logged = state["step"]
         acc.mesh_boundaries.load_state_dict(state["boundaries"])
         if acc.mesh_anchor is not None and state["anchor"] is not None:

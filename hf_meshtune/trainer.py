@@ -26,7 +26,7 @@ from .ledger import LedgerSettings, compute_ledger, param_shapes_of
 from .mesh_job import is_distributed_job, train_on_mesh, validate_mesh_job
 from .optim.spectral import SpectralAdamW
 
-__all__ = ["MESH_STATE_NAME", "MeshCallback", "MeshTrainer", "MeshTrainerMixin"]
+__all__ = ["MESH_STATE_NAME", "MeshCallback", "MeshTrainer", "MeshTrainerMixin", "mesh_ledger", "mesh_log_entries", "require_resume_knobs"]
 
 MESH_STATE_NAME = "mesh_state.pt"
 # Knobs that change the numerics of a run: a resumed run must use the values it was saved with.
@@ -175,36 +175,13 @@ class MeshTrainerMixin:
 
     def mesh_log_entries(self) -> dict[str, float]:
         """Byte ledger, spectral diagnostics and anchor staleness since the last training log."""
-        entries: dict[str, float] = {}
-        counter = self.mesh_boundaries.counter
         steps = max(self.state.global_step - self._mesh_steps_logged, 1)
         self._mesh_steps_logged = self.state.global_step
-        if counter.tokens:
-            # Analytic: the whole mesh. Measured: what this process's boundaries produced (frozen
-            # layers below a boundary mean no backward payload there, so pp_bwd can be lower).
-            entries.update(self.mesh_ledger(max(counter.tokens // steps, 1)).log_dict())
-            if self.mesh_boundaries.masks:
-                entries["comm/measured_pp_fwd_bytes_per_token"] = counter.fwd_bytes / counter.tokens
-                entries["comm/measured_pp_bwd_bytes_per_token"] = counter.bwd_bytes / counter.tokens
-            counter.reset()
-        optimizer = self.spectral_optimizer
-        if optimizer is not None:
-            entries.update(getattr(optimizer, "last_diagnostics", {}) or {})
-        if self.mesh_anchor is not None and self.mesh_anchor.last_staleness is not None:
-            entries["anchor/staleness_steps"] = float(self.mesh_anchor.last_staleness)
-        return entries
+        return mesh_log_entries(self.mesh_boundaries, self.mesh_anchor, self.spectral_optimizer, steps, self.mesh_ledger)
 
     def mesh_ledger(self, tokens_per_step: int):
         """The analytic ledger of this model and mesh at ``tokens_per_step`` tokens per fast replica."""
-        cfg = self.mesh_config
-        dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
-        settings = LedgerSettings(
-            num_replicas=cfg.num_replicas, num_stages=cfg.num_stages, mask_ratio=cfg.mask_ratio,
-            tokens_per_step=tokens_per_step, activation_dtype=dtype, grad_dtype=dtype, param_dtype=dtype,
-            sync_every=cfg.dp_sync_every, powersgd_rank=cfg.dp_powersgd_rank, anchor=cfg.anchor,
-            anchor_every=cfg.anchor_every, anchor_payload=cfg.anchor_payload, anchor_rank=cfg.spectral_rank or 8,
-        )
-        return compute_ledger(param_shapes_of(self.model), self.mesh_boundaries.hidden_size, settings)
+        return mesh_ledger(self.model, self.mesh_boundaries.hidden_size, self.mesh_config, tokens_per_step)
 
     # --- checkpoints --------------------------------------------------------------------------
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
@@ -249,14 +226,51 @@ class MeshTrainerMixin:
         }
 
     def load_mesh_state_dict(self, state: dict) -> None:
-        current = dataclasses.asdict(self.mesh_config)
-        for knob in _RESUME_KNOBS:
-            saved = state["config"].get(knob)
-            require(saved == current[knob], knob, current[knob],
-                    f"equal the checkpoint's value {saved!r} to resume exactly (start a new run to change it)")
+        require_resume_knobs(state["config"], self.mesh_config)
         self.mesh_boundaries.load_state_dict(state["boundaries"])
         if self.mesh_anchor is not None and state["anchor"] is not None:
             self.mesh_anchor.load_state_dict(state["anchor"])
+
+
+def mesh_log_entries(handle: BoundaryHandle, anchor: AnchorCircuit | None, optimizer: SpectralAdamW | None,
+                     steps: int, ledger) -> dict[str, float]:
+    """The mesh's log keys over the last ``steps`` optimizer steps: ``comm/*`` (the analytic ledger of
+    the whole mesh at this run's tokens per step, ``ledger(tokens) → Ledger``, and what this process's
+    boundaries produced), ``spectral/*`` and ``anchor/staleness_steps``."""
+    entries: dict[str, float] = {}
+    counter = handle.counter
+    if counter.tokens:
+        # Measured: frozen layers below a boundary mean no backward payload there, so pp_bwd can be lower.
+        entries.update(ledger(max(counter.tokens // steps, 1)).log_dict())
+        if handle.masks:
+            entries["comm/measured_pp_fwd_bytes_per_token"] = counter.fwd_bytes / counter.tokens
+            entries["comm/measured_pp_bwd_bytes_per_token"] = counter.bwd_bytes / counter.tokens
+        counter.reset()
+    if optimizer is not None:
+        entries.update(getattr(optimizer, "last_diagnostics", {}) or {})
+    if anchor is not None and anchor.last_staleness is not None:
+        entries["anchor/staleness_steps"] = float(anchor.last_staleness)
+    return entries
+
+
+def mesh_ledger(model: nn.Module, hidden_size: int, cfg: MeshArguments, tokens_per_step: int):
+    """The analytic ledger of ``model`` on the mesh ``cfg`` describes, at ``tokens_per_step`` per fast replica."""
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    settings = LedgerSettings(
+        num_replicas=cfg.num_replicas, num_stages=cfg.num_stages, mask_ratio=cfg.mask_ratio,
+        tokens_per_step=tokens_per_step, activation_dtype=dtype, grad_dtype=dtype, param_dtype=dtype,
+        sync_every=cfg.dp_sync_every, powersgd_rank=cfg.dp_powersgd_rank, anchor=cfg.anchor,
+        anchor_every=cfg.anchor_every, anchor_payload=cfg.anchor_payload, anchor_rank=cfg.spectral_rank or 8,
+    )
+    return compute_ledger(param_shapes_of(model), hidden_size, settings)
+
+
+def require_resume_knobs(saved: dict, config: MeshArguments) -> None:
+    """A resumed run must use the knobs it was saved with (they change its numerics)."""
+    current = dataclasses.asdict(config)
+    for knob in _RESUME_KNOBS:
+        require(saved.get(knob) == current[knob], knob, current[knob],
+                f"equal the checkpoint's value {saved.get(knob)!r} to resume exactly (start a new run to change it)")
 
 
 # PEFT methods whose trainable weights are matrices [out, r] / [r, in] that the spectral filter can

@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from hf_meshtune.ledger import dp_payload_numel
 from hf_meshtune.masking import keep_count
 from tests.tiny import tiny_llama
 
@@ -47,10 +48,37 @@ def test_meshtrainer_script_runs_unchanged_on_a_launched_3x2_mesh(tmp_path):
     losses = [json.loads(line.split("] ", 1)[1])["loss"] for line in proc.stdout.splitlines()
               if line.startswith("[r0s1] {") and '"loss"' in line]
     assert len(losses) == 12 and sum(losses[-3:]) / 3 < sum(losses[:3]) / 3
+    history = json.loads((out / "trainer_state.json").read_text())["log_history"]  # what `meshtune report` reads
+    assert [entry["step"] for entry in history] == list(range(1, 13))
+    assert history[-1]["comm/measured_pp_fwd_bytes_per_token"] == measured["pp_fwd"]
     saved = AutoModelForCausalLM.from_pretrained(out)
     initial = tiny_llama(seed=0, layers=4, hidden=64)
     for name in ("model.embed_tokens.weight", "model.layers.3.mlp.down_proj.weight", "lm_head.weight"):
         assert not torch.equal(saved.state_dict()[name], initial.state_dict()[name]), name
+
+
+def test_lora_on_the_mesh_syncs_and_filters_only_the_adapter_and_saves_a_plain_peft_adapter(tmp_path):
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    out = tmp_path / "lora"
+    proc = _launch("3x2", str(out), "--lora", "--max_steps", "4")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((out / "mesh_summary.json").read_text())
+    measured, analytic = summary["measured_bytes_per_token"], summary["analytic_bytes_per_token"]
+    assert measured["pp_fwd"] == analytic["pp_fwd"] == keep_count(64, 0.9) * 4  # LoRA leaves the payload as it is
+    assert measured["dp"] == pytest.approx(analytic["dp"], rel=1e-9) and summary["dp_syncs_per_rank"] == 4 // 2
+    # DP: PowerSGD rank 2 of each stage's LoRA matrices (r = 4), nothing of the frozen base
+    reference = get_peft_model(tiny_llama(seed=0, layers=4, hidden=64),
+                               LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM"))
+    payload = sum(dp_payload_numel(p.shape, 2) for p in reference.parameters() if p.requires_grad)
+    # fp32, mean over the 2 stages, and each sync carries one of the dp_fragments = 2 fragments (the LoRA
+    # matrices of each stage split into two halves of equal payload)
+    assert summary["dp_bytes_per_sync_per_rank"] == pytest.approx(payload * 4 / 2 / 2, rel=1e-9)
+    assert summary["anchor_rounds"] >= 1 and summary["anchor_arrivals"] >= 1
+    loaded = PeftModel.from_pretrained(tiny_llama(seed=0, layers=4, hidden=64), str(out))
+    trained_b = [p for n, p in loaded.named_parameters() if "lora_B" in n]
+    assert trained_b and all(p.abs().sum() > 0 for p in trained_b)  # lora_B starts at zero: every stage trained
+    assert "## Trained with hf_meshtune" in (out / "README.md").read_text()
 
 
 def test_a_mesh_that_does_not_fit_the_world_fails_fast_on_every_rank(tmp_path):
