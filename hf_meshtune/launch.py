@@ -33,6 +33,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any
 
+from tqdm import tqdm
+
 from ._validation import require
 
 __all__ = ["child_argv", "child_env", "free_port", "launch_mesh", "start_local_lighthouse"]
@@ -160,6 +162,31 @@ def _say(message: str) -> None:
 # The running mesh
 # ---------------------------------------------------------------------------------------------------
 
+class StepProgress:
+    """A progress bar over the mesh's optimizer steps, fed by the step lines the loss-computing rank
+    (replica 0's last stage) prints, ``{"mesh": ..., "step": N, ...}``. It shows on a terminal only
+    (tqdm's ``disable=None``); the total is the command's ``--max_steps`` when it has one."""
+
+    _STEP = re.compile(r'^\{"mesh": "[^"]*", "step": (\d+)')
+
+    def __init__(self, command: Sequence[str], tag: str, file: IO[str] | None = None, disable: bool | None = None) -> None:
+        self.tag = tag
+        total = None
+        for flag, value in zip(command, command[1:]):
+            if flag == "--max_steps" and value.isdigit():
+                total = int(value)
+        self.bar = tqdm(total=total, desc="mesh steps", unit="step", file=file or sys.stderr, disable=disable, leave=True)
+
+    def feed(self, tag: str, text: str) -> None:
+        """Move the bar to step N when ``text`` is the loss rank's step line."""
+        match = self._STEP.match(text) if tag == self.tag else None
+        if match and int(match[1]) > self.bar.n:
+            self.bar.update(int(match[1]) - self.bar.n)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
 @dataclass
 class _Child:
     rank: int
@@ -172,9 +199,9 @@ class _Child:
 class _Mesh:
     """X·Y child processes, their output forwarding, and the one way to stop them all."""
 
-    def __init__(self, grace_s: float) -> None:
+    def __init__(self, grace_s: float, progress: StepProgress | None = None) -> None:
         self.children: list[_Child] = []
-        self.grace_s = grace_s
+        self.grace_s, self.progress = grace_s, progress
         self.exits: queue.Queue[tuple[_Child, int]] = queue.Queue()  # (child, exit code) in exit order
         self._lock = threading.Lock()  # one line at a time on the launcher's stdout/stderr/log files
 
@@ -199,14 +226,18 @@ class _Mesh:
     def _forward(self, child: _Child, pipe: IO[bytes], is_err: bool) -> None:
         prefix = f"[{child.tag}] "
         for raw in iter(pipe.readline, b""):
-            line = prefix + raw.decode("utf-8", errors="replace").rstrip("\r\n") + "\n"
+            text = raw.decode("utf-8", errors="replace").rstrip("\r\n")
+            line = prefix + text + "\n"
             with self._lock:
                 try:
                     out = sys.stderr if is_err else sys.stdout
-                    out.write(line)
-                    out.flush()
+                    with tqdm.external_write_mode(file=out):  # lift the progress bar while the line goes by
+                        out.write(line)
+                        out.flush()
                 except (OSError, ValueError):  # closed or unencodable terminal: keep draining the pipe
                     pass
+                if self.progress is not None:
+                    self.progress.feed(child.tag, text)
                 if child.log is not None:
                     child.log.write(line)
                     child.log.flush()
@@ -323,7 +354,8 @@ def launch_mesh(mesh: tuple[int, int], command: list[str], *, cpu: bool, master_
     world_size = mesh[0] * mesh[1]
     _say(f"mesh {mesh[0]}x{mesh[1]} = {world_size} processes, master 127.0.0.1:{port}, "
          f"lighthouse {address}")
-    running = _Mesh(grace_s)
+    progress = StepProgress(command, _rank_tag(mesh, mesh[1] - 1))
+    running = _Mesh(grace_s, progress)
     with _SignalTrap() as trap:  # also covers the stop: a second Ctrl-C must not cut it short
         try:
             for rank in range(world_size):
@@ -333,6 +365,7 @@ def launch_mesh(mesh: tuple[int, int], command: list[str], *, cpu: bool, master_
             return _supervise(running, trap)
         finally:
             running.stop()
+            progress.close()
             if server is not None:
                 server.shutdown()
 

@@ -281,3 +281,22 @@ def test_cpu_mesh_yaml_starts_six_gloo_ranks(tmp_path: Path) -> None:
     for r in reports:
         assert (r["world"], r["sum"], r["backend"], r["mesh"]) == (6, 15.0, "gloo", "3x2")
         assert r["type"] == "DistributedType.MULTI_CPU" and r["env_rank"] == str(r["rank"])
+
+
+def test_step_progress_follows_the_loss_rank_step_lines() -> None:
+    import io
+
+    from hf_meshtune.launch import StepProgress
+
+    out = io.StringIO()
+    progress = StepProgress(["recipes/sft.py", "--max_steps", "12"], "r0s1", file=out, disable=False)
+    assert progress.bar.total == 12
+    progress.feed("r0s0", '{"mesh": "3x2", "step": 5, "loss": 1.0}')  # another rank: ignored
+    progress.feed("r0s1", "Loading weights ...")
+    assert progress.bar.n == 0
+    progress.feed("r0s1", '{"mesh": "3x2", "step": 3, "loss": 2.5, "lr": 0.001}')
+    progress.feed("r0s1", '{"mesh": "3x2", "step": 2, "loss": 2.5}')  # never backwards
+    assert progress.bar.n == 3
+    progress.close()
+    assert "3/12" in out.getvalue()
+    assert StepProgress(["x.py"], "r0s1", file=io.StringIO(), disable=False).bar.total is None
