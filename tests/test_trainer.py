@@ -95,6 +95,14 @@ def test_saved_model_loads_in_plain_transformers_with_same_logits(tmp_path):
     loaded.eval()
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, trainer.model(ids).logits, rtol=0, atol=0)
+    from huggingface_hub import ModelCard
+
+    card = ModelCard.load(tmp_path / "final" / "README.md")  # the model card names the mesh settings
+    assert "hf_meshtune" in card.data.tags and "## Trained with hf_meshtune" in card.text
+    cfg = trainer.mesh_config
+    assert f"| `mask_ratio` | {cfg.mask_ratio!r} |" in card.text and f"| `num_stages` | {cfg.num_stages!r} |" in card.text
+    logged = [e for e in trainer.state.log_history if "comm/pp_fwd_bytes_per_token" in e][-1]
+    assert f"| pp_fwd | {logged['comm/pp_fwd_bytes_per_token']:,.1f} |" in card.text
 
 
 def test_resume_reproduces_next_losses_exactly(tmp_path):
