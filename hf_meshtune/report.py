@@ -177,6 +177,9 @@ def run_row(run: RunFiles) -> dict[str, Any]:
                                        _last_logged([demo_log], "comm/compression_vs_dense_ratio")),
         "anchor_staleness_steps": _first(_last_logged(history, "anchor/staleness_steps"),
                                          _last_logged([demo_log], "anchor/staleness_steps"), mesh.get("anchor_staleness_mean")),
+        # RL runs (TRL's GRPO/GSPO log the mean reward of each step's rollouts)
+        "first_reward": _first_logged(history, "reward"),
+        "last_reward": _last_logged(history, "reward"),
         "mesh": run.mesh,
     }
 
@@ -184,6 +187,10 @@ def run_row(run: RunFiles) -> dict[str, Any]:
 def _first(*values: Any) -> Any:
     """The first value that is neither None nor empty (``[]``, ``{}``); None if there is none."""
     return next((value for value in values if value is not None and value != [] and value != {}), None)
+
+
+def _first_logged(history: list[dict[str, Any]], key: str) -> float | None:
+    return next((entry[key] for entry in history if key in entry), None)
 
 
 def _last_logged(history: list[dict[str, Any]], key: str) -> float | None:
@@ -217,9 +224,22 @@ def bar_series(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
 
 
 def draw_loss(runs: list[RunFiles], rows: list[dict[str, Any]], path: Path) -> None:
-    """Training loss vs step, one line per run; eval losses as crosses of the run's colour."""
-    fig, ax = _figure((7.0, 4.5))
+    """Training loss vs step, one line per run; eval losses as crosses of the run's colour. When runs
+    log a reward (GRPO/GSPO, whose loss hovers near 0 by construction), a second panel plots it."""
+    rewards = [_points(run.log_history, "reward") for run in runs]
+    with_reward = any(steps for steps, _ in rewards)
+    fig, ax = _figure((12.0, 4.5) if with_reward else (7.0, 4.5), ncols=2 if with_reward else 1)
     from matplotlib.ticker import MaxNLocator  # after _figure, which explains a missing matplotlib
+
+    if with_reward:
+        ax, reward_ax = ax
+        for index, (run, (steps, values)) in enumerate(zip(runs, rewards)):
+            if steps:
+                reward_ax.plot(steps, values, marker="o", markersize=3, color=f"C{index % 10}", label=run.name)
+        reward_ax.set(xlabel="step", ylabel="mean reward of the step's rollouts", title="Reward (RL runs)")
+        reward_ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        reward_ax.grid(alpha=0.3)
+        reward_ax.legend(fontsize="small")
 
     drawn = False
     for index, (run, row) in enumerate(zip(runs, rows)):
@@ -275,13 +295,13 @@ def draw_bytes(series: dict[str, dict[str, float]], path: Path) -> None:
     _save(fig, path)
 
 
-def _figure(size: tuple[float, float]) -> tuple[Any, Any]:
+def _figure(size: tuple[float, float], ncols: int = 1) -> tuple[Any, Any]:
     try:
         from matplotlib.figure import Figure
     except ModuleNotFoundError as err:  # an optional extra: say which
         raise ModuleNotFoundError("meshtune report draws with matplotlib: pip install 'hf_meshtune[report]'") from err
     fig = Figure(figsize=size, layout="constrained")
-    return fig, fig.subplots()
+    return fig, fig.subplots(ncols=ncols)
 
 
 def _save(fig: Any, path: Path) -> None:
@@ -308,13 +328,14 @@ def format_report(root: Path, rows: list[dict[str, Any]]) -> str:
     if meshes:
         lines += ["## Distributed mesh: measured on the wire", "", *_mesh_bytes_table(meshes), "",
                   *_mesh_numbers_table(meshes), ""]
-    lines += ["## Plots", "", f"![training loss vs step]({LOSS_PLOT_NAME})", "",
+    lines += ["## Plots", "", f"![training loss (and reward) vs step]({LOSS_PLOT_NAME})", "",
               f"![bytes per token by circuit]({BYTES_PLOT_NAME})", ""]
     return "\n".join(lines)
 
 
 def _runs_table(rows: list[dict[str, Any]]) -> list[str]:
-    header = ["run", "steps", "first train loss", "last train loss", "last eval loss",
+    rl = any(row["last_reward"] is not None for row in rows)
+    header = ["run", "steps", "first train loss", "last train loss", "last eval loss", *(["first reward", "last reward"] if rl else []),
               *(f"{c} B/token" for c in CIRCUITS), "total B/token", "vs dense", "anchor staleness (steps)", "from"]
     table = [_table_row(header), _table_row(["---", *["---:"] * (len(header) - 2), "---"])]
     for row in rows:
@@ -322,6 +343,7 @@ def _runs_table(rows: list[dict[str, Any]]) -> list[str]:
         compression = row["compression_vs_dense"]
         table.append(_table_row([
             row["run"], _fmt(row["steps"], "d"), *(_fmt(row[k], ".4f") for k in ("first_train_loss", "last_train_loss", "last_eval_loss")),
+            *((_fmt(row["first_reward"], ".3f"), _fmt(row["last_reward"], ".3f")) if rl else ()),
             *(_fmt(ledger.get(c), ",.1f") for c in (*CIRCUITS, "total")),
             "–" if compression is None else f"{compression:.2f}×", _fmt(row["anchor_staleness_steps"], ".3g"),
             ", ".join(row["sources"])]))

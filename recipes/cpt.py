@@ -138,8 +138,8 @@ def main(argv: list[str] | None = None) -> dict:
                           data_collator=default_data_collator, processing_class=tokenizer)
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     trainer.save_model()
-    trainer.save_state()
     metrics = trainer.evaluate()
+    trainer.save_state()  # after evaluate: trainer_state.json carries the eval loss too
     try:
         metrics["perplexity"] = math.exp(metrics["eval_loss"])
     except OverflowError:

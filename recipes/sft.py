@@ -74,8 +74,8 @@ def main(argv: list[str] | None = None) -> dict:
                              processing_class=tokenizer, peft_config=get_peft_config(model_args))
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     trainer.save_model()
-    trainer.save_state()
     metrics = trainer.evaluate()
+    trainer.save_state()  # after evaluate: trainer_state.json carries the eval loss too
     trainer.log_metrics("eval", metrics)
     if torch.distributed.is_initialized():  # a launched mesh: leave the process group cleanly
         torch.distributed.destroy_process_group()

@@ -84,7 +84,7 @@ def test_report_of_real_runs_shows_what_the_trainer_logged(trained, tmp_path, ca
     for png in written[1:]:
         assert_png(png)
     report = (tmp_path / "runs" / "report.md").read_text()
-    assert "![training loss vs step](loss.png)" in report and "![bytes per token by circuit](bytes_per_token.png)" in report
+    assert "![training loss (and reward) vs step](loss.png)" in report and "![bytes per token by circuit](bytes_per_token.png)" in report
     for name, trainer in trained.items():
         last = train_logs(trainer)[-1]
         line = table_line(report, name)

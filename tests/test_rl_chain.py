@@ -44,6 +44,13 @@ def test_gspo_recipe_trains_scores_and_saves_a_plain_checkpoint(tiny_dir, tmp_pa
     _, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys"))
     assert "## Trained with hf_meshtune" in (out / "README.md").read_text()
+    from hf_meshtune.report import write_report  # an RL run's report carries its reward
+
+    written = write_report(out)
+    rewards = [e["reward"] for e in args["log_history"] if "reward" in e]
+    (row,) = written["rows"]
+    assert rewards and row["first_reward"] == rewards[0] and row["last_reward"] == rewards[-1]
+    assert "| first reward | last reward |" in (out / "report.md").read_text()
 
 
 def test_sft_then_gspo_with_lora_continues_from_the_saved_adapter(tiny_dir, tmp_path):
