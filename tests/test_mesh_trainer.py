@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -79,6 +80,26 @@ def test_lora_on_the_mesh_syncs_and_filters_only_the_adapter_and_saves_a_plain_p
     trained_b = [p for n, p in loaded.named_parameters() if "lora_B" in n]
     assert trained_b and all(p.abs().sum() > 0 for p in trained_b)  # lora_B starts at zero: every stage trained
     assert "## Trained with hf_meshtune" in (out / "README.md").read_text()
+
+
+def test_trl_sft_script_runs_unchanged_on_a_launched_mesh(tmp_path):
+    """MeshSFTTrainer on the mesh: TRL's tokenized rows and completion-only collator feed the pipeline."""
+    out = tmp_path / "trl"
+    env = {**os.environ, "PYTHONPATH": ROOT, "RUST_LOG": "warn"}
+    command = [sys.executable, "-m", "hf_meshtune.cli", "launch", "--mesh", "3x2", "--cpu", "--",
+               os.path.join(ROOT, "tests", "scripts", "mesh_trl_sft.py"), "--output_dir", str(out), *FLAGS,
+               "--max_steps", "4", "--max_length", "48"]
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=400, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((out / "mesh_summary.json").read_text())
+    measured, analytic = summary["measured_bytes_per_token"], summary["analytic_bytes_per_token"]
+    assert summary["steps"] == 4 and measured["pp_fwd"] == analytic["pp_fwd"] == keep_count(64, 0.9) * 4
+    assert measured["dp"] == pytest.approx(analytic["dp"], rel=1e-9) and summary["anchor_rounds"] >= 1
+    history = json.loads((out / "trainer_state.json").read_text())["log_history"]
+    assert [entry["step"] for entry in history] == [1, 2, 3, 4] and all(math.isfinite(e["loss"]) for e in history)
+    _, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys"))
+    assert "MeshSFTTrainer" in (out / "README.md").read_text()
 
 
 def test_a_mesh_that_does_not_fit_the_world_fails_fast_on_every_rank(tmp_path):
