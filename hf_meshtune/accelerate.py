@@ -200,7 +200,7 @@ def spectral_adamw_like(optimizer: torch.optim.Optimizer, plugin: MeshPlugin) ->
     return SpectralAdamW(
         groups, lr=defaults["lr"], betas=defaults["betas"], eps=defaults["eps"], weight_decay=defaults["weight_decay"],
         alpha=plugin.spectral_alpha, tau=plugin.spectral_tau, anchor_beta=plugin.anchor_beta, rank=plugin.spectral_rank,
-        relative_tau=plugin.spectral_relative_tau, seed=plugin.mask_seed,
+        relative_tau=plugin.spectral_relative_tau, seed=plugin.mask_seed, max_staleness=plugin.anchor_max_staleness,
     )
 
 

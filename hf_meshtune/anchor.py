@@ -78,7 +78,8 @@ class AnchorCircuit:
         due = [p for p in self.pending if p.deliver_step <= step]
         self.pending = [p for p in self.pending if p.deliver_step > step]
         for arrival in due:
-            optimizer.update_anchor({self.params[name]: grad for name, grad in arrival.grads.items()})
+            optimizer.update_anchor({self.params[name]: grad for name, grad in arrival.grads.items()},
+                                    staleness=step - arrival.snapshot_step)
             self.last_staleness = step - arrival.snapshot_step
         return [arrival.snapshot_step for arrival in due]
 

@@ -44,6 +44,7 @@ class MeshArguments:
     anchor_delay: int = field(default=20, metadata={"help": "Δ: fast steps between a snapshot and the arrival of its dense gradient."})
     anchor_beta: float = field(default=0.9, metadata={"help": "β_anc: EMA coefficient of the anchor momentum M_anc."})
     anchor_microbatches: int | None = field(default=None, metadata={"help": "Microbatches per anchor gradient (default: gradient_accumulation_steps)."})
+    anchor_max_staleness: int | None = field(default=None, metadata={"help": "Fast steps a basis stays trusted without a fresh anchor gradient: older deliveries are rejected, and past it the filter fades to plain AdamW over as many steps again. None = never (the paper)."})
     # --- spectral optimizer ---
     spectral_tau: float = field(default=1e-3, metadata={"help": "τ_p: Tikhonov filter d = s/(s+τ)."})
     spectral_relative_tau: bool = field(default=False, metadata={"help": "Use τ·s_max instead of an absolute τ."})
@@ -83,6 +84,7 @@ class MeshArguments:
         require(self.anchor_delay >= 0, "anchor_delay", self.anchor_delay, "be >= 0")
         require(0.0 <= self.anchor_beta <= 1.0, "anchor_beta", self.anchor_beta, "lie in [0, 1]")
         _require_optional_positive("anchor_microbatches", self.anchor_microbatches)
+        _require_optional_positive("anchor_max_staleness", self.anchor_max_staleness)
         require(self.spectral_tau > 0, "spectral_tau", self.spectral_tau, "be > 0")
         require(0.0 <= self.spectral_alpha <= 1.0, "spectral_alpha", self.spectral_alpha, "lie in [0, 1]")
         _require_optional_positive("spectral_rank", self.spectral_rank)

@@ -321,7 +321,8 @@ class FastWorker(_StageWorker):
         if cfg.anchor:
             self.optimizer = SpectralAdamW(groups, lr=settings.lr, betas=settings.betas, eps=settings.eps,
                                            alpha=cfg.spectral_alpha, tau=cfg.spectral_tau, anchor_beta=cfg.anchor_beta,
-                                           rank=cfg.spectral_rank, relative_tau=cfg.spectral_relative_tau, seed=cfg.mask_seed)
+                                           rank=cfg.spectral_rank, relative_tau=cfg.spectral_relative_tau, seed=cfg.mask_seed,
+                                           max_staleness=cfg.anchor_max_staleness)
         else:
             self.optimizer = torch.optim.AdamW(groups, lr=settings.lr, betas=settings.betas, eps=settings.eps)
         self.scheduler = settings.scheduler(self.optimizer) if settings.scheduler else None
@@ -379,7 +380,8 @@ class FastWorker(_StageWorker):
                 continue
             header, payload = message
             grads = _unflatten(payload, [p.shape for _, p in self.matrices])
-            self.optimizer.update_anchor({p: g.to(p.device, p.dtype) for (_, p), g in zip(self.matrices, grads)})
+            self.optimizer.update_anchor({p: g.to(p.device, p.dtype) for (_, p), g in zip(self.matrices, grads)},
+                                         staleness=self._step - header[1])
             self.result.arrivals.append((self._step, header[1]))
 
     def run(self) -> MeshResult:

@@ -32,7 +32,7 @@ MESH_STATE_NAME = "mesh_state.pt"
 # Knobs that change the numerics of a run: a resumed run must use the values it was saved with.
 _RESUME_KNOBS = (
     "mask_ratio", "num_stages", "mask_seed", "mask_rescale", "mask_fill", "mask_protect_dims", "anchor", "anchor_every",
-    "anchor_delay", "anchor_beta", "anchor_microbatches", "spectral_tau", "spectral_relative_tau",
+    "anchor_delay", "anchor_beta", "anchor_microbatches", "anchor_max_staleness", "spectral_tau", "spectral_relative_tau",
     "spectral_alpha", "spectral_rank",
 )
 
@@ -112,6 +112,7 @@ class MeshTrainerMixin:
             "rank": args.spectral_rank,
             "relative_tau": args.spectral_relative_tau,
             "seed": args.mask_seed,
+            "max_staleness": args.anchor_max_staleness,
         }
 
     def create_optimizer(self, model=None):

@@ -16,9 +16,11 @@ class RecordingOptimizer:
 
     def __init__(self) -> None:
         self.arrivals: list[dict[torch.Tensor, torch.Tensor]] = []
+        self.staleness: list[int | None] = []
 
-    def update_anchor(self, grads):
+    def update_anchor(self, grads, staleness=None):
         self.arrivals.append({p: g.clone() for p, g in grads.items()})
+        self.staleness.append(staleness)
         return len(grads)
 
 
@@ -60,7 +62,7 @@ def test_delivery_is_the_dense_gradient_of_the_snapshot_delay_steps_earlier(dela
             arrival = optimizer.arrivals[-1]
             for name, param in params.items():
                 torch.testing.assert_close(arrival[param], expected[step - delay][name], rtol=1e-5, atol=1e-6)
-            assert anchor.last_staleness == delay
+            assert anchor.last_staleness == delay and optimizer.staleness[-1] == delay  # told to the optimizer too
         with torch.no_grad():  # the fast circuit moves the weights between steps
             for param in params.values():
                 param.add_(0.01 * torch.randn_like(param))

@@ -19,6 +19,7 @@ BAD_KNOBS = [
     ("anchor_beta", 1.5, "lie in [0, 1]"),
     ("anchor_beta", -0.2, "lie in [0, 1]"),
     ("anchor_microbatches", 0, "be None or an int >= 1"),
+    ("anchor_max_staleness", 0, "be None or an int >= 1"),
     ("spectral_tau", 0.0, "be > 0"),
     ("spectral_tau", -1e-3, "be > 0"),
     ("spectral_alpha", 1.01, "lie in [0, 1]"),

@@ -264,3 +264,90 @@ def test_diagnostics_empty_before_anchor_and_cosine_one_when_aligned() -> None:
         p.grad = -g
     opt.step()
     assert opt.last_diagnostics["spectral/cos_masked_vs_anchor"] == pytest.approx(-1.0, abs=1e-9)
+
+
+# --- guards: rejected deliveries, failed SVDs, stale bases ----------------------------------------
+
+def _guarded(max_staleness=None, alpha=0.3):
+    gen = torch.Generator().manual_seed(7)
+    w = torch.nn.Parameter(torch.randn(6, 4, generator=gen, dtype=torch.float64))
+    return w, SpectralAdamW([w], lr=1e-2, alpha=alpha, tau=1e-3, max_staleness=max_staleness), gen
+
+
+def test_a_non_finite_anchor_delivery_is_rejected_whole_and_logged(caplog):
+    w, opt, gen = _guarded()
+    opt.update_anchor({w: torch.randn(6, 4, generator=gen, dtype=torch.float64)})
+    before = {k: v.clone() for k, v in opt.state[w].items() if torch.is_tensor(v)}
+    bad = torch.randn(6, 4, generator=gen, dtype=torch.float64)
+    bad[2, 1] = float("nan")
+    with caplog.at_level("WARNING", logger="hf_meshtune.optim.spectral"):
+        assert opt.update_anchor({w: bad}) == 0
+    assert "non-finite" in caplog.text
+    for key, value in before.items():
+        assert torch.equal(opt.state[w][key], value), key  # M_anc, U, d, V untouched
+    w.grad = torch.randn(6, 4, generator=gen, dtype=torch.float64)
+    opt.step()
+    assert opt.last_diagnostics["anchor/rejected_non_finite"] == 1 and torch.isfinite(w).all()
+
+
+def test_a_delivery_older_than_max_staleness_is_rejected(caplog):
+    w, opt, gen = _guarded(max_staleness=3)
+    with caplog.at_level("WARNING", logger="hf_meshtune.optim.spectral"):
+        assert opt.update_anchor({w: torch.randn(6, 4, generator=gen, dtype=torch.float64)}, staleness=4) == 0
+    assert "staleness 4 steps > max_staleness 3" in caplog.text and "anchor_momentum" not in opt.state[w]
+    assert opt.update_anchor({w: torch.randn(6, 4, generator=gen, dtype=torch.float64)}, staleness=3) == 1
+    assert opt.guard_counts["anchor/rejected_stale"] == 1
+
+
+@pytest.mark.parametrize("failure", ["raises", "nan"])
+def test_a_failed_svd_leaves_that_matrix_unfiltered_and_is_counted(failure, monkeypatch, caplog):
+    w, opt, gen = _guarded()
+    twin = torch.nn.Parameter(w.detach().clone())
+    reference = torch.optim.AdamW([twin], lr=1e-2, weight_decay=0.01, foreach=False)
+
+    def broken_svd(matrix, full_matrices=True):
+        if failure == "raises":
+            raise torch.linalg.LinAlgError("linalg.svd: The algorithm failed to converge")
+        n = min(matrix.shape)
+        nan = torch.full((), float("nan"), dtype=matrix.dtype)
+        return nan.expand(matrix.shape[0], n).clone(), nan.expand(n).clone(), nan.expand(n, matrix.shape[1]).clone()
+
+    monkeypatch.setattr(torch.linalg, "svd", broken_svd)
+    with caplog.at_level("WARNING", logger="hf_meshtune.optim.spectral"):
+        opt.update_anchor({w: torch.randn(6, 4, generator=gen, dtype=torch.float64)})
+    assert "SVD of the anchor momentum (6, 4) failed" in caplog.text and "anchor_U" not in opt.state[w]
+    grad = torch.randn(6, 4, generator=gen, dtype=torch.float64)
+    w.grad, twin.grad = grad.clone(), grad.clone()
+    opt.step()
+    reference.step()
+    assert torch.equal(w, twin)  # the unfiltered gradient: exactly AdamW
+    assert opt.last_diagnostics["spectral/svd_fallbacks"] == 1
+    monkeypatch.undo()  # the next good delivery brings the filter back
+    opt.update_anchor({w: torch.randn(6, 4, generator=gen, dtype=torch.float64)})
+    assert "anchor_U" in opt.state[w]
+
+
+def test_a_basis_past_max_staleness_fades_linearly_to_plain_adamw(monkeypatch, caplog):
+    from hf_meshtune.optim import spectral
+
+    w, opt, gen = _guarded(max_staleness=2, alpha=0.3)
+    alphas = []
+    real_filter = spectral._filter_gradient
+    monkeypatch.setattr(spectral, "_filter_gradient", lambda g, u, d, v, a: alphas.append(a) or real_filter(g, u, d, v, a))
+    opt.update_anchor({w: torch.randn(6, 4, generator=gen, dtype=torch.float64)})
+    with caplog.at_level("WARNING", logger="hf_meshtune.optim.spectral"):
+        for _ in range(6):  # ages 0..5 at the six steps
+            w.grad = torch.randn(6, 4, generator=gen, dtype=torch.float64)
+            opt.step()
+    # ages 0, 1, 2 trust the basis; age 3 is half-way ((3-2)/2); ages 4 and 5 are plain AdamW (no filter call)
+    assert alphas == pytest.approx([0.3, 0.3, 0.3, 0.3 + 0.7 * 0.5])
+    assert opt.last_diagnostics["spectral/stale_matrices"] == 1 and caplog.text.count("fading its filter out") == 1
+    opt.update_anchor({w: torch.randn(6, 4, generator=gen, dtype=torch.float64)}, staleness=1)  # the anchor is back
+    w.grad = torch.randn(6, 4, generator=gen, dtype=torch.float64)
+    opt.step()
+    assert alphas[-1] == 0.3 and "spectral/stale_matrices" not in opt.last_diagnostics
+
+
+def test_max_staleness_is_validated():
+    with pytest.raises(ValueError, match="max_staleness=0 is invalid: it must be None or an int >= 1"):
+        SpectralAdamW([torch.nn.Parameter(torch.zeros(2, 2))], max_staleness=0)

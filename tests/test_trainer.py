@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import os
 
 import pytest
@@ -178,3 +180,15 @@ def test_anchor_with_a_custom_non_spectral_optimizer_is_rejected(tmp_path):
     trainer.optimizer = custom
     with pytest.raises(ValueError, match="optim='spectral_adamw' is invalid: it must be 'spectral_adamw' when anchor=True"):
         trainer.create_optimizer()
+
+
+def test_a_lagging_anchor_past_max_staleness_is_rejected_and_reported(tmp_path):
+    """Every delivery lands 3 steps after its snapshot, over anchor_max_staleness = 2: none is applied,
+    each is counted in the logs, and training carries on with the plain masked gradient."""
+    trainer = make_trainer(tmp_path, max_steps=6, anchor_every=1, anchor_delay=3, anchor_max_staleness=2, logging_steps=1)
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert all(math.isfinite(h["loss"]) for h in logs)
+    assert [h.get("anchor/rejected_stale", 0) for h in logs] == [0, 0, 0, 1, 2, 3]  # deliveries from step 3 on
+    optimizer = trainer.spectral_optimizer
+    assert optimizer.max_staleness == 2 and not any("anchor_momentum" in optimizer.state[p] for p in trainer.model.parameters())

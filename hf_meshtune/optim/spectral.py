@@ -14,6 +14,7 @@ so directions the anchor's momentum supports pass, the rest are damped, and noth
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +26,8 @@ from .._validation import require
 from ..masking import stable_seed
 
 __all__ = ["SpectralAdamW"]
+
+logger = logging.getLogger(__name__)
 
 _ANCHOR_TENSORS = ("anchor_momentum", "anchor_U", "anchor_d", "anchor_V")
 
@@ -114,6 +117,7 @@ class _Diagnostics:
     """Per-matrix <G,M>, <G_proj,M>, |G|², |G_proj|², |M|² and mean d, summed once per step."""
 
     rows: list[Tensor] = field(default_factory=list)
+    stale: int = 0  # matrices whose basis is past max_staleness this step
 
     def add(self, grad: Tensor, proj: Tensor, momentum: Tensor, d: Tensor) -> None:
         g = grad.to(momentum.dtype)
@@ -180,6 +184,18 @@ class SpectralAdamW(torch.optim.Optimizer):
     After each step ``last_diagnostics`` holds the cosines of G and G_proj with M_anc, which tell
     how much of the dense direction the filtered masked gradient carries.
 
+    Guards (nothing bad is ever applied, and each case is counted in ``last_diagnostics`` and logged):
+
+    * an anchor delivery with a non-finite value, or (``max_staleness`` set) one older than
+      ``max_staleness`` fast steps, is rejected whole (``anchor/rejected_non_finite``,
+      ``anchor/rejected_stale``); M_anc and the bases stay as they were;
+    * an SVD that fails to converge or returns non-finite factors drops that matrix's basis, so
+      its gradient passes unfiltered until the next good delivery (``spectral/svd_fallbacks``);
+    * ``max_staleness`` (``anchor_max_staleness``): a basis that no delivery has refreshed for more
+      than that many steps fades out: the filtered share (1-α) falls linearly to 0 over the next
+      ``max_staleness`` steps, so a dead anchor leaves plain AdamW on the masked gradient
+      (``spectral/stale_matrices`` counts the matrices fading). None = bases never expire (the paper).
+
     Example:
         >>> w = torch.nn.Parameter(torch.randn(8, 4))
         >>> opt = SpectralAdamW([w], lr=1e-2, alpha=0.3, tau=1e-3)
@@ -206,6 +222,7 @@ class SpectralAdamW(torch.optim.Optimizer):
         svd_niter: int = 2,
         svd_oversample: int = 8,
         seed: int = 0,
+        max_staleness: int | None = None,
     ) -> None:
         defaults: dict[str, Any] = dict(
             lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, alpha=alpha, tau=tau,
@@ -216,8 +233,13 @@ class SpectralAdamW(torch.optim.Optimizer):
         ok_oversample = isinstance(svd_oversample, int) and svd_oversample >= 0
         require(ok_oversample, "svd_oversample", svd_oversample, "be an int >= 0")
         require(isinstance(seed, int), "seed", seed, "be an int")
+        ok_staleness = max_staleness is None or (isinstance(max_staleness, int) and max_staleness >= 1)
+        require(ok_staleness, "max_staleness", max_staleness, "be None or an int >= 1")
         self.svd_niter, self.svd_oversample, self.seed = svd_niter, svd_oversample, seed
+        self.max_staleness = max_staleness
         self.last_diagnostics: dict[str, float] = {}
+        # cumulative counts of the guards' interventions (reported while non-zero)
+        self.guard_counts = {"anchor/rejected_non_finite": 0, "anchor/rejected_stale": 0, "spectral/svd_fallbacks": 0}
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -230,12 +252,14 @@ class SpectralAdamW(torch.optim.Optimizer):
         return bool(group["spectral"]) and param.ndim == 2
 
     @torch.no_grad()
-    def update_anchor(self, grads: Mapping[Tensor, Tensor]) -> int:
+    def update_anchor(self, grads: Mapping[Tensor, Tensor], staleness: int | None = None) -> int:
         """Fold a dense anchor gradient G_anc into M_anc and recompute each matrix's (U, d, V).
 
         ``grads`` maps parameters of this optimizer to their dense gradients. Entries for parameters
         that are not spectral (1-D, or in a group with ``spectral=False``) are accepted and ignored,
-        so a caller can pass a whole model's gradients. Returns the number of matrices updated.
+        so a caller can pass a whole model's gradients. ``staleness``: fast steps between the
+        gradient's snapshot and now, checked against ``max_staleness``. Returns the number of
+        matrices updated (0 for a rejected delivery).
         """
         owners = {id(p): (i, p, g) for i, (p, g) in enumerate(self._params_with_groups())}
         for key, grad in grads.items():  # check everything first so a bad entry changes nothing
@@ -245,6 +269,8 @@ class SpectralAdamW(torch.optim.Optimizer):
             shape = tuple(owner[1].shape)
             rule = f"equal its parameter's shape {shape}"
             require(tuple(grad.shape) == shape, "grads value shape", tuple(grad.shape), rule)
+        if self._reject(grads, staleness):
+            return 0
         updated = 0
         for key, grad in grads.items():
             index, param, group = owners[id(key)]
@@ -252,6 +278,19 @@ class SpectralAdamW(torch.optim.Optimizer):
                 self._update_basis(index, param, grad, group)
                 updated += 1
         return updated
+
+    def _reject(self, grads: Mapping[Tensor, Tensor], staleness: int | None) -> bool:
+        """True (counted and logged) for a delivery that must not touch M_anc: too old or non-finite."""
+        if staleness is not None and self.max_staleness is not None and staleness > self.max_staleness:
+            self.guard_counts["anchor/rejected_stale"] += 1
+            logger.warning("anchor gradient rejected: staleness %d steps > max_staleness %d", staleness, self.max_staleness)
+            return True
+        bad = [tuple(key.shape) for key, grad in grads.items() if not bool(torch.isfinite(grad).all())]
+        if bad:
+            self.guard_counts["anchor/rejected_non_finite"] += 1
+            logger.warning("anchor gradient rejected: non-finite values in %d matrices (first of shape %s)", len(bad), bad[0])
+            return True
+        return False
 
     def _params_with_groups(self) -> list[tuple[Tensor, dict[str, Any]]]:
         return [(p, g) for g in self.param_groups for p in g["params"]]
@@ -266,15 +305,27 @@ class SpectralAdamW(torch.optim.Optimizer):
         momentum = state["anchor_momentum"]
         momentum.mul_(beta).add_(grad.to(device=momentum.device, dtype=dtype), alpha=1 - beta)
         rank = group["rank"]
-        if rank is None or rank >= min(momentum.shape):
-            u, s, vh = torch.linalg.svd(momentum, full_matrices=False)
-            v = vh.mT.contiguous()
-        else:
-            seed = _basis_seed(self.seed, index, state["anchor_updates"])
-            u, s, v = _randomized_svd(momentum, rank, self.svd_niter, self.svd_oversample, seed)
+        try:
+            if rank is None or rank >= min(momentum.shape):
+                u, s, vh = torch.linalg.svd(momentum, full_matrices=False)
+                v = vh.mT.contiguous()
+            else:
+                seed = _basis_seed(self.seed, index, state["anchor_updates"])
+                u, s, v = _randomized_svd(momentum, rank, self.svd_niter, self.svd_oversample, seed)
+            finite = all(bool(torch.isfinite(t).all()) for t in (u, s, v))
+            reason = "non-finite factors"
+        except RuntimeError as err:  # torch.linalg.LinAlgError (no convergence) is a RuntimeError
+            finite, reason = False, f"{type(err).__name__}: {err}"
+        state["anchor_updates"] += 1
+        if not finite:  # unfiltered until the next good delivery, never a broken basis
+            for key in ("anchor_U", "anchor_d", "anchor_V"):
+                state.pop(key, None)
+            self.guard_counts["spectral/svd_fallbacks"] += 1
+            logger.warning("SVD of the anchor momentum %s failed (%s): that matrix steps unfiltered", tuple(param.shape), reason)
+            return
         state["anchor_U"], state["anchor_V"] = u, v
         state["anchor_d"] = _soft_filter(s, group["tau"], group["relative_tau"])
-        state["anchor_updates"] += 1
+        state["anchor_age"] = 0
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -289,7 +340,9 @@ class SpectralAdamW(torch.optim.Optimizer):
                 continue
             grad = self._projected_grad(param, group, diagnostics)
             _adamw_update(param, grad, self.state[param], group)
-        self.last_diagnostics = diagnostics.as_dict()
+        self.last_diagnostics = {**diagnostics.as_dict(), **{k: float(v) for k, v in self.guard_counts.items() if v}}
+        if diagnostics.stale:
+            self.last_diagnostics["spectral/stale_matrices"] = float(diagnostics.stale)
         return loss
 
     def _projected_grad(self, param: Tensor, group: dict[str, Any], diagnostics: _Diagnostics) -> Tensor:
@@ -298,12 +351,25 @@ class SpectralAdamW(torch.optim.Optimizer):
         if not self._is_spectral(param, group) or "anchor_U" not in state:
             return grad
         u, d, v = state["anchor_U"], state["anchor_d"], state["anchor_V"]
-        if group["alpha"] == 1:
+        alpha = self._fading_alpha(state, group["alpha"], diagnostics)
+        if alpha == 1:
             proj = grad.to(u.dtype)  # G_proj = G exactly; skipping the filter keeps AdamW bit-exact
         else:
-            proj = _filter_gradient(grad, u, d, v, group["alpha"])
+            proj = _filter_gradient(grad, u, d, v, alpha)
         diagnostics.add(grad, proj, state["anchor_momentum"], d)
         return proj.to(grad.dtype)
+
+    def _fading_alpha(self, state: dict[str, Any], alpha: float, diagnostics: _Diagnostics) -> float:
+        """α, or past ``max_staleness`` steps without a fresh basis, α + (1-α)·(age - max)/max up to 1."""
+        age = state.get("anchor_age", 0)
+        state["anchor_age"] = age + 1
+        if self.max_staleness is None or age <= self.max_staleness:
+            return alpha
+        if age == self.max_staleness + 1:
+            logger.warning("anchor basis of a %s matrix is %d steps old (> max_staleness %d): fading its filter out",
+                           tuple(state["anchor_U"].shape[:1] + state["anchor_V"].shape[:1]), age, self.max_staleness)
+        diagnostics.stale += 1
+        return alpha + (1 - alpha) * min(1.0, (age - self.max_staleness) / self.max_staleness)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load like torch, but keep the anchor tensors in float32 (or wider) and own all storage.
