@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 
 import torch
 from torch import nn
@@ -26,9 +27,12 @@ from .ledger import LedgerSettings, compute_ledger, param_shapes_of
 from .mesh_job import is_distributed_job, train_on_mesh, validate_mesh_job
 from .optim.spectral import SpectralAdamW
 
-__all__ = ["MESH_STATE_NAME", "MeshCallback", "MeshTrainer", "MeshTrainerMixin", "mesh_ledger", "mesh_log_entries", "require_resume_knobs"]
+__all__ = ["CHECKPOINT_STAGING", "MESH_STATE_NAME", "MeshCallback", "MeshTrainer", "MeshTrainerMixin", "mesh_ledger", "mesh_log_entries", "require_resume_knobs"]
 
 MESH_STATE_NAME = "mesh_state.pt"
+# Checkpoints are written here, then renamed to checkpoint-N: a process killed mid-save leaves the
+# previous checkpoints intact and no half-written checkpoint-N for resume_from_checkpoint=True to pick.
+CHECKPOINT_STAGING = ".meshtune-staging"
 # Knobs that change the numerics of a run: a resumed run must use the values it was saved with.
 _RESUME_KNOBS = (
     "mask_ratio", "num_stages", "mask_seed", "mask_rescale", "mask_fill", "mask_protect_dims", "anchor", "anchor_every",
@@ -204,6 +208,39 @@ class MeshTrainerMixin:
         base = getattr(config, "_name_or_path", None) or None
         section = mesh_card_section(self.mesh_config, hidden, type(self).__name__, ledger)
         return write_mesh_card(output_dir, section, base_model=base if base and not os.path.isdir(base) else None)
+
+    def _save_checkpoint(self, model, trial) -> None:
+        """The Trainer's checkpoint, written in ``CHECKPOINT_STAGING`` and renamed into place whole."""
+        run_dir = super()._get_output_dir(trial)
+        name = f"checkpoint-{self.state.global_step}"
+        staging = os.path.join(run_dir, CHECKPOINT_STAGING)
+        if self.args.should_save:
+            shutil.rmtree(staging, ignore_errors=True)  # what a killed save left behind
+        self._mesh_staging_dir = staging
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self._mesh_staging_dir = None
+        if self.args.should_save:
+            self._publish_checkpoint(run_dir, staging, name)
+
+    def _publish_checkpoint(self, run_dir: str, staging: str, name: str) -> None:
+        from transformers.trainer_utils import rotate_checkpoints
+
+        final = os.path.join(run_dir, name)
+        if os.path.isdir(final):  # the same step saved again
+            shutil.rmtree(final)
+        os.replace(os.path.join(staging, name), final)  # atomic on one filesystem
+        shutil.rmtree(staging, ignore_errors=True)
+        best = self.state.best_model_checkpoint
+        if best and best.startswith(staging):  # the Trainer saw the staged path: point at the real one
+            self.state.best_model_checkpoint = os.path.join(run_dir, os.path.basename(best))
+            self.state.save_to_json(os.path.join(final, "trainer_state.json"))
+        rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
+                           best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
+
+    def _get_output_dir(self, trial) -> str:
+        return getattr(self, "_mesh_staging_dir", None) or super()._get_output_dir(trial)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         super()._save_optimizer_and_scheduler(output_dir)

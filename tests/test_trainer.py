@@ -191,3 +191,32 @@ def test_a_lagging_anchor_past_max_staleness_is_rejected_and_reported(tmp_path):
     assert [h.get("anchor/rejected_stale", 0) for h in logs] == [0, 0, 0, 1, 2, 3]  # deliveries from step 3 on
     optimizer = trainer.spectral_optimizer
     assert optimizer.max_staleness == 2 and not any("anchor_momentum" in optimizer.state[p] for p in trainer.model.parameters())
+
+
+def test_a_process_killed_while_saving_leaves_the_previous_checkpoint_to_resume_from(tmp_path):
+    """SIGKILL in the middle of writing checkpoint-4: no half checkpoint-4 appears, checkpoint-2 is
+    what `resume_from_checkpoint=True` finds, and resuming from it gives an uninterrupted run's losses."""
+    import subprocess
+    import sys
+
+    from transformers.trainer_utils import get_last_checkpoint
+
+    from hf_meshtune.trainer import CHECKPOINT_STAGING
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "killed"
+    proc = subprocess.run([sys.executable, os.path.join(root, "tests", "scripts", "killed_save.py"), str(out)],
+                          env={**os.environ, "PYTHONPATH": root}, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    assert (out / CHECKPOINT_STAGING / "checkpoint-4" / "model.safetensors").is_file()  # the save was cut mid-way
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2"]
+    assert get_last_checkpoint(str(out)) == str(out / "checkpoint-2")
+    knobs = dict(max_steps=6, learning_rate=3e-3, mask_ratio=0.5, logging_steps=1, save_strategy="steps", save_steps=2)
+    resumed = make_trainer(tmp_path / "resumed", model=tiny_llama(seed=5), **knobs)
+    resumed.args.output_dir = str(out)
+    resumed.train(resume_from_checkpoint=True)
+    assert not (out / CHECKPOINT_STAGING).exists()  # cleared by the next save
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
+    full = make_trainer(tmp_path / "full", **knobs)
+    full.train()
+    assert [h["loss"] for h in resumed.state.log_history if "loss" in h and h["step"] > 2] == train_losses(full)[2:]
