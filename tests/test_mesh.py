@@ -74,7 +74,10 @@ def _batches(seed: int):
     return batches
 
 
-def _mesh_worker(rank: int, world: int, lighthouse: str, cfg_kwargs: dict, steps: int, stall: float) -> dict:
+def _mesh_worker(rank: int, world: int, lighthouse: str, cfg_kwargs: dict, steps: int, stall: float,
+                 stall_steps: int = 0) -> dict:
+    """One rank of a 3×2 mesh. ``stall``: SIGSTOP the anchor replica for that many seconds after fast
+    step 10; ``stall_steps``: instead, until rank 0 has taken that many more steps."""
     topology = MeshTopology(3, 2, anchor=True)
     groups = topology.build_groups()
     link = dist.new_group(list(range(world)))
@@ -114,13 +117,18 @@ def _mesh_worker(rank: int, world: int, lighthouse: str, cfg_kwargs: dict, steps
         worker._round = recording_round
     else:
         worker = FastWorker(model, topology, groups.pp_group, link, settings, _batches(replica), rank)
-        if stall and replica == 0 and stage == 0:
+        _record_anchor_use(worker, record)
+        if (stall or stall_steps) and replica == 0 and stage == 0:
             def stall_anchor():
                 pids = [int(store.get(f"pid{r}")) for r in topology.pp_ranks(2)]
                 record["stall_start"] = time.perf_counter()
                 for pid in pids:
                     os.kill(pid, signal.SIGSTOP)
-                time.sleep(stall)
+                if stall_steps:
+                    while len(starts) < 10 + stall_steps:
+                        time.sleep(0.01)
+                else:
+                    time.sleep(stall)
                 for pid in pids:
                     os.kill(pid, signal.SIGCONT)
                 record["stall_end"] = time.perf_counter()
@@ -139,6 +147,25 @@ def _mesh_worker(rank: int, world: int, lighthouse: str, cfg_kwargs: dict, steps
     result = worker.run()
     record["result"] = result
     return record
+
+
+def _record_anchor_use(worker, record: dict) -> None:
+    """Per fast step: (time, matrices whose basis is fading); per delivery: (time, staleness, accepted)."""
+    optimizer = worker.optimizer
+    record["deliveries"], record["fading"] = [], []
+    real_update, real_step = optimizer.update_anchor, optimizer.step
+
+    def update_anchor(grads, staleness=None):
+        updated = real_update(grads, staleness=staleness)
+        record["deliveries"].append((time.perf_counter(), staleness, updated > 0))
+        return updated
+
+    def step(*a, **k):
+        out = real_step(*a, **k)
+        record["fading"].append((time.perf_counter(), optimizer.last_diagnostics.get("spectral/stale_matrices", 0.0)))
+        return out
+
+    optimizer.update_anchor, optimizer.step = update_anchor, step
 
 
 @pytest.fixture
@@ -251,3 +278,18 @@ def test_stalling_the_anchor_does_not_slow_fast_steps(lighthouse, launcher):
     assert max(during) < max(4 * typical, 0.5), (max(during), typical)
     # and the anchor caught up afterwards: its gradients kept arriving
     assert len(probe["result"].arrivals) >= 2
+
+
+def test_a_stopped_anchor_fades_the_filter_out_and_is_used_again_when_it_returns(lighthouse, launcher):
+    """SIGSTOP the anchor replica for 12 fast steps with anchor_max_staleness = 4: rank 0's bases age
+    past 4 and fade (counted per step); after SIGCONT the anchor catches up, deliveries older than 4
+    steps are rejected, and fresh ones are applied again."""
+    cfg = {**MESH_CFG, "anchor_max_staleness": 4}
+    records = launcher(_mesh_worker, 6, lighthouse, cfg, 60, 0.0, 12, timeout=300)
+    probe = next(r for r in records if r["result"].rank == 0)
+    t0, t1 = probe["stall_start"], probe["stall_end"]
+    assert any(count > 0 for t, count in probe["fading"] if t0 <= t <= t1)  # no fresh basis: the filter fades
+    assert any(ok for t, _, ok in probe["deliveries"] if t < t0)  # the live anchor's gradients were applied
+    after = [(staleness, ok) for t, staleness, ok in probe["deliveries"] if t > t1]
+    assert any(ok for _, ok in after)  # the anchor is back and its gradients are used again
+    assert all(ok == (staleness <= 4) for staleness, ok in after)  # too old ones are refused, never applied
