@@ -68,12 +68,13 @@ class MeshArguments:
             parent()
         self.validate_mesh()
         if isinstance(self, TrainingArguments) and self.anchor:
-            require(self.optim == SPECTRAL_ADAMW, "optim", self.optim, f"be '{SPECTRAL_ADAMW}' when anchor=True (the anchor's gradients feed its spectral filter); set anchor=False for another optimizer")
+            require(self.optim == SPECTRAL_ADAMW, "optim", getattr(self.optim, "value", self.optim), f"be '{SPECTRAL_ADAMW}' when anchor=True (the anchor's gradients feed its spectral filter); set anchor=False for another optimizer")
 
     def validate_mesh(self) -> None:
         """Raise ``ValueError`` naming the field, its value and the rule for any bad knob."""
         if self.dp_powersgd_rank == 0:  # command lines cannot say None
             self.dp_powersgd_rank = None
+        _require_field_types(self)
         require(0.0 <= self.mask_ratio < 1.0, "mask_ratio", self.mask_ratio, "lie in [0, 1)")
         require(self.num_stages >= 1, "num_stages", self.num_stages, "be >= 1")
         require(self.mask_fill in FILLS, "mask_fill", self.mask_fill, f"be one of {sorted(FILLS)}")
@@ -108,6 +109,28 @@ class MeshArguments:
         """The mesh knobs alone, as a ``MeshConfig``."""
         names = [f.name for f in dataclasses.fields(MeshArguments)]
         return MeshConfig(**{name: getattr(self, name) for name in names})
+
+
+_TYPE_RULES = {"bool": (bool,), "int": (int,), "float": (int, float), "str": (str,)}
+
+
+def _require_field_types(args: MeshArguments) -> None:
+    """Each knob has its declared type (a str "0.5" or a float 2.5 for an int would slip through the
+    range checks, or fail inside them with a bare TypeError); an int is fine where a float is due."""
+    for name, annotation in _FIELD_TYPES.items():
+        kinds = annotation.replace(" ", "").split("|")
+        value = getattr(args, name)
+        if value is None and "None" in kinds:
+            continue
+        allowed = tuple(t for kind in kinds for t in _TYPE_RULES.get(kind, ()))
+        is_bool = isinstance(value, bool)
+        ok = isinstance(value, allowed) and (not is_bool or bool in allowed)
+        require(ok, name, value, f"be of type {' or '.join(kinds)}")
+
+
+# The annotations as written ("float", "int | None"), taken now: HfArgumentParser later replaces the
+# fields' string annotations with type objects in place.
+_FIELD_TYPES = {f.name: str(f.type) for f in dataclasses.fields(MeshArguments)}
 
 
 def _require_optional_positive(name: str, value: int | None) -> None:

@@ -28,7 +28,7 @@ from .anchor import AnchorBatches
 from .boundaries import find_decoder_layers
 from .ledger import LedgerSettings, compute_ledger, param_shapes_of
 from .mesh import MESH_ENV, MeshTopology
-from .mesh_runtime import MeshResult, RunSettings, run_worker
+from .mesh_runtime import MeshResult, RunSettings, require_mesh_supported, run_worker
 from .pipeline import untie_embeddings
 
 __all__ = ["LIGHTHOUSE_ENV", "SUMMARY_NAME", "is_distributed_job", "summarize", "train_on_mesh", "validate_mesh_job"]
@@ -46,7 +46,9 @@ def validate_mesh_job(model, args) -> MeshTopology:
     """The job's topology, or the same ``ValueError`` on every rank before any collective."""
     _, layers = find_decoder_layers(model)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    return MeshTopology.from_environment(world, args.num_stages, args.anchor, len(layers))
+    topology = MeshTopology.from_environment(world, args.num_stages, args.anchor, len(layers))
+    require_mesh_supported(args)
+    return topology
 
 
 def _require_every_stage_trains(model, topology: MeshTopology) -> None:

@@ -43,7 +43,7 @@ from .mesh import MeshTopology
 from .pipeline import MeshStage, StageModule, build_schedule, causal_lm_loss, stage_parameter_names
 from .wire import Wire
 
-__all__ = ["AnchorWorker", "FastWorker", "MeshResult", "RunSettings", "run_worker", "stage_fragments"]
+__all__ = ["AnchorWorker", "FastWorker", "MeshResult", "RunSettings", "require_mesh_supported", "run_worker", "stage_fragments"]
 
 STOP, DATA = 0, 1
 TAG_UPDATE, TAG_UPDATE_PAYLOAD, TAG_GRAD, TAG_GRAD_PAYLOAD, TAG_ROUND = 101, 102, 201, 202, 301
@@ -77,14 +77,18 @@ class RunSettings:
         for name in ("microbatch_size", "microbatches", "seq_len", "max_steps", "log_every"):
             value = getattr(self, name)
             require(isinstance(value, int) and value >= 1, name, value, "be an int >= 1")
-        cfg = self.config
-        require(cfg.mask_fill in ("zeros", "mean"), "mask_fill", cfg.mask_fill,
-                "be 'zeros' or 'mean' on the distributed mesh (the 'gaussian' fill needs the anchor's dense "
-                "activations on every receiving stage, which the mesh does not send)")
-        require(cfg.mask_protect_dims == 0, "mask_protect_dims", cfg.mask_protect_dims,
-                "be 0 on the distributed mesh (choosing the dims needs a dense forward of the whole model)")
-        require(cfg.anchor_payload == "gradient", "anchor_payload", cfg.anchor_payload,
-                "be 'gradient' on the distributed mesh (the anchor sends its dense gradient)")
+        require_mesh_supported(self.config)
+
+
+def require_mesh_supported(cfg) -> None:
+    """The knobs the distributed mesh does not run (yet), refused by every rank before any collective."""
+    require(cfg.mask_fill in ("zeros", "mean"), "mask_fill", cfg.mask_fill,
+            "be 'zeros' or 'mean' on the distributed mesh (the 'gaussian' fill needs the anchor's dense "
+            "activations on every receiving stage, which the mesh does not send)")
+    require(cfg.mask_protect_dims == 0, "mask_protect_dims", cfg.mask_protect_dims,
+            "be 0 on the distributed mesh (choosing the dims needs a dense forward of the whole model)")
+    require(cfg.anchor_payload == "gradient", "anchor_payload", cfg.anchor_payload,
+            "be 'gradient' on the distributed mesh (the anchor sends its dense gradient)")
 
 
 @dataclass

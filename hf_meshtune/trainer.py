@@ -126,6 +126,10 @@ class MeshTrainerMixin:
         return optimizer
 
     def _build_anchor(self) -> AnchorCircuit:
+        if self.spectral_optimizer is None and self.args.optim == SPECTRAL_ADAMW:  # optimizers=(opt, sched) given
+            require(False, "optimizers[0]", type(getattr(self.optimizer, "optimizer", self.optimizer)).__name__,
+                    "be a SpectralAdamW when anchor=True (the anchor's gradients feed its spectral filter); "
+                    "pass none (optim='spectral_adamw' builds one) or set anchor=False")
         require(self.spectral_optimizer is not None, "optim", self.args.optim,
                 f"be '{SPECTRAL_ADAMW}' when anchor=True (the anchor's gradients feed its spectral filter)")
         cfg = self.mesh_config
@@ -254,7 +258,7 @@ class MeshTrainerMixin:
         path = os.path.join(checkpoint, MESH_STATE_NAME)
         require(os.path.isfile(path), "resume_from_checkpoint", checkpoint,
                 f"contain {MESH_STATE_NAME} (written by a Mesh trainer) to resume a mesh run exactly")
-        self.load_mesh_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+        self.load_mesh_state_dict(_read_mesh_state(path))
 
     def mesh_state_dict(self) -> dict:
         return {
@@ -326,6 +330,20 @@ def _check_peft_for_spectral(model, args) -> None:
         require(kind in SPECTRAL_PEFT_TYPES, f"peft_config[{name!r}].peft_type", kind,
                 f"be one of {list(SPECTRAL_PEFT_TYPES)} with optim='{SPECTRAL_ADAMW}' (the spectral filter acts on "
                 "weight matrices such as lora_A [r, in] and lora_B [out, r]); use another optim with anchor=False")
+
+
+def _read_mesh_state(path: str) -> dict:
+    """``mesh_state.pt``, or a ValueError naming the file when it is truncated, empty or foreign."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # torch raises RuntimeError, EOFError or UnpicklingError for a damaged file
+        first_line = (str(err).splitlines() or [""])[0][:200] or "no message: the file is empty or cut short"
+        raise ValueError(f"{MESH_STATE_NAME}={path!r} is invalid: it must be a readable file written by a Mesh trainer "
+                         f"({type(err).__name__}: {first_line})") from err
+    keys = {"config", "boundaries", "anchor"}
+    require(isinstance(state, dict) and keys <= set(state), MESH_STATE_NAME, path,
+            f"hold a dict with keys {sorted(keys)} as a Mesh trainer writes it")
+    return state
 
 
 def _atomic_torch_save(obj, path: str) -> None:

@@ -22,7 +22,6 @@ import functools
 import inspect
 import io
 import os
-import pickle
 import re
 import shutil
 import sys
@@ -805,10 +804,8 @@ def _cli(input: str, message: str, trigger: Callable[..., None] | None = None, n
 
 
 _FILLS = "['gaussian', 'mean', 'zeros']"
-_ADAMW_ENUM = "<OptimizerNames.ADAMW_TORCH: 'adamw_torch'>"
-_ENUM_NOTE = "weak spot: the value is shown as transformers' enum, not as the 'adamw_torch' the user wrote"
+_ADAMW_ENUM = "'adamw_torch'"  # the user's string, not transformers' enum
 _RESUME = "to resume exactly (start a new run to change it)"
-_TORCH_LOAD = "torch.load's error: it names neither the file nor what to do"
 _ROWS = "['Dense', '+DP', 'M95', 'M90+AP', 'M95+AP']"
 _DTYPES = ("['bf16', 'bfloat16', 'float16', 'float32', 'float64', 'float8_e4m3fn', 'float8_e5m2', 'fp16', 'fp32']")
 _RUN_RULE = ("contain at least one run: a folder with trainer_state.json (or checkpoint-N/trainer_state.json), "
@@ -855,14 +852,19 @@ def _cases() -> list[Case]:
         _knob("dp_outer_momentum=1.0 is invalid: it must lie in [0, 1)", dp_outer_momentum=1.0),
         _knob("anchor_payload='svd' is invalid: it must be one of ['gradient', 'factors']", anchor_payload="svd"),
         Case(KNOBS, "mask_ratio='0.5' (a string, from Python)", "`MeshConfig(...)`", lambda: MeshConfig(mask_ratio="0.5"),
-             TypeError, "'<=' not supported between instances of 'float' and 'str'",
-             note="weak spot: Python's comparison error names neither the field nor the rule (command lines convert types first)"),
+             ValueError, "mask_ratio='0.5' is invalid: it must be of type float"),
+        Case(KNOBS, "num_stages=2.5", "`MeshConfig(...)`", lambda: MeshConfig(num_stages=2.5),
+             ValueError, "num_stages=2.5 is invalid: it must be of type int"),
+        Case(KNOBS, "anchor=None", "`MeshConfig(...)`", lambda: MeshConfig(anchor=None),
+             ValueError, "anchor=None is invalid: it must be of type bool"),
+        Case(KNOBS, "anchor_every=True", "`MeshConfig(...)`", lambda: MeshConfig(anchor_every=True),
+             ValueError, "anchor_every=True is invalid: it must be of type int"),
         Case(KNOBS, "mask_ratio=1.0", "`MeshTrainingArguments(...)`", lambda tmp: mesh_args(tmp, mask_ratio=1.0),
              ValueError, "mask_ratio=1.0 is invalid: it must lie in [0, 1)"),
         Case(KNOBS, "optim='adamw_torch' (anchor=True)", "`MeshTrainingArguments(...)`",
              lambda tmp: mesh_args(tmp, optim="adamw_torch"), ValueError,
              f"optim={_ADAMW_ENUM} is invalid: it must be 'spectral_adamw' when anchor=True (the anchor's gradients feed "
-             "its spectral filter); set anchor=False for another optimizer", note=_ENUM_NOTE),
+             "its spectral filter); set anchor=False for another optimizer"),
         Case(KNOBS, "optim='lamb'", "`MeshTrainingArguments(...)`", lambda tmp: mesh_args(tmp, optim="lamb"), ValueError,
              "optim='lamb' is invalid: it must be 'spectral_adamw' or one of transformers' OptimizerNames"),
         Case(KNOBS, "args=TrainingArguments(...) (no mesh knobs)", "`MeshTrainer(model, args)`",
@@ -871,9 +873,8 @@ def _cases() -> list[Case]:
              "for a Mesh trainer"),
         Case(KNOBS, "optimizers=(torch.optim.AdamW(...), None) with anchor=True", "`MeshTrainer(...).train()`",
              _trainer_given_adamw, ValueError,
-             "optim='spectral_adamw' is invalid: it must be 'spectral_adamw' when anchor=True (the anchor's gradients "
-             "feed its spectral filter)",
-             note="weak spot: the value shown is already the one required; the problem is the optimizer passed in `optimizers=`"),
+             "optimizers[0]='AdamW' is invalid: it must be a SpectralAdamW when anchor=True (the anchor's gradients feed "
+             "its spectral filter); pass none (optim='spectral_adamw' builds one) or set anchor=False"),
 
         # --- SpectralAdamW -------------------------------------------------------------------------------
         _spectral("lr=-1.0 is invalid: it must be >= 0", lr=-1.0),
@@ -928,19 +929,19 @@ def _cases() -> list[Case]:
              "`MeshTrainer(...).train()` on a launched rank", mesh_train_in(4, "2x2"), ValueError,
              "TrainingArguments.world_size=1 is invalid: it must equal WORLD_SIZE=4 (accelerate did not join the launched "
              "processes; on CPU export ACCELERATE_USE_CPU=true or pass --use_cpu, as `meshtune launch --cpu` does)"),
-        Case(MESH, "mask_fill='gaussian' on the mesh", "`RunSettings(...)` (every rank, after the rendezvous)",
+        Case(MESH, "mask_fill='gaussian' on the mesh", "`RunSettings(...)`, `MeshTrainer(...)` (every rank)",
              run_settings(MeshConfig(mask_fill="gaussian")), ValueError,
              "mask_fill='gaussian' is invalid: it must be 'zeros' or 'mean' on the distributed mesh (the 'gaussian' fill "
              "needs the anchor's dense activations on every receiving stage, which the mesh does not send)",
-             note="weak spot: through `MeshTrainer.train()` this is reached only after the process group and the lighthouse are up"),
-        Case(MESH, "mask_protect_dims=2 on the mesh", "`RunSettings(...)` (every rank, after the rendezvous)",
+             note="also refused by `MeshTrainer(...)` on every launched rank, before any rendezvous"),
+        Case(MESH, "mask_protect_dims=2 on the mesh", "`RunSettings(...)`, `MeshTrainer(...)` (every rank)",
              run_settings(MeshConfig(mask_protect_dims=2)), ValueError,
              "mask_protect_dims=2 is invalid: it must be 0 on the distributed mesh (choosing the dims needs a dense "
-             "forward of the whole model)", note="weak spot: reached only after the rendezvous, as above"),
-        Case(MESH, "anchor_payload='factors' on the mesh", "`RunSettings(...)` (every rank, after the rendezvous)",
+             "forward of the whole model)", note="also refused by `MeshTrainer(...)`, before any rendezvous"),
+        Case(MESH, "anchor_payload='factors' on the mesh", "`RunSettings(...)`, `MeshTrainer(...)` (every rank)",
              run_settings(MeshConfig(anchor_payload="factors")), ValueError,
              "anchor_payload='factors' is invalid: it must be 'gradient' on the distributed mesh (the anchor sends its "
-             "dense gradient)", note="weak spot: reached only after the rendezvous, as above"),
+             "dense gradient)", note="also refused by `MeshTrainer(...)`, before any rendezvous"),
         Case(MESH, "seq_len=0", "`RunSettings(...)`", run_settings(seq_len=0), ValueError,
              "seq_len=0 is invalid: it must be an int >= 1"),
         Case(MESH, "MeshTopology(replicas=0, stages=2)", "`MeshTopology(...)`", lambda: MeshTopology(0, 2), ValueError,
@@ -1098,19 +1099,21 @@ def _cases() -> list[Case]:
              f"resume_from_checkpoint='{TMP}/checkpoint-2' is invalid: it must contain mesh_state.pt (written by a Mesh "
              "trainer) to resume a mesh run exactly"),
         Case(CHECKPOINTS, "mesh_state.pt cut to half its size", "`MeshTrainer.train(resume_from_checkpoint=...)`",
-             truncated_mesh_state, RuntimeError,
-             "PytorchStreamReader failed reading zip archive: failed finding central directory", prefix=True,
-             note=f"weak spot: {_TORCH_LOAD}"),
+             truncated_mesh_state, ValueError,
+             f"mesh_state.pt='{TMP}/checkpoint-2/mesh_state.pt' is invalid: it must be a readable file written by a Mesh "
+             "trainer (RuntimeError: PytorchStreamReader failed reading zip archive", prefix=True),
         Case(CHECKPOINTS, "mesh_state.pt empty (0 bytes)", "`MeshTrainer.train(resume_from_checkpoint=...)`",
-             lambda tmp: resume_with_mesh_state(tmp, content=b""), EOFError, "",
-             note="weak spot: an EOFError without any message"),
+             lambda tmp: resume_with_mesh_state(tmp, content=b""), ValueError,
+             f"mesh_state.pt='{TMP}/checkpoint-2/mesh_state.pt' is invalid: it must be a readable file written by a Mesh "
+             "trainer (EOFError: no message: the file is empty or cut short)"),
         Case(CHECKPOINTS, "mesh_state.pt holding text, not a torch file", "`MeshTrainer.train(resume_from_checkpoint=...)`",
-             lambda tmp: resume_with_mesh_state(tmp, content=b"not a torch file\n"), pickle.UnpicklingError,
-             "Weights only load failed.", prefix=True,
-             note=f"weak spot: {_TORCH_LOAD}, and suggests weights_only=False"),
+             lambda tmp: resume_with_mesh_state(tmp, content=b"not a torch file\n"), ValueError,
+             f"mesh_state.pt='{TMP}/checkpoint-2/mesh_state.pt' is invalid: it must be a readable file written by a Mesh "
+             "trainer (UnpicklingError: Weights only load failed.", prefix=True),
         Case(CHECKPOINTS, "mesh_state.pt = torch.save({})", "`MeshTrainer.train(resume_from_checkpoint=...)`",
-             lambda tmp: resume_with_mesh_state(tmp, obj={"not": "a mesh state"}), KeyError, "'config'",
-             note="weak spot: a bare KeyError"),
+             lambda tmp: resume_with_mesh_state(tmp, obj={"not": "a mesh state"}), ValueError,
+             f"mesh_state.pt='{TMP}/checkpoint-2/mesh_state.pt' is invalid: it must hold a dict with keys "
+             "['anchor', 'boundaries', 'config'] as a Mesh trainer writes it"),
         Case(CHECKPOINTS, "resume with other trainable matrices (q_proj frozen instead of o_proj)",
              "`MeshTrainer.train(resume_from_checkpoint=...)`",
              lambda tmp: resume(tmp, saved_checkpoint(), frozen(tiny_llama(), Q_PROJ)), ValueError,
@@ -1152,7 +1155,7 @@ def _cases() -> list[Case]:
         Case(TRL, "MeshGRPOConfig(optim='adamw_torch') (anchor=True)", "`MeshGRPOConfig(...)`",
              mesh_config_of("MeshGRPOConfig", optim="adamw_torch"), ValueError,
              f"optim={_ADAMW_ENUM} is invalid: it must be 'spectral_adamw' when anchor=True (the anchor's gradients feed "
-             "its spectral filter); set anchor=False for another optimizer", note=_ENUM_NOTE),
+             "its spectral filter); set anchor=False for another optimizer"),
         Case(TRL, "MeshGRPOConfig(...) in a launched job (WORLD_SIZE=6)", "`MeshGRPOConfig(...)`",
              grpo_config_on_mesh("MeshGRPOConfig"), ValueError,
              f"WORLD_SIZE='6' is invalid: it must be 1 for MeshGRPOConfig: {_GRPO_ONE_PROCESS}"),

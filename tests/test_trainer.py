@@ -177,7 +177,7 @@ def test_anchor_with_a_custom_non_spectral_optimizer_is_rejected(tmp_path):
     custom = torch.optim.SGD(model.parameters(), lr=0.1)
     trainer = make_trainer(tmp_path, model=model)
     trainer.optimizer = custom
-    with pytest.raises(ValueError, match="optim='spectral_adamw' is invalid: it must be 'spectral_adamw' when anchor=True"):
+    with pytest.raises(ValueError, match=r"optimizers\[0\]='SGD' is invalid: it must be a SpectralAdamW when anchor=True"):
         trainer.create_optimizer()
 
 
