@@ -128,6 +128,8 @@ class AnchorBatches:
                  prepare: Callable = lambda batch: batch, tag: bytes = b"meshtune-anchor") -> None:
         require(hasattr(dataset, "__len__") and len(dataset) > 0, "train_dataset", type(dataset).__name__,
                 "be a non-empty map-style dataset (with __len__) so the anchor can draw its own batches")
+        require(isinstance(batch_size, int) and batch_size >= 1, "batch_size", batch_size, "be an int >= 1")
+        require(isinstance(microbatches, int) and microbatches >= 1, "microbatches", microbatches, "be an int >= 1")
         self.dataset, self.collate, self.prepare = dataset, collate, prepare
         self.batch_size, self.microbatches, self.seed, self.tag = batch_size, microbatches, seed, tag
         self._perm_cache: tuple[int, torch.Tensor] | None = None

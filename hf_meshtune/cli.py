@@ -79,6 +79,9 @@ def run_ledger(args: argparse.Namespace) -> int:
 
     config, preset = _ledger_config(args, L.PRESETS)
     num_replicas, num_stages = _parse_mesh(args.mesh)
+    layers = getattr(config.get_text_config(), "num_hidden_layers", None)
+    require(layers is None or num_stages <= layers, "mesh", args.mesh,
+            f"have Y <= the model's {layers} decoder layers (each stage holds at least one)")
     knobs = dict(
         num_replicas=num_replicas, num_stages=num_stages, activation_dtype=args.dtype,
         grad_dtype=args.dtype, param_dtype=args.dtype, sync_every=args.sync_every,
@@ -104,7 +107,10 @@ def _ledger_config(args: argparse.Namespace, presets: dict) -> tuple[object, str
                 "be an existing config.json file or model directory")
         from transformers import AutoConfig
 
-        return AutoConfig.from_pretrained(args.config), None
+        try:
+            return AutoConfig.from_pretrained(args.config), None
+        except OSError as err:  # e.g. a config.json that is not JSON
+            raise ValueError(f"config={args.config!r} is invalid: it must be a readable transformers config ({err})") from err
     preset = args.preset or _DEFAULT_PRESET
     require(preset in presets, "preset", preset, f"be one of {sorted(presets)}")
     return presets[preset], preset

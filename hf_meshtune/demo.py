@@ -27,7 +27,7 @@ from transformers import DataCollatorForSeq2Seq
 from ._validation import require
 from .assets import gsm8k_items, load_smollm2, sft_features
 from .boundaries import find_decoder_layers
-from .config import MeshArguments, MeshTrainingArguments
+from .config import MeshArguments, MeshConfig, MeshTrainingArguments
 from .trainer import MeshTrainer
 
 __all__ = ["DemoSettings", "freeze_all_but_last", "gsm8k_splits", "run_demo"]
@@ -64,6 +64,12 @@ class DemoSettings:
         for name in ("max_steps", "batch_size", "seq_len", "train_last_layers", "eval_items"):
             require(getattr(self, name) >= 1, name, getattr(self, name), "be >= 1")
         require(self.spectral_rank >= 0, "spectral_rank", self.spectral_rank, "be >= 0 (0 = full rank)")
+        self.mesh_config()  # every mesh knob, checked before minutes of model loading
+
+    def mesh_config(self) -> MeshConfig:
+        """The mesh knobs among these settings (the CLI's spectral_rank 0 means full rank: None)."""
+        knobs = {name: getattr(self, name) for name in _MESH_KNOBS if hasattr(self, name)}
+        return MeshConfig(**{**knobs, "spectral_rank": self.spectral_rank or None})
 
 
 def gsm8k_splits(tokenizer, seq_len: int, eval_items: int) -> tuple[datasets.Dataset, datasets.Dataset]:
@@ -102,8 +108,8 @@ def run_demo(settings: DemoSettings) -> dict:
     trainable = freeze_all_but_last(model, settings.train_last_layers)
     train, evaluation = gsm8k_splits(tokenizer, settings.seq_len, settings.eval_items)
     # every DemoSettings field that is also a mesh knob passes through under its own name
-    mesh_knobs = {name: getattr(settings, name) for name in _MESH_KNOBS if hasattr(settings, name)}
-    mesh_knobs["spectral_rank"] = settings.spectral_rank or None  # the CLI's 0 means full rank
+    config = settings.mesh_config()
+    mesh_knobs = {name: getattr(config, name) for name in _MESH_KNOBS if hasattr(settings, name)}
     args = MeshTrainingArguments(
         output_dir=settings.output_dir, max_steps=settings.max_steps, per_device_train_batch_size=settings.batch_size,
         per_device_eval_batch_size=8, learning_rate=settings.learning_rate, lr_scheduler_type="cosine",

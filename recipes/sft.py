@@ -68,8 +68,8 @@ def load_model(model_args: ModelConfig, script: SFTScriptArguments):
 def main(argv: list[str] | None = None) -> dict:
     parser = HfArgumentParser((SFTScriptArguments, MeshSFTConfig, ModelConfig))
     script, args, model_args = parser.parse_args_into_dataclasses(argv)
+    train, evaluation = conversations(script)  # bad data flags fail before the model loads
     model, tokenizer = load_model(model_args, script)
-    train, evaluation = conversations(script)
     trainer = MeshSFTTrainer(model=model, args=args, train_dataset=train, eval_dataset=evaluation,
                              processing_class=tokenizer, peft_config=get_peft_config(model_args))
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
