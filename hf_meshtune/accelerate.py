@@ -359,9 +359,8 @@ class MeshAccelerator(Accelerator):
         return spectral_adamw_like(optimizer, self.mesh_plugin)
 
     def _anchor_batches(self, loader: DataLoader | None, microbatches: int) -> AnchorBatches:
-        """The anchor's own batches: same dataset, collate_fn and batch size as the training loader."""
-        require(loader is not None, "DataLoader", None,
-                "be passed with the model (the anchor and the mask set-up draw batches from it)")
+        """The anchor's own batches: same dataset, collate_fn and batch size as the training loader
+        (``_training_objects`` has made sure there is one whenever these are needed)."""
         dataset = loader.dataset
         require(not isinstance(dataset, IterableDataset) and hasattr(dataset, "__getitem__"), "train DataLoader dataset",
                 type(dataset).__name__, "be map-style (__len__ and __getitem__) so the anchor can draw its own batches; "
@@ -384,14 +383,9 @@ class MeshAccelerator(Accelerator):
 
     def _prepare_masks(self, model: nn.Module, loader: DataLoader | None) -> None:
         """Protected dims and a first Gaussian-fill estimate, on the anchor sampler's first batch (as MeshTrainer)."""
-        plugin, handle = self.mesh_plugin, self.mesh_boundaries
-        if plugin.mask_protect_dims == 0 and plugin.mask_fill != "gaussian":
-            return
-        batch = self._anchor_batches(loader, microbatches=1)(0)[0]
-        if plugin.mask_protect_dims:
-            handle.protect_largest_dims(model, batch, plugin.mask_protect_dims)
-        if plugin.mask_fill == "gaussian":
-            handle.calibrate_fills(model, {k: v for k, v in batch.items() if k != "labels"})
+        plugin = self.mesh_plugin
+        self.mesh_boundaries.set_up_masks(model, lambda: self._anchor_batches(loader, microbatches=1)(0)[0],
+                                          plugin.mask_protect_dims, plugin.mask_fill)
 
     # --- the clock: optimizer step hooks ------------------------------------------------------
     def _wire_clock(self, optimizer: torch.optim.Optimizer) -> None:

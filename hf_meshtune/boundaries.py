@@ -16,7 +16,7 @@ which is what the distributed pipeline will see for the same data.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -189,6 +189,19 @@ class BoundaryHandle(BoundaryHooks):
             model.train(was_training)
         for mask in self.masks:
             mask.fill.advance()
+
+    def set_up_masks(self, model: nn.Module, first_batch: Callable[[], dict], protect_dims: int, fill: str) -> None:
+        """Before training: the protected dims, then a first Gaussian-fill estimate, both on one training
+        batch (``first_batch()``, drawn only when needed); each is skipped when a checkpoint restored it."""
+        need_dims = protect_dims > 0 and not any(mask.protected is not None for mask in self.masks)
+        need_fill = fill == "gaussian" and bool(self.masks) and self.masks[0].fill.mean is None
+        if not (need_dims or need_fill):
+            return
+        batch = first_batch()
+        if need_dims:
+            self.protect_largest_dims(model, batch, protect_dims)
+        if need_fill:
+            self.calibrate_fills(model, {k: v for k, v in batch.items() if k != "labels"})
 
     def state_dict(self) -> dict:
         return {

@@ -48,8 +48,7 @@ class MeshCallback(TrainerCallback):
         self.trainer = trainer
 
     def on_train_begin(self, args, state, control, **kwargs):
-        self.trainer._protect_dims_once()
-        self.trainer._calibrate_fills_once()
+        self.trainer._set_up_masks()
 
     def on_step_begin(self, args, state, control, **kwargs):
         self.trainer.mesh_boundaries.set_step(state.global_step)
@@ -148,21 +147,11 @@ class MeshTrainerMixin:
                              self.args.data_seed if self.args.data_seed is not None else self.args.seed,
                              self._prepare_inputs)
 
-    def _protect_dims_once(self) -> None:
-        """Choose the always-kept dims on a fixed training batch, unless a checkpoint restored them."""
-        count = self.mesh_config.mask_protect_dims
-        if count == 0 or any(mask.protected is not None for mask in self.mesh_boundaries.masks):
-            return
-        batch = self._anchor_batches(microbatches=1)(0)[0]
-        self.mesh_boundaries.protect_largest_dims(self.model, batch, count)
-
-    def _calibrate_fills_once(self) -> None:
-        """A first dense estimate for fills that need one, unless a checkpoint restored it."""
-        masks = self.mesh_boundaries.masks
-        if self.mesh_config.mask_fill != "gaussian" or not masks or masks[0].fill.mean is not None:
-            return
-        batch = self._anchor_batches(microbatches=1)(0)[0]
-        self.mesh_boundaries.calibrate_fills(self.model, {k: v for k, v in batch.items() if k != "labels"})
+    def _set_up_masks(self) -> None:
+        """Protected dims and a first Gaussian-fill estimate on a fixed training batch, unless restored."""
+        cfg = self.mesh_config
+        self.mesh_boundaries.set_up_masks(self.model, lambda: self._anchor_batches(microbatches=1)(0)[0],
+                                          cfg.mask_protect_dims, cfg.mask_fill)
 
     def _anchor_loss(self, model: nn.Module, batch) -> torch.Tensor:
         return self.compute_loss(model, batch)
