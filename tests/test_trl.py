@@ -237,3 +237,10 @@ def test_grpo_settings_that_mix_dense_and_masked_policies_are_refused(tokenizer,
     monkeypatch.setenv("WORLD_SIZE", "6")
     with pytest.raises(ValueError, match="WORLD_SIZE='6' is invalid: it must be 1 for MeshGSPOConfig"):
         grpo(tokenizer, tmp_path / "dist")
+
+
+def test_the_gspo_anchor_refuses_to_run_before_any_rollout_exists(tokenizer, tmp_path):
+    trainer = grpo(tokenizer, tmp_path / "early")
+    trainer.create_optimizer()  # builds the anchor, as train() does
+    with pytest.raises(ValueError, match=r"anchor rollouts=None is invalid: it must exist before the first optimizer step"):
+        trainer.mesh_anchor.dense_gradient(0)
