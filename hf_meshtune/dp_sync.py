@@ -20,6 +20,7 @@ it replays the committed outer steps from their wire form (``OuterUpdate``) with
 from __future__ import annotations
 
 import math
+import os
 import socket
 import zlib
 from collections.abc import Callable, Sequence
@@ -412,17 +413,33 @@ without the stragglers (torchft's default is much shorter, so a replica a few st
 others would be left out of syncs it is healthy enough to join)."""
 
 
+HOST_ENV = "MESHTUNE_HOST"
+
+
+def advertised_host() -> str:
+    """The address other machines reach this process at: ``$MESHTUNE_HOST``, else the hostname.
+
+    torchft's servers and the replica stores advertise the hostname, which on a multi-homed machine
+    (or inside a network namespace) may name an interface the peers cannot reach; set MESHTUNE_HOST
+    to the address of the interface the mesh runs on (as GLOO_SOCKET_IFNAME picks gloo's).
+    """
+    return os.environ.get(HOST_ENV) or socket.gethostname()
+
+
 def start_lighthouse(min_replicas: int, bind: str = "[::]:0", *, join_timeout_ms: int | None = JOIN_TIMEOUT_MS,
                      quorum_tick_ms: int | None = None) -> tuple[LighthouseServer, str]:
     """Start a torchft lighthouse (for local runs and tests); returns (server, address to give managers).
 
     ``min_replicas``: fast replicas a quorum needs. The server binds all interfaces and its address
-    names this host by hostname. Call ``server.shutdown()`` when done.
+    names this host by hostname, or by $MESHTUNE_HOST when set. Call ``server.shutdown()`` when done.
     """
     require(_is_int(min_replicas, 1), "min_replicas", min_replicas, "be an integer >= 1")
     server = LighthouseServer(bind=bind, min_replicas=min_replicas, join_timeout_ms=join_timeout_ms,
                               quorum_tick_ms=quorum_tick_ms)
-    return server, server.address()
+    address = server.address()
+    if os.environ.get(HOST_ENV):  # torchft names the hostname; peers may only reach MESHTUNE_HOST
+        address = f"http://{os.environ[HOST_ENV]}:{address.rstrip('/').rsplit(':', 1)[1]}"
+    return server, address
 
 
 @dataclass
@@ -450,7 +467,7 @@ def host_replica_store(replica: int, stage: int, *, host: str | None = None,
     if rendezvous is None:
         rendezvous = dist.distributed_c10d._get_default_store()
     if stage == 0:
-        host = host or socket.gethostname()
+        host = host or advertised_host()
         server = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
                                timeout=timedelta(seconds=timeout_s))
         rendezvous.set(key, f"{host}:{server.port}")
@@ -480,6 +497,7 @@ def make_manager(*, replica: int, stage: int, num_stages: int, lighthouse_addr: 
     require(timeout_s > 0, "timeout_s", timeout_s, "be > 0")
     require(_is_int(min_replica_size, 1), "min_replica_size", min_replica_size, "be an integer >= 1")
     timeout = timedelta(seconds=timeout_s)
+    hostname = hostname if hostname is not None else os.environ.get(HOST_ENV)
     kwargs = {"hostname": hostname} if hostname is not None else {}
     return Manager(pg=ProcessGroupGloo(timeout=timeout), load_state_dict=None, state_dict=None,
                    min_replica_size=min_replica_size, use_async_quorum=False, timeout=timeout,

@@ -24,6 +24,7 @@ what has already arrived; what they send to the anchor goes through a background
 
 from __future__ import annotations
 
+import contextlib
 import math
 import queue
 import threading
@@ -72,12 +73,21 @@ class RunSettings:
     log: Callable[[dict], None] | None = None  # called on the logging rank with per-step metrics
     log_every: int = 1
     record_parameters: bool = False  # return final and θ_global parameters in the MeshResult (tests)
+    # DP sync of the fast replicas: Streaming DiLoCo (+ PowerSGD per config), or a per-step peer
+    # (``dp_baselines``: "allreduce" = plain DDP averaging, "powersgd_hook" = torch's PowerSGD hook)
+    dp_mode: str = "streaming_diloco"
+    on_step: Callable[[int, FastWorker], None] | None = None  # every fast rank, after each step (benchmarks)
 
     def __post_init__(self) -> None:
         for name in ("microbatch_size", "microbatches", "seq_len", "max_steps", "log_every"):
             value = getattr(self, name)
             require(isinstance(value, int) and value >= 1, name, value, "be an int >= 1")
         require_mesh_supported(self.config)
+        from .dp_baselines import DP_MODES
+
+        require(self.dp_mode in DP_MODES, "dp_mode", self.dp_mode, f"be one of {list(DP_MODES)}")
+        require(self.dp_mode == "streaming_diloco" or not self.config.anchor, "dp_mode", self.dp_mode,
+                "be 'streaming_diloco' when anchor=True (the anchor replica follows θ by replaying DiLoCo's outer updates)")
 
 
 def require_mesh_supported(cfg) -> None:
@@ -330,15 +340,25 @@ class FastWorker(_StageWorker):
         else:
             self.optimizer = torch.optim.AdamW(groups, lr=settings.lr, betas=settings.betas, eps=settings.eps)
         self.scheduler = settings.scheduler(self.optimizer) if settings.scheduler else None
-        self.replica_store = host_replica_store(self.replica, self.stage, timeout_s=settings.dp_timeout_s)
-        self.manager = make_manager(replica=self.replica, stage=self.stage, num_stages=topology.stages,
-                                    lighthouse_addr=settings.lighthouse, store_addr=self.replica_store.addr,
-                                    store_port=self.replica_store.port, timeout_s=settings.dp_timeout_s)
-        self.diloco = StreamingDiLoCo(
-            self.manager, self.fragments, self.optimizer, sync_every=cfg.dp_sync_every,
-            fragment_sync_delay=cfg.dp_sync_delay, outer_lr=cfg.dp_outer_lr, outer_momentum=cfg.dp_outer_momentum,
-            powersgd_rank=cfg.dp_powersgd_rank, wire=self.wire, on_outer_update=self._on_outer_update, seed=cfg.mask_seed,
-        )
+        self.manager = self.gradient_sync = None
+        if settings.dp_mode == "streaming_diloco":
+            self.replica_store = host_replica_store(self.replica, self.stage, timeout_s=settings.dp_timeout_s)
+            self.manager = make_manager(replica=self.replica, stage=self.stage, num_stages=topology.stages,
+                                        lighthouse_addr=settings.lighthouse, store_addr=self.replica_store.addr,
+                                        store_port=self.replica_store.port, timeout_s=settings.dp_timeout_s)
+            self.diloco = StreamingDiLoCo(
+                self.manager, self.fragments, self.optimizer, sync_every=cfg.dp_sync_every,
+                fragment_sync_delay=cfg.dp_sync_delay, outer_lr=cfg.dp_outer_lr, outer_momentum=cfg.dp_outer_momentum,
+                powersgd_rank=cfg.dp_powersgd_rank, wire=self.wire, on_outer_update=self._on_outer_update, seed=cfg.mask_seed,
+            )
+        else:
+            from .dp_baselines import GradientSync
+
+            peers = [topology.rank(r, self.stage) for r in topology.fast_replicas]
+            group = dist.new_group(peers, use_local_synchronization=True)
+            self.gradient_sync = GradientSync(settings.dp_mode, trainable, group, len(peers), self.wire,
+                                              powersgd_rank=cfg.dp_powersgd_rank or 4, seed=cfg.mask_seed)
+            self.diloco = contextlib.nullcontext()
         self.anchor_rank = topology.anchor_rank(self.stage)
         self.inbox = self.outbox = None
         if cfg.anchor:
@@ -361,6 +381,14 @@ class FastWorker(_StageWorker):
             header = torch.tensor([DATA, self._step + 1, update.fragment, payload.numel()], dtype=torch.long)
             self.outbox.put(self.anchor_rank, TAG_UPDATE, header)
             self.outbox.put(self.anchor_rank, TAG_UPDATE_PAYLOAD, payload)
+
+    def _sync_gradients(self) -> None:
+        """A per-step DP peer (``dp_mode`` allreduce / powersgd_hook): average the gradients now."""
+        self.gradient_sync.sync()
+        self.result.dp_syncs += 1
+        sent = self.wire.sent["dp"]
+        self.result.dp_sync_bytes.append(sent - self._dp_bytes_at_last_sync)
+        self._dp_bytes_at_last_sync = sent
 
     def _clip(self) -> None:
         max_norm = self.settings.max_grad_norm
@@ -399,6 +427,8 @@ class FastWorker(_StageWorker):
                 self.module.step = step
                 ids, labels = (t.to(self.device) for t in self.batches(step))
                 loss = _run_schedule(self.schedule, self.module, ids, labels)
+                if self.gradient_sync is not None:
+                    self._sync_gradients()
                 self._clip()
                 self._drain_anchor()
                 self.optimizer.step()
@@ -413,6 +443,8 @@ class FastWorker(_StageWorker):
                     if logging and s.log is not None and (step + 1) % s.log_every == 0:
                         s.log({"step": step + 1, "loss": loss, "lr": self.optimizer.param_groups[0]["lr"],
                                "step_seconds": self.result.step_seconds[-1]})
+                if s.on_step is not None:
+                    s.on_step(step + 1, self)
         self._finish()
         return self.result
 
@@ -424,6 +456,9 @@ class FastWorker(_StageWorker):
             self.inbox.join()
             self._step = self.settings.max_steps
             self._drain_anchor()
+        if self.manager is None:  # per-step sync: the replicas' parameters are the global ones
+            self._record(lambda: [_flatten([p.detach() for p in f.parameters()]) for f in self.fragments])
+            return
         self._record(lambda: [_flatten(self.diloco.global_parameters(i)) for i in range(len(self.fragments))])
         self.manager.shutdown(wait=False)
 

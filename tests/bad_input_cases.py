@@ -46,9 +46,11 @@ from hf_meshtune import (
     keep_count,
     keep_indices,
 )
+from hf_meshtune.dp_baselines import GradientSync
 from hf_meshtune.ledger import format_table, settings_for_row
 from hf_meshtune.masking import BoundaryMask
 from hf_meshtune.mesh import MeshTopology
+from hf_meshtune.wire import Wire
 from tests.tiny import make_tiny_causal_lm, pattern_dataset, tiny_llama
 
 # ---------------------------------------------------------------------------------------------------
@@ -351,7 +353,7 @@ def llama_without_head() -> nn.Module:
     return tiny_llama().model
 
 
-def run_settings(config: MeshConfig | None = None, **sizes: int) -> Callable[[], object]:
+def run_settings(config: MeshConfig | None = None, **sizes: object) -> Callable[[], object]:
     """A trigger: the settings every rank of the mesh builds from the knobs after the rendezvous."""
     from hf_meshtune.mesh_runtime import RunSettings
 
@@ -944,6 +946,17 @@ def _cases() -> list[Case]:
              "dense gradient)", note="also refused by `MeshTrainer(...)`, before any rendezvous"),
         Case(MESH, "seq_len=0", "`RunSettings(...)`", run_settings(seq_len=0), ValueError,
              "seq_len=0 is invalid: it must be an int >= 1"),
+        Case(MESH, "dp_mode='ddp'", "`RunSettings(...)`", run_settings(dp_mode="ddp"), ValueError,
+             "dp_mode='ddp' is invalid: it must be one of ['streaming_diloco', 'allreduce', 'powersgd_hook']"),
+        Case(MESH, "dp_mode='allreduce' with the anchor on", "`RunSettings(...)`", run_settings(dp_mode="allreduce"),
+             ValueError, "dp_mode='allreduce' is invalid: it must be 'streaming_diloco' when anchor=True (the anchor "
+             "replica follows θ by replaying DiLoCo's outer updates)"),
+        Case(MESH, "GradientSync('streaming_diloco', ...)", "`dp_baselines.GradientSync`",
+             lambda: GradientSync("streaming_diloco", [nn.Parameter(torch.zeros(2))], None, 2, Wire()), ValueError,
+             "dp_mode='streaming_diloco' is invalid: it must be one of ['allreduce', 'powersgd_hook'] for a per-step sync"),
+        Case(MESH, "GradientSync('powersgd_hook', powersgd_rank=0)", "`dp_baselines.GradientSync`",
+             lambda: GradientSync("powersgd_hook", [nn.Parameter(torch.zeros(2, 2))], None, 2, Wire(), powersgd_rank=0),
+             ValueError, "dp_powersgd_rank=0 is invalid: it must be an integer >= 1 with dp_mode='powersgd_hook'"),
         Case(MESH, "MeshTopology(replicas=0, stages=2)", "`MeshTopology(...)`", lambda: MeshTopology(0, 2), ValueError,
              "replicas=0 is invalid: it must be an int >= 1 (X)"),
         Case(MESH, "MeshTopology(replicas=3, stages=0)", "`MeshTopology(...)`", lambda: MeshTopology(3, 0), ValueError,

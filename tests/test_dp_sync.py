@@ -279,3 +279,23 @@ def test_other_entry_points_reject_bad_input():
     follower = OuterFollower(_fragments(_model(0)), outer_lr=LR, outer_momentum=MU)
     with pytest.raises(ValueError, match=r"update.fragment=2 is invalid: it must lie in \[0, 2\)"):
         follower.apply(OuterUpdate(fragment=2, step=1, tensors=[]))
+
+
+def test_the_advertised_host_is_meshtune_host_when_set(monkeypatch):
+    """Peers in other network namespaces or machines reach the lighthouse and stores at MESHTUNE_HOST."""
+    import socket
+
+    from hf_meshtune.dp_sync import advertised_host, start_lighthouse
+
+    monkeypatch.delenv("MESHTUNE_HOST", raising=False)
+    assert advertised_host() == socket.gethostname()
+    server, plain = start_lighthouse(min_replicas=1)
+    server.shutdown()
+    monkeypatch.setenv("MESHTUNE_HOST", "10.77.0.13")
+    assert advertised_host() == "10.77.0.13"
+    server, address = start_lighthouse(min_replicas=1)
+    try:
+        port = address.rsplit(":", 1)[1]
+        assert address == f"http://10.77.0.13:{port}" and port.isdigit() and plain.split("://")[1].split(":")[0] != "10.77.0.13"
+    finally:
+        server.shutdown()
