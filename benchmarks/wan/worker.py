@@ -1,0 +1,112 @@
+"""One rank of a WAN-benchmark mesh (started by ``run.py`` inside its node's network namespace).
+
+    RANK=.. WORLD_SIZE=.. MASTER_ADDR=.. MASTER_PORT=.. GLOO_SOCKET_IFNAME=eth0 MESHTUNE_HOST=<node ip> \\
+        python -m benchmarks.wan.worker --row m95_ap --data DIR/data.pt --out DIR/m95_ap --steps 60
+
+Runs this rank's part of the X × Y mesh (``hf_meshtune.mesh_runtime.run_worker``, the code
+``MeshTrainer`` runs on a launched mesh) on the row's configuration, and writes ``rank{R}.json``: step
+times, losses, the Wire's bytes per circuit, DP syncs, anchor arrivals and the node's kernel byte
+counter. Fast replica 0 also saves its stage's parameters every ``--save-every`` steps, so ``run.py``
+can evaluate the dense model along the run after the timed part is over.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+from dataclasses import asdict
+
+import torch
+import torch.distributed as dist
+
+from hf_meshtune.config import MeshConfig
+from hf_meshtune.mesh import MeshTopology
+from hf_meshtune.mesh_job import _lighthouse
+from hf_meshtune.mesh_runtime import RunSettings, run_worker
+from hf_meshtune.pipeline import stage_parameter_names
+
+from .rows import ROWS, Shape, build_model
+
+
+def _tx_bytes() -> int:
+    with open("/sys/class/net/eth0/statistics/tx_bytes") as fh:
+        return int(fh.read())
+
+
+def _batches(blocks: torch.Tensor, rows: int, seed: int):
+    def batches(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
+        picked = blocks[torch.randint(0, len(blocks), (rows,), generator=gen)]
+        return picked, picked.clone()
+    return batches
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--row", required=True, choices=sorted(ROWS))
+    parser.add_argument("--data", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--save-every", type=int, default=0)
+    args = parser.parse_args()
+
+    row, shape = ROWS[args.row], Shape()
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    topology = MeshTopology(row.replicas, shape.stages, anchor=row.anchor)
+    groups = topology.build_groups()
+    link = dist.new_group(list(range(topology.world_size)))
+    lighthouse, server = _lighthouse(rank, len(topology.fast_replicas))
+
+    data = torch.load(args.data)
+    torch.manual_seed(0)
+    model = build_model(shape, data["vocab_size"])
+    model.load_state_dict(data["init"])
+    cfg = MeshConfig(num_stages=shape.stages, num_replicas=row.replicas, mask_ratio=row.mask_ratio, anchor=row.anchor,
+                     anchor_every=shape.anchor_every, dp_sync_every=shape.sync_every, dp_fragments=shape.fragments,
+                     dp_powersgd_rank=row.powersgd_rank, mask_seed=0)
+    warmup = max(1, args.steps // 10)
+
+    def scheduler(optimizer):
+        def factor(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / warmup
+            progress = (step - warmup) / max(1, args.steps - warmup)
+            return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+    replica, stage = topology.coords(rank)
+    params_dir = os.path.join(args.out, "params")
+
+    def on_step(step: int, worker) -> None:
+        if args.save_every and replica == 0 and (step % args.save_every == 0 or step == args.steps):
+            os.makedirs(params_dir, exist_ok=True)
+            state = {n: p.detach().clone() for n, p in stage_parameter_names(worker.model, worker.module).items()}
+            torch.save(state, os.path.join(params_dir, f"step{step:05d}_stage{stage}.pt"))
+
+    settings = RunSettings(config=cfg, microbatch_size=shape.microbatch_size, microbatches=shape.microbatches,
+                           seq_len=shape.seq_len, max_steps=args.steps, lr=shape.lr, weight_decay=0.0,
+                           max_grad_norm=1.0, scheduler=scheduler, lighthouse=lighthouse, dp_timeout_s=600.0,
+                           dp_mode=row.dp_mode, on_step=on_step)
+    rows = shape.microbatch_size * shape.microbatches
+    fast_index = min(replica, len(topology.fast_replicas) - 1)
+    tx0, start = _tx_bytes(), time.perf_counter()
+    result = run_worker(model, topology, groups.pp_group, link, settings, _batches(data["train"], rows, 1 + fast_index),
+                        _batches(data["train"], rows, 999))
+    wall, tx = time.perf_counter() - start, _tx_bytes() - tx0
+    record = asdict(result) | {"wall_seconds": wall, "tx_bytes": tx, "tokens_per_step": rows * shape.seq_len}
+    record.pop("params"), record.pop("global_params")
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as fh:
+        json.dump(record, fh)
+    dist.barrier()
+    if server is not None:
+        server.shutdown()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

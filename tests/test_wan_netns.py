@@ -1,0 +1,129 @@
+"""The WAN benchmark's emulated network (benchmarks/wan/netns.py) and one real row through it.
+
+Needs root and ``ip``/``tc`` (CI runs as root); the namespaces use their own prefix, so a benchmark
+running on the same machine is left alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+from benchmarks.wan import netns
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
+                                reason="network namespaces need root and iproute2 (ip, tc)")
+
+_SERVER = """
+import socket, sys
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind((sys.argv[1], 5009)); s.listen(1)
+c, _ = s.accept(); c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+while True:
+    b = c.recv(1 << 16)
+    if not b: break
+    if b.endswith(b"p"): c.sendall(b"p")
+"""
+_CLIENT = """
+import json, socket, sys, time
+for _ in range(50):
+    try: s = socket.create_connection((sys.argv[1], 5009)); break
+    except OSError: time.sleep(0.1)
+s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+rtts = []
+for _ in range(7):
+    t = time.perf_counter(); s.sendall(b"p"); s.recv(1); rtts.append(time.perf_counter() - t)
+n = int(sys.argv[2]); t = time.perf_counter(); s.sendall(b"x" * n); s.sendall(b"p"); s.recv(1)
+print(json.dumps({"rtt_ms": sorted(rtts)[3] * 1000, "mbit": n * 8 / (time.perf_counter() - t) / 1e6}))
+"""
+
+
+@pytest.fixture
+def star(monkeypatch):
+    monkeypatch.setenv(netns.PREFIX_ENV, "mtwtest")
+    monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    yield netns
+    netns.down()
+    assert netns.namespaces() == []
+
+
+def _measure(server_node: int, client_node: int, nbytes: int) -> dict:
+    server = subprocess.Popen([*netns.exec_prefix(server_node), sys.executable, "-c", _SERVER, netns.node_ip(server_node)])
+    try:
+        out = subprocess.run([*netns.exec_prefix(client_node), sys.executable, "-c", _CLIENT,
+                              netns.node_ip(server_node), str(nbytes)], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)
+    finally:
+        server.kill()
+        server.wait()
+
+
+def test_links_get_the_set_rate_and_the_delay_bridge_adds_its_delay_each_way(star):
+    links = star.up(3, rate_mbit=16.0, delay_ms=30.0)
+    assert links.bridge_pid is not None
+    assert sorted(star.namespaces()) == ["mtwtest-hub", "mtwtest-n0", "mtwtest-n1", "mtwtest-n2"]
+    seen = _measure(0, 2, 2_000_000)
+    assert 55 <= seen["rtt_ms"] <= 75, seen  # 2 × 30 ms through the bridge, plus a little forwarding time
+    assert 12.0 <= seen["mbit"] <= 16.5, seen  # tbf caps at 16 Mbit/s; TCP gets most of it
+    before = star.tx_bytes(2)
+    _measure(0, 2, 500_000)
+    assert star.tx_bytes(2) - before >= 500_000  # the kernel counter sees what the node sent
+
+
+def test_up_is_idempotent_and_the_kernel_bridge_serves_zero_delay(star):
+    star.up(2, rate_mbit=8.0, delay_ms=30.0)
+    links = star.up(2, rate_mbit=40.0, delay_ms=0.0)  # rebuilt, not stacked on the first
+    assert links.bridge_pid is None and star.read_state() == links
+    seen = _measure(1, 0, 4_000_000)
+    assert seen["rtt_ms"] < 10 and 30.0 <= seen["mbit"] <= 41.0, seen
+    star.down()
+    star.down()  # idempotent
+    assert star.namespaces() == [] and star.read_state() is None
+
+
+def test_bad_settings_and_a_non_root_user_are_refused_naming_the_rule(star, monkeypatch):
+    with pytest.raises(ValueError, match=r"nodes=1 is invalid: it must be an integer in \[2, 200\]"):
+        star.up(1, rate_mbit=8.0)
+    with pytest.raises(ValueError, match=r"rate_mbit=0 is invalid: it must be > 0"):
+        star.up(2, rate_mbit=0)
+    with pytest.raises(ValueError, match=r"delay_ms=-1 is invalid"):
+        star.up(2, rate_mbit=1.0, delay_ms=-1)
+    with monkeypatch.context() as patch, pytest.raises(ValueError, match=r"it must be root: network namespaces and tc need CAP_NET_ADMIN"):
+        patch.setattr(os, "geteuid", lambda: 1000)
+        star.up(2, rate_mbit=8.0)
+
+
+def test_a_mesh_row_trains_across_namespaces_and_the_wire_matches_the_kernel_counters(star, tmp_path):
+    """Rank k in node k's namespace: gloo on eth0, torchft's stores and lighthouse on MESHTUNE_HOST."""
+    from benchmarks.wan.mesh import run_row
+    from benchmarks.wan.rows import Shape, prepare_data
+    from benchmarks.wan.run import read_run
+
+    star.up(6, rate_mbit=200.0, delay_ms=0.0)
+    prepare_data(Shape(), str(tmp_path / "data.pt"))
+    start = time.perf_counter()
+    run_row("m95", str(tmp_path / "m95"), str(tmp_path / "data.pt"), 4, save_every=2, timeout_s=240)
+    result = read_run(str(tmp_path / "m95"), "m95")
+    assert result["steps"] == 4 and time.perf_counter() - start < 240
+    b = result["bytes_per_token"]
+    shape = Shape()
+    k = round(0.05 * shape.hidden)
+    assert b["pp_fwd"] == pytest.approx(k * 4, rel=1e-9)  # K fp32 values per token cross the one boundary
+    assert b["anchor"] == 0
+    # headers, handshakes and torchft's control traffic come on top of the tensors, never less
+    assert b["total"] <= result["kernel_bytes_per_token"] <= 3 * b["total"] + 200
+    assert sorted(os.listdir(tmp_path / "m95" / "params")) == [f"step0000{s}_stage{t}.pt" for s in (2, 4) for t in (0, 1)]
+
+
+def test_netns_refuses_a_row_larger_than_the_network(star, tmp_path):
+    from benchmarks.wan.mesh import run_row
+
+    star.up(2, rate_mbit=10.0)
+    with pytest.raises(RuntimeError, match="row m95_ap needs 8 nodes but the emulated network has 2"):
+        run_row("m95_ap", str(tmp_path), str(tmp_path / "data.pt"), 2)
