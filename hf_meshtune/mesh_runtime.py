@@ -554,10 +554,16 @@ class AnchorWorker(_StageWorker):
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for _, p in self.matrices]
         payload = _flatten(grads)
         header = torch.tensor([DATA, snapshot], dtype=torch.long)
+        # to every fast replica at once: the anchor's uplink is shared among them, so no fast node's
+        # downlink gets the whole gradient at the anchor's full rate (one delivery after another
+        # would fill that node's queue and hold up its pipeline and DP traffic behind it)
+        works = []
         for replica in self.topology.fast_replicas:
             dst = self.topology.rank(replica, self.stage)
-            self.wire.send("anchor", header, dst, group=self.link_group, tag=TAG_GRAD)
-            self.wire.send("anchor", payload, dst, group=self.link_group, tag=TAG_GRAD_PAYLOAD)
+            works.append(self.wire.isend("anchor", header, dst, group=self.link_group, tag=TAG_GRAD))
+            works.append(self.wire.isend("anchor", payload, dst, group=self.link_group, tag=TAG_GRAD_PAYLOAD))
+        for work in works:
+            work.wait()
         self.result.anchor_rounds.append(snapshot)
         self.model.zero_grad(set_to_none=True)
 

@@ -78,6 +78,11 @@ class Wire:
         self.record_send(circuit, tensor)
         dist.send(tensor, dst, group=group, tag=tag)
 
+    def isend(self, circuit: str, tensor: torch.Tensor, dst: int, group=None, tag: int = 0):
+        """Book, then post a non-blocking send; returns the backend's work (``.wait()`` on it)."""
+        self.record_send(circuit, tensor)
+        return dist.isend(tensor, dst, group=group, tag=tag)
+
     def recv(self, circuit: str, tensor: torch.Tensor, src: int, group=None, tag: int = 0) -> None:
         self.record_recv(circuit, tensor)
         dist.recv(tensor, src, group=group, tag=tag)

@@ -98,18 +98,18 @@ def _mesh_worker(rank: int, world: int, lighthouse: str, cfg_kwargs: dict, steps
             before = {n: p.detach().clone() for n, p in worker.model.named_parameters()}
             ids, labels = worker.batches(round_index)
             captured = {}
-            real_send = worker.wire.send
+            real_isend = worker.wire.isend
 
             def capture(circuit, tensor, dst, group=None, tag=0):
                 if tag == 202 and dst == topology.rank(0, stage):
                     captured["payload"] = tensor.clone()
-                return real_send(circuit, tensor, dst, group=group, tag=tag)
+                return real_isend(circuit, tensor, dst, group=group, tag=tag)
 
-            worker.wire.send = capture
+            worker.wire.isend = capture
             try:
                 original(round_index, snapshot)
             finally:
-                worker.wire.send = real_send
+                worker.wire.isend = real_isend
             names = [n for n, _ in worker.matrices]
             record["rounds"].append({"snapshot": snapshot, "params": before, "ids": ids, "labels": labels,
                                      "names": names, "payload": captured["payload"]})
