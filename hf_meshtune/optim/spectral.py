@@ -82,8 +82,8 @@ def _filter_gradient(grad: Tensor, u: Tensor, d: Tensor, v: Tensor, alpha: float
     g = grad.to(u.dtype)
     x = u.mT @ g @ v
     x_f = d[:, None] * x * d[None, :]
-    g_filt = u @ x_f @ v.mT
-    return alpha * g + (1 - alpha) * g_filt
+    # α·G + (1-α)·U X_f Vᵀ as one GEMM accumulating into α·G: no [m, n] temporaries besides the result
+    return torch.addmm(g, u, x_f @ v.mT, beta=alpha, alpha=1 - alpha)
 
 
 def _adamw_update(param: Tensor, grad: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
@@ -120,9 +120,10 @@ class _Diagnostics:
     stale: int = 0  # matrices whose basis is past max_staleness this step
 
     def add(self, grad: Tensor, proj: Tensor, momentum: Tensor, d: Tensor) -> None:
-        g = grad.to(momentum.dtype)
-        terms = [(g * momentum).sum(), (proj * momentum).sum(), (g * g).sum(), (proj * proj).sum()]
-        terms += [(momentum * momentum).sum(), d.mean() if d.numel() else d.new_zeros(())]
+        # dot products of flat views: one read of each operand, no [m, n] temporaries
+        g, p, m = (t.to(momentum.dtype).reshape(-1) for t in (grad, proj, momentum))
+        terms = [torch.dot(g, m), torch.dot(p, m), torch.dot(g, g), torch.dot(p, p), torch.dot(m, m)]
+        terms.append(d.mean() if d.numel() else d.new_zeros(()))
         self.rows.append(torch.stack(terms))  # stays on device: one host sync per step, in as_dict
 
     def as_dict(self) -> dict[str, float]:
