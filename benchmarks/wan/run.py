@@ -184,7 +184,8 @@ def summarize(report: dict) -> dict:
     target = curves["dense"][max(curves["dense"])]
     dense = shaped["dense"]
     rows = {}
-    for name, run_ in shaped.items():
+    for name in [n for n in ROWS if n in shaped]:  # the paper's order, then the peers
+        run_ = shaped[name]
         curve = curves[name]
         reached = [s for s in sorted(curve) if curve[s] <= target]
         steps_to = reached[0] if reached else None
@@ -213,9 +214,27 @@ def summarize(report: dict) -> dict:
             "paper_tokens_per_s": PAPER["tokens_s"].get(name), "paper_bytes_per_token": PAPER["bytes_per_token"].get(name),
         }
     dense_ttq = rows["dense"]["time_to_quality_s"]
-    for r in rows.values():
+    dense_curve = sorted(curves["dense"].items())
+    for name, r in rows.items():
         r["time_to_quality_gain"] = dense_ttq / r["time_to_quality_s"] if r["time_to_quality_s"] else None
+        # the other way round, at the row's own quality L = its final loss + 0.01: how long Dense needs
+        # to reach L (linear between its saved steps) against how long this row needs (first saved step)
+        level, curve = r["final_eval_loss"] + 0.01, sorted(curves[name].items())
+        own_steps = next(s for s, v in curve if v <= level)
+        dense_steps = _steps_to(dense_curve, level)
+        r["own_steps_to_its_final_loss"] = own_steps
+        r["dense_steps_to_this_final_loss"] = dense_steps
+        r["equal_quality_speedup"] = (dense_steps * shaped["dense"]["step_seconds"]
+                                      / (own_steps * shaped[name]["step_seconds"])) if dense_steps and own_steps else None
     return {"target_eval_loss": target, "rows": rows}
+
+
+def _steps_to(curve: list[tuple[int, float]], loss: float) -> float | None:
+    """First (fractional) step where a loss curve given at saved steps falls to ``loss`` (linear in between)."""
+    for (s0, v0), (s1, v1) in zip(curve, curve[1:]):
+        if v1 <= loss:
+            return s1 if v0 == v1 else s0 + (s1 - s0) * (v0 - loss) / (v0 - v1)
+    return None
 
 
 def _fmt(value, spec: str = ",.0f", none: str = "–") -> str:
@@ -239,12 +258,15 @@ def write_report(report: dict, out: Path) -> None:
              f"(**scale {reg['scale']:.2e}** of the paper's 200 Mbit/s) so that Dense's link time is "
              f"{PAPER['dense_over_compute']:.1f} τ as on the paper's mesh; one-way delay {reg['delay_ms']:.2f} ms "
              f"(20 ms × τ/τ_paper, time scale {reg['time_scale']:.3f}).", "",
-             f"Time-to-quality target: Dense's final held-out loss {summary['target_eval_loss']:.4f}.", "",
+             f"Time-to-quality target: Dense's final held-out loss {summary['target_eval_loss']:.4f}. "
+             "\"Speedup at this loss\": at the row's own quality L = its final loss + 0.01, Dense's time to reach L "
+             "(linear between saved steps) over the row's (first saved step at or below L), both at shaped "
+             "steady-state step times.", "",
              "Ideal speedup = min(byte ratio of the circuits a fast step waits for (PP + DP), the row's compute-bound "
              "throughput / Dense's shaped one); the byte ratio over all circuits (anchor included) is given too: the "
              "anchor's bytes are asynchronous and leave from the anchor's own nodes.", "",
-             "| row | tokens/s | speedup vs Dense | ideal speedup | share of ideal | byte ratio (all circuits) | B/token total | pp_fwd | pp_bwd | dp | anchor | kernel B/token | final eval loss | steps to Dense's loss | time-to-quality (s) | TTQ gain | paper tokens/s | paper B/token |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| row | tokens/s | speedup vs Dense | ideal speedup | share of ideal | byte ratio (all circuits) | B/token total | pp_fwd | pp_bwd | dp | anchor | kernel B/token | final eval loss | steps to Dense's loss | time-to-quality (s) | TTQ gain | Dense steps to this loss + 0.01 | speedup at this loss | paper tokens/s | paper B/token |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in summary["rows"].values():
         b = r["bytes_per_token"]
         lines.append(
@@ -253,6 +275,8 @@ def write_report(report: dict, out: Path) -> None:
             f"{b['anchor']:,.0f} | {r['kernel_bytes_per_token']:,.0f} | {r['final_eval_loss']:.4f} | "
             f"{_fmt(r['steps_to_dense_quality'], 'd', 'not reached')} | {_fmt(r['time_to_quality_s'], ',.1f')} | "
             f"{_fmt(r['time_to_quality_gain'], '.2f')}{'×' if r['time_to_quality_gain'] else ''} | "
+            f"{_fmt(r['dense_steps_to_this_final_loss'], '.1f')} | "
+            f"{_fmt(r['equal_quality_speedup'], '.2f')}{'×' if r['equal_quality_speedup'] else ''} | "
             f"{_fmt(r['paper_tokens_per_s'])} | {_fmt(r['paper_bytes_per_token'])} |")
     lines += ["", "Compute-bound (10 Gbit/s links) and unscaled (200 Mbit/s, 20 ms) runs:", "",
               "| phase | row | tokens/s | step s | B/token |", "|---|---|---:|---:|---:|"]
@@ -289,7 +313,8 @@ def _plots(report: dict, summary: dict, out: Path) -> None:
         axes[1].bar(labels, values, bottom=bottom, label=circuit, color=color)
         bottom = [b + v for b, v in zip(bottom, values)]
     axes[1].set_yscale("log")
-    axes[1].set_ylabel("measured bytes per fast token")
+    axes[1].set_ylim(bottom=1)
+    axes[1].set_ylabel("measured bytes per fast token (Wire, all links)")
     axes[1].legend()
     for ax in axes:
         ax.tick_params(axis="x", rotation=30)
