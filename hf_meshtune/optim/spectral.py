@@ -308,8 +308,11 @@ class SpectralAdamW(torch.optim.Optimizer):
         rank = group["rank"]
         try:
             if rank is None or rank >= min(momentum.shape):
-                u, s, vh = torch.linalg.svd(momentum, full_matrices=False)
-                v = vh.mT.contiguous()
+                # LAPACK is several times slower on a wide matrix than on its transpose (same
+                # factors with U and V swapped): decompose the tall orientation
+                wide = momentum.shape[0] < momentum.shape[1]
+                u, s, vh = torch.linalg.svd(momentum.mT if wide else momentum, full_matrices=False)
+                u, v = (vh.mT.contiguous(), u) if wide else (u, vh.mT.contiguous())
             else:
                 seed = _basis_seed(self.seed, index, state["anchor_updates"])
                 u, s, v = _randomized_svd(momentum, rank, self.svd_niter, self.svd_oversample, seed)
