@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -127,11 +128,17 @@ class MeshTopology:
         return f"{self.replicas}x{self.stages} mesh: {fast} fast replica(s){anchor}, {self.stages} stage(s) each"
 
     # --- process groups ----------------------------------------------------------------------
-    def build_groups(self) -> MeshGroups:
-        """Create every replica's PP group (a collective: every rank calls it, in the same order)."""
+    def build_groups(self, timeout_s: float | None = None) -> MeshGroups:
+        """Create every replica's PP group (a collective: every rank calls it, in the same order).
+
+        ``timeout_s`` bounds every pipeline send/receive (default: the default process group's
+        timeout, 30 min for gloo); past it the stage raises instead of waiting on a dead link.
+        """
+        require(timeout_s is None or timeout_s > 0, "timeout_s", timeout_s, "be > 0 seconds (or None for the default)")
         require(dist.is_initialized(), "torch.distributed", "not initialized", "be initialized before building the mesh's groups")
         require(dist.get_world_size() == self.world_size, "world_size", dist.get_world_size(), f"equal X·Y = {self.world_size}")
-        pp = [dist.new_group(self.pp_ranks(r)) for r in range(self.replicas)]
+        timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
+        pp = [dist.new_group(self.pp_ranks(r), timeout=timeout) for r in range(self.replicas)]
         replica, stage = self.coords(dist.get_rank())
         return MeshGroups(self, dist.get_rank(), replica, stage, pp[replica])
 

@@ -131,7 +131,7 @@ def train_on_mesh(trainer):
     if untie_embeddings(model) and rank == 0:
         print("hf_meshtune: the LM head was tied to the input embeddings; on the mesh the first and last stages "
               "each train their own copy (tie_word_embeddings=False in the saved config)", flush=True)
-    groups = topology.build_groups()
+    groups = topology.build_groups(timeout_s=args.ddp_timeout)  # bounds every pipeline send/receive
     link_group = dist.new_group(list(range(topology.world_size)), backend="gloo")  # anchor link: CPU tensors
     lighthouse, server = _lighthouse(rank, len(topology.fast_replicas))
 
@@ -165,6 +165,7 @@ def train_on_mesh(trainer):
         max_steps=args.max_steps, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
         weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm or None, scheduler=scheduler,
         anchor_microbatches=anchor_micro, lighthouse=lighthouse, log=log, log_every=max(1, int(args.logging_steps)),
+        link_timeout_s=args.ddp_timeout,
     )
     torch.manual_seed(args.seed)
     result = run_worker(model, topology, groups.pp_group, link_group, settings, batches, anchor_batches)

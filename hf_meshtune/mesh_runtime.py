@@ -76,6 +76,9 @@ class RunSettings:
     # DP sync of the fast replicas: Streaming DiLoCo (+ PowerSGD per config), or a per-step peer
     # (``dp_baselines``: "allreduce" = plain DDP averaging, "powersgd_hook" = torch's PowerSGD hook)
     dp_mode: str = "streaming_diloco"
+    # seconds a pipeline send/receive may wait (the PP groups' timeout, given to build_groups by the
+    # caller); a step past it fails naming the neighbours; None = the process group's default
+    link_timeout_s: float | None = None
     on_step: Callable[[int, FastWorker], None] | None = None  # every fast rank, after each step (benchmarks)
 
     def __post_init__(self) -> None:
@@ -166,6 +169,38 @@ def _stage_module(model: nn.Module, stage: int, num_stages: int, cfg: MeshConfig
 def _anchor_matrices(model: nn.Module, module: StageModule) -> list[tuple[str, nn.Parameter]]:
     """The stage's trainable 2-D parameters, in a fixed order both ends of the anchor link share."""
     return [(n, p) for n, p in stage_parameter_names(model, module).items() if p.requires_grad and p.ndim == 2]
+
+
+def _host_key(rank: int) -> str:
+    return f"hf_meshtune/host/{rank}"
+
+
+def _neighbours(topology: MeshTopology, rank: int) -> str:
+    """"rank 3 (replica 1, stage 1) at 10.77.0.13, ...": this stage's pipeline neighbours, by address."""
+    replica, stage = topology.coords(rank)
+    store = dist.distributed_c10d._get_default_store()
+    names = []
+    for other in (stage - 1, stage + 1):
+        if 0 <= other < topology.stages:
+            peer = topology.rank(replica, other)
+            try:
+                host = store.get(_host_key(peer)).decode()
+            except Exception:  # noqa: BLE001 - the store itself may be what is unreachable
+                host = "an unknown address"
+            names.append(f"rank {peer} (replica {replica}, stage {other}) at {host}")
+    return ", ".join(names)
+
+
+def _pipeline_step(worker: _StageWorker, ids: torch.Tensor, labels: torch.Tensor) -> float | None:
+    """One pipeline step; a send/receive that fails or times out names the neighbours it waited on."""
+    try:
+        return _run_schedule(worker.schedule, worker.module, ids, labels)
+    except RuntimeError as err:  # gloo's timeout / connection errors (DistBackendError is one)
+        rank = worker.topology.rank(worker.replica, worker.stage)
+        raise RuntimeError(
+            f"rank {rank} ({worker.role} replica {worker.replica}, stage {worker.stage}) lost its pipeline link at "
+            f"step {worker.module.step}: a message to or from {_neighbours(worker.topology, rank)} did not complete "
+            f"(timeout {worker.settings.link_timeout_s} s: TrainingArguments.ddp_timeout, RunSettings.link_timeout_s): {err}") from err
 
 
 def _run_schedule(schedule, module: StageModule, ids: torch.Tensor, labels: torch.Tensor) -> float | None:
@@ -426,7 +461,7 @@ class FastWorker(_StageWorker):
                 start = time.perf_counter()
                 self.module.step = step
                 ids, labels = (t.to(self.device) for t in self.batches(step))
-                loss = _run_schedule(self.schedule, self.module, ids, labels)
+                loss = _pipeline_step(self, ids, labels)
                 if self.gradient_sync is not None:
                     self._sync_gradients()
                 self._clip()
@@ -548,7 +583,7 @@ class AnchorWorker(_StageWorker):
         self.model.zero_grad(set_to_none=True)
         self.module.step = round_index
         ids, labels = (t.to(self.device) for t in self.batches(round_index))
-        loss = _run_schedule(self.schedule, self.module, ids, labels)
+        loss = _pipeline_step(self, ids, labels)
         if loss is not None:
             self.result.losses.append(loss)
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for _, p in self.matrices]
@@ -596,6 +631,9 @@ def run_worker(model: nn.Module, topology: MeshTopology, pp_group, link_group, s
                batches: Batches, anchor_batches: Batches | None = None) -> MeshResult:
     """Run this process's part of the mesh (its role comes from its rank) and return what it did."""
     rank = dist.get_rank()
+    from .dp_sync import advertised_host
+
+    dist.distributed_c10d._get_default_store().set(_host_key(rank), advertised_host())  # for link errors
     if topology.is_anchor(rank):
         require(anchor_batches is not None, "anchor_batches", None, "be given on the anchor replica")
         worker = AnchorWorker(model, topology, pp_group, link_group, settings, anchor_batches, rank)

@@ -967,6 +967,8 @@ def _cases() -> list[Case]:
              lambda: MeshTopology(3, 2).rank(0, 2), ValueError, "stage=2 is invalid: it must lie in [0, 2)"),
         Case(MESH, "MeshTopology(replicas=3, stages=2).coords(6)", "`MeshTopology.coords`",
              lambda: MeshTopology(3, 2).coords(6), ValueError, "rank=6 is invalid: it must lie in [0, 6)"),
+        Case(MESH, "build_groups(timeout_s=0)", "`MeshTopology.build_groups`", lambda: MeshTopology(3, 2).build_groups(timeout_s=0),
+             ValueError, "timeout_s=0 is invalid: it must be > 0 seconds (or None for the default)"),
         Case(MESH, "build_groups() without a process group", "`MeshTopology.build_groups`", groups_without_process_group,
              ValueError, "torch.distributed='not initialized' is invalid: it must be initialized before building the "
              "mesh's groups"),

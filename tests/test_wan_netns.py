@@ -127,3 +127,59 @@ def test_netns_refuses_a_row_larger_than_the_network(star, tmp_path):
     star.up(2, rate_mbit=10.0)
     with pytest.raises(RuntimeError, match="row m95_ap needs 8 nodes but the emulated network has 2"):
         run_row("m95_ap", str(tmp_path), str(tmp_path / "data.pt"), 2)
+
+
+def test_a_cut_link_fails_the_mesh_within_the_timeout_naming_the_unreachable_peer(star, tmp_path):
+    """Node 3 (replica 1, stage 1) loses its link for longer than the pipeline timeout: its neighbour
+    fails the step with a message that names it (and it names its neighbour), well before any
+    default 30-minute timeout; bringing the link back does not matter any more."""
+    import threading
+
+    from benchmarks.wan.mesh import run_row
+    from benchmarks.wan.rows import Shape, prepare_data
+
+    star.up(6, rate_mbit=200.0, delay_ms=0.0)
+    prepare_data(Shape(), str(tmp_path / "data.pt"))
+    out = tmp_path / "m95"
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            run_row("m95", str(out), str(tmp_path / "data.pt"), 500, save_every=2, timeout_s=240, link_timeout_s=8.0)
+        except RuntimeError as err:
+            outcome["error"] = str(err)
+        outcome["end"] = time.monotonic()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while not (out / "params" / "step00004_stage1.pt").exists():  # the mesh is training
+        assert time.monotonic() < deadline and thread.is_alive(), outcome
+        time.sleep(0.2)
+    star.set_link(3, up=False)
+    cut = time.monotonic()
+    time.sleep(20)
+    star.set_link(3, up=True)
+    thread.join(timeout=120)
+    assert not thread.is_alive() and "exited with code 1" in outcome["error"], outcome
+    assert outcome["end"] - cut < 8.0 + 25  # the timeout, then the launcher's stop: no hang
+    logs = {rank: (out / f"rank{rank}.log").read_text() for rank in range(6)}
+    neighbour = "lost its pipeline link"
+    assert neighbour in logs[2] and "rank 3 (replica 1, stage 1) at 10.77.0.13" in logs[2], logs[2][-2000:]
+    assert "(timeout 8.0 s: TrainingArguments.ddp_timeout, RunSettings.link_timeout_s)" in logs[2]
+
+
+def test_a_straggler_link_at_a_tenth_of_the_rate_slows_the_mesh_but_it_completes(star, tmp_path):
+    from benchmarks.wan.mesh import run_row
+    from benchmarks.wan.rows import Shape, prepare_data
+    from benchmarks.wan.run import read_run
+
+    star.up(6, rate_mbit=40.0, delay_ms=0.0)
+    star.set_rate(5, 4.0)  # replica 2's last stage behind a link 10x slower than the others
+    prepare_data(Shape(), str(tmp_path / "data.pt"))
+    run_row("m95", str(tmp_path / "m95"), str(tmp_path / "data.pt"), 6, timeout_s=240, link_timeout_s=60.0)
+    result = read_run(str(tmp_path / "m95"), "m95")
+    assert result["steps"] == 6 and len(result["losses"]) == 6
+    shaped = subprocess.run([*star.exec_prefix(5), "tc", "qdisc", "show", "dev", "eth0"], capture_output=True,
+                            text=True, check=True).stdout
+    assert "rate 4Mbit" in shaped, shaped

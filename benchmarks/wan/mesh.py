@@ -13,7 +13,8 @@ from . import netns
 from .rows import ROWS, Shape
 
 
-def run_row(row_name: str, out: str, data: str, steps: int, *, save_every: int = 0, timeout_s: float = 1800.0) -> float:
+def run_row(row_name: str, out: str, data: str, steps: int, *, save_every: int = 0, timeout_s: float = 1800.0,
+            link_timeout_s: float | None = None) -> float:
     """Run ``row_name`` for ``steps`` fast steps on the namespaces that are up; returns wall seconds.
 
     Raises RuntimeError naming the first rank that failed (its log is ``out/rank{k}.log``).
@@ -35,6 +36,8 @@ def run_row(row_name: str, out: str, data: str, steps: int, *, save_every: int =
                    OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
         argv = [*netns.exec_prefix(rank), sys.executable, "-m", "benchmarks.wan.worker", "--row", row_name,
                 "--data", data, "--out", out, "--steps", str(steps), "--save-every", str(save_every)]
+        if link_timeout_s is not None:
+            argv += ["--link-timeout", str(link_timeout_s)]
         log = open(os.path.join(out, f"rank{rank}.log"), "w")
         procs.append((subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                        cwd=netns._repo_root()), log))

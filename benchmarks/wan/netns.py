@@ -206,6 +206,18 @@ def _wait_reachable(links: Links, timeout_s: float = 20.0) -> None:
             listener.kill()
 
 
+def set_link(i: int, up: bool) -> None:
+    """Bring node ``i``'s link down (cut) or back up, as an unplugged cable would."""
+    _ip("link", "set", "eth0", "up" if up else "down", ns=node_ns(i))
+
+
+def set_rate(i: int, rate_mbit: float) -> None:
+    """Reshape node ``i``'s link (both directions) to ``rate_mbit``, e.g. a straggler at a tenth."""
+    require(rate_mbit > 0, "rate_mbit", rate_mbit, "be > 0 (Mbit/s of the link, each direction)")
+    _shape(node_ns(i), "eth0", rate_mbit)
+    _shape(hub_ns(), f"p{i}", rate_mbit)
+
+
 def exec_prefix(i: int) -> list[str]:
     """argv prefix that runs a command inside node ``i``'s namespace."""
     return ["ip", "netns", "exec", node_ns(i)]

@@ -51,13 +51,14 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--save-every", type=int, default=0)
+    parser.add_argument("--link-timeout", type=float, default=None, help="seconds a pipeline message may wait")
     args = parser.parse_args()
 
     row, shape = ROWS[args.row], Shape()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     topology = MeshTopology(row.replicas, shape.stages, anchor=row.anchor)
-    groups = topology.build_groups()
+    groups = topology.build_groups(timeout_s=args.link_timeout)
     link = dist.new_group(list(range(topology.world_size)))
     lighthouse, server = _lighthouse(rank, len(topology.fast_replicas))
 
@@ -90,7 +91,7 @@ def main() -> None:
     settings = RunSettings(config=cfg, microbatch_size=shape.microbatch_size, microbatches=shape.microbatches,
                            seq_len=shape.seq_len, max_steps=args.steps, lr=shape.lr, weight_decay=0.0,
                            max_grad_norm=1.0, scheduler=scheduler, lighthouse=lighthouse, dp_timeout_s=600.0,
-                           dp_mode=row.dp_mode, on_step=on_step)
+                           dp_mode=row.dp_mode, on_step=on_step, link_timeout_s=args.link_timeout)
     rows = shape.microbatch_size * shape.microbatches
     fast_index = min(replica, len(topology.fast_replicas) - 1)
     tx0, start = _tx_bytes(), time.perf_counter()
