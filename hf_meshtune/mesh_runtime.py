@@ -175,32 +175,35 @@ def _host_key(rank: int) -> str:
     return f"hf_meshtune/host/{rank}"
 
 
-def _neighbours(topology: MeshTopology, rank: int) -> str:
-    """"rank 3 (replica 1, stage 1) at 10.77.0.13, ...": this stage's pipeline neighbours, by address."""
+def _neighbour_ranks(topology: MeshTopology, rank: int) -> list[int]:
     replica, stage = topology.coords(rank)
-    store = dist.distributed_c10d._get_default_store()
-    names = []
-    for other in (stage - 1, stage + 1):
-        if 0 <= other < topology.stages:
-            peer = topology.rank(replica, other)
-            try:
-                host = store.get(_host_key(peer)).decode()
-            except Exception:  # noqa: BLE001 - the store itself may be what is unreachable
-                host = "an unknown address"
-            names.append(f"rank {peer} (replica {replica}, stage {other}) at {host}")
-    return ", ".join(names)
+    return [topology.rank(replica, other) for other in (stage - 1, stage + 1) if 0 <= other < topology.stages]
+
+
+_LINK_ERRORS = ("gloo/transport", "Timed out waiting", "Connection reset", "Connection closed", "Broken pipe")
+
+
+def _is_link_error(err: BaseException) -> bool:
+    """A backend's network failure (gloo raises a plain RuntimeError from its transport), not a bug in the step."""
+    return isinstance(err, dist.DistError) or (isinstance(err, RuntimeError) and any(m in str(err) for m in _LINK_ERRORS))
 
 
 def _pipeline_step(worker: _StageWorker, ids: torch.Tensor, labels: torch.Tensor) -> float | None:
     """One pipeline step; a send/receive that fails or times out names the neighbours it waited on."""
     try:
         return _run_schedule(worker.schedule, worker.module, ids, labels)
-    except RuntimeError as err:  # gloo's timeout / connection errors (DistBackendError is one)
-        rank = worker.topology.rank(worker.replica, worker.stage)
+    except RuntimeError as err:
+        if not _is_link_error(err):
+            raise
+        topology = worker.topology
+        rank = topology.rank(worker.replica, worker.stage)
+        peers = ", ".join(f"rank {peer} (replica {topology.coords(peer)[0]}, stage {topology.coords(peer)[1]}) at "
+                          f"{worker.peer_hosts.get(peer, 'an unknown address')}" for peer in _neighbour_ranks(topology, rank))
         raise RuntimeError(
             f"rank {rank} ({worker.role} replica {worker.replica}, stage {worker.stage}) lost its pipeline link at "
-            f"step {worker.module.step}: a message to or from {_neighbours(worker.topology, rank)} did not complete "
-            f"(timeout {worker.settings.link_timeout_s} s: TrainingArguments.ddp_timeout, RunSettings.link_timeout_s): {err}") from err
+            f"step {worker.module.step}: a message to or from {peers} did not complete (timeout "
+            f"{worker.settings.link_timeout_s} s: TrainingArguments.ddp_timeout, RunSettings.link_timeout_s): "
+            f"{type(err).__name__}: {err}") from err
 
 
 def _run_schedule(schedule, module: StageModule, ids: torch.Tensor, labels: torch.Tensor) -> float | None:
@@ -341,6 +344,7 @@ class _StageWorker:
         self.fragments = stage_fragments(self.module, settings.config.dp_fragments)
         self.matrices = _anchor_matrices(model, self.module)
         self.result = MeshResult(rank, self.replica, self.stage, self.role)
+        self.peer_hosts: dict[int, str] = {}  # pipeline neighbours' addresses (run_worker fills it)
 
     def _record(self, global_params: Callable[[], list[torch.Tensor]]) -> None:
         self.result.wire = self.wire.to_dict()
@@ -633,7 +637,8 @@ def run_worker(model: nn.Module, topology: MeshTopology, pp_group, link_group, s
     rank = dist.get_rank()
     from .dp_sync import advertised_host
 
-    dist.distributed_c10d._get_default_store().set(_host_key(rank), advertised_host())  # for link errors
+    store = dist.distributed_c10d._get_default_store()
+    store.set(_host_key(rank), advertised_host())  # every rank's address, for link errors
     if topology.is_anchor(rank):
         require(anchor_batches is not None, "anchor_batches", None, "be given on the anchor replica")
         worker = AnchorWorker(model, topology, pp_group, link_group, settings, anchor_batches, rank)
@@ -642,4 +647,6 @@ def run_worker(model: nn.Module, topology: MeshTopology, pp_group, link_group, s
     # Every torchft Manager heartbeats before any replica asks for its first quorum, so the
     # lighthouse waits for all fast replicas instead of forming a quorum without a late starter.
     dist.barrier()
+    # read now, while the store is surely reachable: a link error later names its peers by address
+    worker.peer_hosts = {peer: store.get(_host_key(peer)).decode() for peer in _neighbour_ranks(topology, rank)}
     return worker.run()

@@ -148,3 +148,15 @@ def test_a_stage_with_nothing_to_train_is_refused_on_every_rank(tmp_path, monkey
     trainer = MeshTrainer(model=model, args=args, train_dataset=pattern_dataset(8, 8))
     with pytest.raises(ValueError, match="trainable parameters of stage=0 is invalid: it must include at least one"):
         trainer.train()
+
+
+def test_only_network_failures_are_reported_as_a_lost_pipeline_link():
+    import torch.distributed as dist
+
+    from hf_meshtune.mesh_runtime import _is_link_error
+
+    gloo = "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:129] Timed out waiting 8000ms for send operation to complete"
+    assert _is_link_error(RuntimeError(gloo))
+    assert _is_link_error(dist.DistNetworkError("anything"))
+    assert not _is_link_error(RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x8 and 16x2)"))
+    assert not _is_link_error(ValueError("Timed out waiting"))  # only backend RuntimeErrors
