@@ -197,9 +197,10 @@ def test_mesh_3x2_trains_and_its_loss_falls(mesh_run):
     fast_last = [r["result"] for r in mesh_run if r["result"].role == "fast" and r["result"].stage == 1]
     for result in fast_last:
         assert len(result.losses) == 40
-        first, last = sum(result.losses[:5]) / 5, sum(result.losses[-5:]) / 5
-        # ln(97) ≈ 4.6 at the start; anchor arrivals depend on timing, so the exact curve varies a little
-        assert last < first - 0.2, (first, last)
+        first, last = sum(result.losses[:5]) / 5, sum(result.losses[-10:]) / 10
+        # ln(97) ≈ 4.6 at the start. Anchor arrivals depend on timing and single steps swing by ±1 late
+        # in the run (3.0-5.2 seen at p = 0.9), so the end of the run is a 10-step mean
+        assert last < first - 0.2, (first, last, [round(v, 2) for v in result.losses])
 
 
 def test_mesh_wire_carries_compact_boundaries_and_powersgd_factors(mesh_run):
