@@ -409,12 +409,16 @@ class FastWorker(_StageWorker):
         self._step = 0
         self._dp_bytes_at_last_sync = 0.0
 
-    def _on_outer_update(self, update) -> None:
-        """A committed fragment sync: count it, and (replica 0) forward it to the anchor."""
+    def _count_dp_sync(self) -> None:
+        """Record one DP sync and the ``dp`` bytes this process sent for it."""
         self.result.dp_syncs += 1
         sent = self.wire.sent["dp"]
         self.result.dp_sync_bytes.append(sent - self._dp_bytes_at_last_sync)
         self._dp_bytes_at_last_sync = sent
+
+    def _on_outer_update(self, update) -> None:
+        """A committed fragment sync: count it, and (replica 0) forward it to the anchor."""
+        self._count_dp_sync()
         if self.outbox is not None:
             payload = _flatten(update.tensors)
             header = torch.tensor([DATA, self._step + 1, update.fragment, payload.numel()], dtype=torch.long)
@@ -424,10 +428,7 @@ class FastWorker(_StageWorker):
     def _sync_gradients(self) -> None:
         """A per-step DP peer (``dp_mode`` allreduce / powersgd_hook): average the gradients now."""
         self.gradient_sync.sync()
-        self.result.dp_syncs += 1
-        sent = self.wire.sent["dp"]
-        self.result.dp_sync_bytes.append(sent - self._dp_bytes_at_last_sync)
-        self._dp_bytes_at_last_sync = sent
+        self._count_dp_sync()
 
     def _clip(self) -> None:
         max_norm = self.settings.max_grad_norm

@@ -111,20 +111,19 @@ def environ(**values: str | None) -> Iterator[None]:
     Why: a launched rank learns its place from WORLD_SIZE and MESHTUNE_MESH, and MeshPlugin reads
     MESHTUNE_<FIELD>; the rows that depend on them run in this one process.
     """
+    def apply(settings: dict[str, str | None]) -> None:
+        for name, value in settings.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
     saved = {name: os.environ.get(name) for name in values}
     try:
-        for name, value in values.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+        apply(values)
         yield
     finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+        apply(saved)
 
 
 def launched(world_size: int, mesh: str | None = None) -> contextlib.AbstractContextManager[None]:
