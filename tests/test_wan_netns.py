@@ -183,3 +183,24 @@ def test_a_straggler_link_at_a_tenth_of_the_rate_slows_the_mesh_but_it_completes
     shaped = subprocess.run([*star.exec_prefix(5), "tc", "qdisc", "show", "dev", "eth0"], capture_output=True,
                             text=True, check=True).stdout
     assert "rate 4Mbit" in shaped, shaped
+
+
+def test_the_dense_row_all_reduces_every_gradient_every_step_across_namespaces(star, tmp_path):
+    """dp_mode='allreduce' on the mesh: one ring all-reduce of each stage's gradients per step."""
+    import torch
+
+    from benchmarks.wan.mesh import run_row
+    from benchmarks.wan.rows import Shape, prepare_data
+    from benchmarks.wan.run import read_run
+
+    star.up(6, rate_mbit=200.0, delay_ms=0.0)
+    data = prepare_data(Shape(), str(tmp_path / "data.pt"))
+    run_row("dense", str(tmp_path / "dense"), str(tmp_path / "data.pt"), 3, timeout_s=240)
+    result = read_run(str(tmp_path / "dense"), "dense")
+    params = sum(t.numel() for name, t in data["init"].items() if "rotary" not in name)
+    replicas, tokens = 3, result["tokens_per_step"]
+    assert result["bytes_per_token"]["dp"] == pytest.approx(replicas * params * 4 * 2 * (replicas - 1) / replicas / tokens,
+                                                             rel=1e-9)
+    records = [json.loads((tmp_path / "dense" / f"rank{r}.json").read_text()) for r in range(6)]
+    assert all(r["dp_syncs"] == 3 and len(r["dp_sync_bytes"]) == 3 for r in records)
+    assert torch.isfinite(torch.tensor(result["losses"])).all()
