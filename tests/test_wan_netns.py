@@ -94,6 +94,8 @@ def test_bad_settings_and_a_non_root_user_are_refused_naming_the_rule(star, monk
         star.up(2, rate_mbit=0)
     with pytest.raises(ValueError, match=r"delay_ms=-1 is invalid"):
         star.up(2, rate_mbit=1.0, delay_ms=-1)
+    with pytest.raises(ValueError, match=r"rate_mbit=-4 is invalid: it must be > 0 \(Mbit/s of the link, each direction\)"):
+        star.set_rate(0, -4)
     with monkeypatch.context() as patch, pytest.raises(ValueError, match=r"it must be root: network namespaces and tc need CAP_NET_ADMIN"):
         patch.setattr(os, "geteuid", lambda: 1000)
         star.up(2, rate_mbit=8.0)
