@@ -168,12 +168,13 @@ def _add_launch_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "launch", help="start a local X×Y mesh of processes running one script",
         usage="meshtune launch --mesh XxY [--cpu] [--master-port P] [--lighthouse ADDR] "
-              "[--log-dir DIR] -- SCRIPT [ARGS...]",
+              "[--log-dir DIR] [--max-restarts N] -- SCRIPT [ARGS...]",
         description="Start X·Y processes `python SCRIPT ARGS` (or `python -m MOD ARGS`) with the torchrun "
                     "environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), "
                     "MESHTUNE_MESH=XxY and TORCHFT_LIGHTHOUSE. Rank r is replica r // Y, stage r % Y; its "
                     "output lines are prefixed [r<replica>s<stage>]. The first child to fail stops the "
-                    "others and sets the exit code.")
+                    "others and sets the exit code; with --max-restarts N every replica is a job of its own "
+                    "and a failed one is restarted (N times at most) and heals from the others.")
     p.add_argument("--mesh", required=True, help="X replicas x Y stages, anchor included, e.g. 3x2")
     p.add_argument("--cpu", action="store_true",
                    help="CPU only: ACCELERATE_USE_CPU=true, no CUDA device, cores split over processes")
@@ -181,6 +182,9 @@ def _add_launch_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--lighthouse", default=None,
                    help="host:port of a running torchft lighthouse (default: start one on loopback)")
     p.add_argument("--log-dir", default=None, help="also write each rank's output to DIR/rank<N>.log")
+    p.add_argument("--max-restarts", type=int, default=0,
+                   help="restarts per replica; > 0 runs every replica as its own job (needs --no-anchor) so a "
+                        "failed one is restarted and heals from the others (default 0: the first failure stops the mesh)")
     p.add_argument("script", nargs=argparse.REMAINDER, metavar="-- SCRIPT [ARGS...]",
                    help="a Python file or `-m module`, then its arguments")
     p.set_defaults(handler=run_launch)
@@ -192,7 +196,7 @@ def run_launch(args: argparse.Namespace) -> int:
 
     command = args.script[1:] if args.script[:1] == ["--"] else args.script  # `args.command` is "launch"
     return launch_mesh(_parse_mesh(args.mesh), command, cpu=args.cpu, master_port=args.master_port,
-                       lighthouse=args.lighthouse, log_dir=args.log_dir)
+                       lighthouse=args.lighthouse, log_dir=args.log_dir, max_restarts=args.max_restarts)
 
 
 # ---------------------------------------------------------------------------------------------------

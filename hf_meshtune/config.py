@@ -10,6 +10,7 @@ also accepts ``optim="spectral_adamw"``). TRL configs reuse the same mixin: mixe
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
@@ -59,6 +60,12 @@ class MeshArguments:
     dp_outer_lr: float = field(default=0.7, metadata={"help": "Learning rate of the outer Nesterov SGD applied to the averaged pseudo-gradient."})
     dp_outer_momentum: float = field(default=0.9, metadata={"help": "Nesterov momentum of the outer optimizer."})
     anchor_payload: str = field(default="gradient", metadata={"help": "What the anchor sends: the 'gradient' or its momentum's rank-r 'factors'."})
+
+    @property
+    def should_save(self) -> bool:
+        """TrainingArguments' rule; and when every replica is a job of its own (``MESHTUNE_REPLICA``, see
+        ``hf_meshtune.mesh``) only replica 0's first process writes, as one process does in one world."""
+        return super().should_save and os.environ.get("MESHTUNE_REPLICA", "0") == "0"  # type: ignore[misc]
 
     def __post_init__(self) -> None:
         parent = getattr(super(), "__post_init__", None)

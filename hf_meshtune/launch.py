@@ -10,7 +10,15 @@ torchft participant, and a fast circuit of one replica must still form a quorum)
 Output: every child line is forwarded as ``[r{replica}s{stage}] line`` (stdout to stdout, stderr to
 stderr), and copied to ``log_dir/rank{N}.log`` when asked.
 
-Failure semantics: the first child to exit non-zero stops the mesh: the others get SIGTERM, then
+Replica restarts (``max_restarts`` > 0, ``meshtune launch --max-restarts N``): every replica is a job of
+its own (``child_env(..., replica_jobs=True)``: RANK = stage, WORLD_SIZE = Y, its own MASTER_PORT,
+MESHTUNE_REPLICA = r, MESHTUNE_RESTART = how many times it was restarted, MESHTUNE_JOB_STORE = a store
+the launcher hosts for the first start's barrier). When a child of replica r exits non-zero, the other
+processes of replica r are stopped and the whole replica starts again on a fresh port (its pipeline
+is one unit), at most ``max_restarts`` times per replica, like torchrun's ``--max_restarts`` for one
+replica group; the other replicas keep training and the restarted one heals from them through torchft.
+
+Failure semantics: the first child to exit non-zero (past its replica's restarts) stops the mesh: the others get SIGTERM, then
 SIGKILL after ``grace_s``, and the launcher returns that child's code (128+signal if it was killed by
 a signal). SIGINT/SIGTERM to the launcher do the same and return 130/143. Children run in their own
 sessions, and the launcher signals whole process groups, so workers they spawned (data loaders, a
@@ -29,7 +37,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any
 
@@ -55,19 +63,28 @@ def child_argv(command: Sequence[str]) -> list[str]:
 
 
 def child_env(mesh: tuple[int, int], rank: int, *, cpu: bool, master_port: int, lighthouse: str | None,
-              base: Mapping[str, str], cpu_count: int | None = None) -> dict[str, str]:
+              base: Mapping[str, str], cpu_count: int | None = None, replica_jobs: bool = False,
+              restart: int = 0, job_store: str | None = None) -> dict[str, str]:
     """The environment of global rank ``rank`` in a local mesh of X·Y processes.
 
     ``base`` (usually ``os.environ``) is copied first; the torchrun variables, MESHTUNE_MESH and
     PYTHONUNBUFFERED=1 (so lines reach the launcher as they are printed) always win. With ``cpu``:
     ACCELERATE_USE_CPU=true, no visible CUDA device and OMP_NUM_THREADS = max(1, cpu_count // (X·Y))
     unless ``base`` already sets OMP_NUM_THREADS (an exported value is respected, as torchrun does).
+    ``replica_jobs``: rank ``rank``'s replica is a world of its own (RANK = stage, WORLD_SIZE = Y,
+    ``master_port`` is that replica's), with MESHTUNE_REPLICA, MESHTUNE_RESTART = ``restart`` and
+    MESHTUNE_JOB_STORE = ``job_store``; LOCAL_RANK stays the mesh rank (one device per process).
     """
     world_size = mesh[0] * mesh[1]
     env = dict(base)
     env.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port),
                MESHTUNE_MESH=f"{mesh[0]}x{mesh[1]}", PYTHONUNBUFFERED="1")
+    if replica_jobs:
+        env.update(RANK=str(rank % mesh[1]), WORLD_SIZE=str(mesh[1]), MESHTUNE_REPLICA=str(rank // mesh[1]),
+                   MESHTUNE_RESTART=str(restart))
+        if job_store is not None:
+            env["MESHTUNE_JOB_STORE"] = job_store
     if lighthouse is not None:
         env["TORCHFT_LIGHTHOUSE"] = lighthouse
     if cpu:
@@ -194,6 +211,7 @@ class _Child:
     proc: subprocess.Popen
     log: IO[str] | None
     readers: list[threading.Thread] = field(default_factory=list)
+    retired: bool = False  # stopped on purpose (its replica restarts): its exit is not a failure
 
 
 class _Mesh:
@@ -205,8 +223,9 @@ class _Mesh:
         self.exits: queue.Queue[tuple[_Child, int]] = queue.Queue()  # (child, exit code) in exit order
         self._lock = threading.Lock()  # one line at a time on the launcher's stdout/stderr/log files
 
-    def start(self, rank: int, tag: str, argv: list[str], env: dict[str, str], log_dir: str | None) -> None:
-        log = open(os.path.join(log_dir, f"rank{rank}.log"), "w", encoding="utf-8") if log_dir else None
+    def start(self, rank: int, tag: str, argv: list[str], env: dict[str, str], log_dir: str | None,
+              append: bool = False) -> None:
+        log = open(os.path.join(log_dir, f"rank{rank}.log"), "a" if append else "w", encoding="utf-8") if log_dir else None
         proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, start_new_session=True)
         child = _Child(rank, tag, proc, log)
@@ -243,36 +262,40 @@ class _Mesh:
                     child.log.flush()
         pipe.close()
 
-    def stop(self) -> None:
-        """SIGTERM every process group, SIGKILL whatever is left after ``grace_s``, reap, close logs."""
-        self._signal_groups(signal.SIGTERM)
+    def stop(self, children: Sequence[_Child] | None = None) -> None:
+        """SIGTERM the process groups of ``children`` (default: all), SIGKILL whatever is left after
+        ``grace_s``, reap, close their logs."""
+        children = list(self.children if children is None else children)
+        self._signal_groups(signal.SIGTERM, children)
         deadline = time.monotonic() + self.grace_s
-        while time.monotonic() < deadline and self._any_group_alive():
+        while time.monotonic() < deadline and self._any_group_alive(children):
             time.sleep(0.05)
-        self._signal_groups(signal.SIGKILL)
-        for child in self.children:
+        self._signal_groups(signal.SIGKILL, children)
+        for child in children:
             child.proc.wait()
-        self.close()
+        self.close(children)
 
-    def close(self) -> None:
+    def close(self, children: Sequence[_Child] | None = None) -> None:
         """Let the readers drain what the children wrote, then close the log files."""
-        for child in self.children:
+        for child in self.children if children is None else children:
             for reader in child.readers:
                 reader.join(timeout=2.0)  # a grandchild that escaped its group may hold the pipe
-            if child.log is not None:
+            if child.log is not None and not child.log.closed:
                 child.log.close()
 
-    def _signal_groups(self, sig: signal.Signals) -> None:
-        for child in self.children:
+    @staticmethod
+    def _signal_groups(sig: signal.Signals, children: Sequence[_Child]) -> None:
+        for child in children:
             try:
                 os.killpg(child.proc.pid, sig)
             except (ProcessLookupError, PermissionError):
                 pass  # the whole group is gone already
 
-    def _any_group_alive(self) -> bool:
-        for child in self.children:
+    @staticmethod
+    def _any_group_alive(children: Sequence[_Child]) -> bool:
+        for child in children:
             child.proc.poll()  # reap the leaders, so their zombies do not count
-        return bool(_live_groups({child.proc.pid for child in self.children}))
+        return bool(_live_groups({child.proc.pid for child in children}))
 
 
 def _live_groups(pgids: set[int]) -> set[int]:
@@ -331,7 +354,7 @@ class _SignalTrap:
 
 def launch_mesh(mesh: tuple[int, int], command: list[str], *, cpu: bool, master_port: int | None = None,
                 lighthouse: str | None = None, log_dir: str | None = None,
-                env: dict[str, str] | None = None, grace_s: float = DEFAULT_GRACE_S) -> int:
+                env: dict[str, str] | None = None, grace_s: float = DEFAULT_GRACE_S, max_restarts: int = 0) -> int:
     """Run ``python *command`` as every rank of a local X × Y mesh; return the mesh's exit code.
 
     ``mesh`` is (X replicas, Y stages) → X·Y processes; rank r is replica r // Y, stage r % Y.
@@ -340,40 +363,79 @@ def launch_mesh(mesh: tuple[int, int], command: list[str], *, cpu: bool, master_
     a free port; ``lighthouse`` (host:port) defaults to one the launcher starts and stops itself.
     ``log_dir`` also receives each rank's prefixed output as ``rank{N}.log``. ``env`` is added to every
     child's environment last (it overrides everything). ``grace_s``: seconds between SIGTERM and
-    SIGKILL when the mesh is stopped. Returns 0 when every child exits 0, else the code of the child
-    that failed first (128+s if signal s killed it), or 130/143 after SIGINT/SIGTERM.
+    SIGKILL when the mesh is stopped. ``max_restarts`` > 0: every replica is a job of its own and one
+    that fails is restarted, at most that many times per replica (module docstring). Returns 0 when
+    every child exits 0, else the code of the child that failed first (128+s if signal s killed it),
+    or 130/143 after SIGINT/SIGTERM.
 
     Example:
         >>> launch_mesh((3, 2), ["recipes/sft.py", "--max_steps", "10"], cpu=True)  # doctest: +SKIP
     """
     _validate(mesh, command, master_port, lighthouse)
+    require(isinstance(max_restarts, int) and not isinstance(max_restarts, bool) and max_restarts >= 0,
+            "max_restarts", max_restarts, "be an integer >= 0 (restarts per replica)")
+    require(max_restarts == 0 or master_port is None, "master_port", master_port,
+            "be unset with max_restarts > 0 (every replica, and every restart of one, gets a free port of its own)")
     if log_dir is not None:
         os.makedirs(log_dir, exist_ok=True)
     port = master_port if master_port is not None else free_port()
     server, address = _maybe_start_lighthouse(lighthouse)
     world_size = mesh[0] * mesh[1]
-    _say(f"mesh {mesh[0]}x{mesh[1]} = {world_size} processes, master 127.0.0.1:{port}, "
-         f"lighthouse {address}")
+    jobs = _ReplicaJobs(mesh, max_restarts) if max_restarts else None
+    _say(f"mesh {mesh[0]}x{mesh[1]} = {world_size} processes, "
+         + (f"one job per replica, up to {max_restarts} restart(s) each" if jobs else f"master 127.0.0.1:{port}")
+         + f", lighthouse {address}")
     progress = StepProgress(command, _rank_tag(mesh, mesh[1] - 1))
     running = _Mesh(grace_s, progress)
+
+    def start_replica(replica: int, restart: int) -> None:
+        replica_port = free_port()
+        for rank in range(replica * mesh[1], (replica + 1) * mesh[1]):
+            ranked_env = child_env(mesh, rank, cpu=cpu, master_port=replica_port, lighthouse=address, base=os.environ,
+                                   replica_jobs=True, restart=restart, job_store=jobs.address) | dict(env or {})
+            running.start(rank, _rank_tag(mesh, rank), child_argv(command), ranked_env, log_dir, append=restart > 0)
+
     with _SignalTrap() as trap:  # also covers the stop: a second Ctrl-C must not cut it short
         try:
-            for rank in range(world_size):
-                ranked_env = child_env(mesh, rank, cpu=cpu, master_port=port, lighthouse=address,
-                                       base=os.environ) | dict(env or {})
-                running.start(rank, _rank_tag(mesh, rank), child_argv(command), ranked_env, log_dir)
-            return _supervise(running, trap)
+            if jobs is None:
+                for rank in range(world_size):
+                    ranked_env = child_env(mesh, rank, cpu=cpu, master_port=port, lighthouse=address,
+                                           base=os.environ) | dict(env or {})
+                    running.start(rank, _rank_tag(mesh, rank), child_argv(command), ranked_env, log_dir)
+            else:
+                for replica in range(mesh[0]):
+                    start_replica(replica, 0)
+            return _supervise(running, trap, jobs, start_replica)
         finally:
             running.stop()
             progress.close()
+            if jobs is not None:
+                jobs.close()
             if server is not None:
                 server.shutdown()
 
 
-def _supervise(running: _Mesh, trap: _SignalTrap) -> int:
-    """Wait until every child is done, a child fails or a signal arrives; the mesh's exit code."""
-    done = 0
-    while done < len(running.children):
+class _ReplicaJobs:
+    """Restart bookkeeping of a mesh launched as one job per replica, and the store of its first start."""
+
+    def __init__(self, mesh: tuple[int, int], max_restarts: int) -> None:
+        import torch.distributed as dist  # lazy: the launcher imports no torch for a plain launch
+
+        self.mesh, self.max_restarts = mesh, max_restarts
+        self.restarts = [0] * mesh[0]
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        self.address = f"127.0.0.1:{self.store.port}"
+
+    def close(self) -> None:
+        del self.store
+
+
+def _supervise(running: _Mesh, trap: _SignalTrap, jobs: _ReplicaJobs | None = None,
+               start_replica: Callable[[int, int], None] | None = None) -> int:
+    """Wait until every child is done, a child fails (past its replica's restarts) or a signal
+    arrives; the mesh's exit code."""
+    done: set[int] = set()  # id() of the children whose exit 0 was seen
+    while any(id(c) not in done for c in running.children if not c.retired):
         if trap.signum is not None:
             name = signal.Signals(trap.signum).name
             _say(f"got {name}: stopping all {len(running.children)} processes")
@@ -382,8 +444,19 @@ def _supervise(running: _Mesh, trap: _SignalTrap) -> int:
             child, code = running.exits.get(timeout=0.05)
         except queue.Empty:
             continue
-        done += 1
-        if code != 0:
+        if code == 0 or child.retired:
+            done.add(id(child))
+            continue
+        replica = child.rank // (jobs.mesh[1] if jobs else 1)
+        if jobs is None or jobs.restarts[replica] >= jobs.max_restarts:
             _say(f"rank {child.rank} ({child.tag}) failed first with exit code {code}; stopping the others")
             return code
+        jobs.restarts[replica] += 1
+        mates = [c for c in running.children if not c.retired and c.rank // jobs.mesh[1] == replica]
+        for mate in mates:
+            mate.retired = True
+        _say(f"rank {child.rank} ({child.tag}) failed with exit code {code}: restarting replica {replica} "
+             f"({jobs.restarts[replica]}/{jobs.max_restarts}); the other replicas go on")
+        running.stop(mates)
+        start_replica(replica, jobs.restarts[replica])
     return 0

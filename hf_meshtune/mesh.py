@@ -8,6 +8,13 @@ the fast masked circuit; without it all X replicas are fast. Groups:
 * DP group of stage s: stage s of every *fast* replica (Streaming DiLoCo syncs only with its peers);
 * anchor peers of stage s: the anchor's stage s and stage s of every fast replica.
 
+Replica jobs (``MESHTUNE_REPLICA=r``, what ``meshtune launch --max-restarts`` starts): each replica is
+a job of its own, its Y processes one torch.distributed world (process rank = stage), so a replica that
+dies can be restarted and rejoin without the others noticing more than a missed DiLoCo sync. Replicas
+then meet only through torchft (the lighthouse and its cross-replica groups), hence without the anchor,
+whose link is a static group over the whole mesh. ``MeshTopology.job_replica`` is r there, and mesh
+ranks (``replica · Y + stage``) are what every other part of the library speaks.
+
 ``MeshTopology.validate`` runs before any collective, from facts every rank already has (world size,
 mesh shape, number of decoder layers), so an impossible mesh fails on every rank with the same
 message instead of hanging in a rendezvous.
@@ -24,9 +31,10 @@ import torch.distributed as dist
 
 from ._validation import require
 
-__all__ = ["MESH_ENV", "MeshGroups", "MeshTopology", "parse_mesh"]
+__all__ = ["MESH_ENV", "REPLICA_ENV", "MeshGroups", "MeshTopology", "parse_mesh"]
 
 MESH_ENV = "MESHTUNE_MESH"
+REPLICA_ENV = "MESHTUNE_REPLICA"
 _MESH_RE = re.compile(r"^\s*(\d+)\s*[xX×]\s*(\d+)\s*$")
 
 
@@ -52,6 +60,7 @@ class MeshTopology:
     replicas: int
     stages: int
     anchor: bool = True
+    job_replica: int | None = None  # r: this process's job (torch.distributed world) is replica r alone
 
     def __post_init__(self) -> None:
         require(isinstance(self.replicas, int) and self.replicas >= 1, "replicas", self.replicas, "be an int >= 1 (X)")
@@ -59,6 +68,12 @@ class MeshTopology:
         if self.anchor:
             require(self.replicas >= 2, "replicas", self.replicas,
                     "be >= 2 when the anchor is on (replica X-1 is the anchor, at least one replica must be fast)")
+        if self.job_replica is not None:
+            require(isinstance(self.job_replica, int) and 0 <= self.job_replica < self.replicas, REPLICA_ENV,
+                    self.job_replica, f"lie in [0, {self.replicas}) (a replica of the {self.replicas}x{self.stages} mesh)")
+            require(not self.anchor, "anchor", self.anchor,
+                    "be False when every replica is a job of its own (replica restarts: the anchor link is one "
+                    "static group over the whole mesh, which a restarted replica cannot rejoin)")
 
     @classmethod
     def from_environment(cls, world_size: int, num_stages: int, anchor: bool, num_layers: int,
@@ -69,6 +84,10 @@ class MeshTopology:
         a Y that differs from ``num_stages``, X < 2 with the anchor on, Y > number of layers.
         """
         spec = mesh if mesh is not None else os.environ.get(MESH_ENV)
+        job = os.environ.get(REPLICA_ENV)
+        if job is not None:
+            require(bool(spec), MESH_ENV, spec, f"be set (XxY) when {REPLICA_ENV} is: a replica job needs the whole mesh's shape")
+            require(job.strip().isdigit(), REPLICA_ENV, job, "be a replica index (an integer >= 0)")
         if spec:
             replicas, stages = parse_mesh(spec, MESH_ENV if mesh is None else "mesh")
             require(stages == num_stages, "num_stages", num_stages,
@@ -77,12 +96,15 @@ class MeshTopology:
             require(world_size % num_stages == 0, "num_stages", num_stages,
                     f"divide the world size {world_size} (X = world size / Y replicas of Y stages)")
             replicas, stages = world_size // num_stages, num_stages
-        topology = cls(replicas, stages, anchor)
+        topology = cls(replicas, stages, anchor, None if job is None else int(job))
         topology.validate(world_size, num_layers)
         return topology
 
     def validate(self, world_size: int, num_layers: int) -> None:
-        require(world_size == self.world_size, "world_size", world_size,
+        if self.job_replica is not None:
+            require(world_size == self.stages, "world_size", world_size,
+                    f"equal Y = {self.stages} in a replica job (one process per stage of replica {self.job_replica})")
+        require(self.job_replica is not None or world_size == self.world_size, "world_size", world_size,
                 f"equal X·Y = {self.replicas}·{self.stages} = {self.world_size} (one process per replica and stage)")
         require(self.stages <= num_layers, "num_stages", self.stages,
                 f"be <= the model's {num_layers} decoder layers (every stage holds at least one)")
@@ -90,7 +112,25 @@ class MeshTopology:
     # --- ranks -------------------------------------------------------------------------------
     @property
     def world_size(self) -> int:
+        """Processes of the whole mesh, X·Y."""
         return self.replicas * self.stages
+
+    @property
+    def job_world_size(self) -> int:
+        """Processes of this process's torch.distributed world: Y in a replica job, else X·Y."""
+        return self.stages if self.job_replica is not None else self.world_size
+
+    def mesh_rank(self, process_rank: int) -> int:
+        """This job's process rank → mesh rank (the same in a job spanning the mesh)."""
+        return process_rank if self.job_replica is None else self.rank(self.job_replica, process_rank)
+
+    def process_rank(self, mesh_rank: int) -> int:
+        """Mesh rank of a process in this job → its torch.distributed rank."""
+        if self.job_replica is None:
+            return mesh_rank
+        replica, stage = self.coords(mesh_rank)
+        require(replica == self.job_replica, "rank", mesh_rank, f"belong to this job's replica {self.job_replica}")
+        return stage
 
     def rank(self, replica: int, stage: int) -> int:
         require(0 <= replica < self.replicas, "replica", replica, f"lie in [0, {self.replicas})")
@@ -136,11 +176,14 @@ class MeshTopology:
         """
         require(timeout_s is None or timeout_s > 0, "timeout_s", timeout_s, "be > 0 seconds (or None for the default)")
         require(dist.is_initialized(), "torch.distributed", "not initialized", "be initialized before building the mesh's groups")
-        require(dist.get_world_size() == self.world_size, "world_size", dist.get_world_size(), f"equal X·Y = {self.world_size}")
+        require(dist.get_world_size() == self.job_world_size, "world_size", dist.get_world_size(),
+                f"equal {self.job_world_size} (this job's processes)")
         timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
-        pp = [dist.new_group(self.pp_ranks(r), timeout=timeout) for r in range(self.replicas)]
-        replica, stage = self.coords(dist.get_rank())
-        return MeshGroups(self, dist.get_rank(), replica, stage, pp[replica])
+        jobs = range(self.replicas) if self.job_replica is None else [self.job_replica]
+        pp = {r: dist.new_group([self.process_rank(g) for g in self.pp_ranks(r)], timeout=timeout) for r in jobs}
+        rank = self.mesh_rank(dist.get_rank())
+        replica, stage = self.coords(rank)
+        return MeshGroups(self, rank, replica, stage, pp[replica])
 
 
 @dataclass(frozen=True)

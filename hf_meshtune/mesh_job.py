@@ -18,6 +18,7 @@ import dataclasses
 import json
 import math
 import os
+import pickle
 import statistics
 
 import torch
@@ -96,11 +97,14 @@ def _fixed_length(dataset) -> int:
     return max(len(ids) for ids in dataset["input_ids"])
 
 
-def _lighthouse(rank: int, fast_replicas: int) -> tuple[str, object | None]:
+def _lighthouse(rank: int, fast_replicas: int, topology: MeshTopology) -> tuple[str, object | None]:
     """The torchft lighthouse: ``$TORCHFT_LIGHTHOUSE``, or one that rank 0 starts for the job."""
     address = os.environ.get(LIGHTHOUSE_ENV)
     if address:
         return address, None
+    require(topology.job_replica is None, LIGHTHOUSE_ENV, address,
+            "be set when every replica is a job of its own (the replicas meet only at a shared lighthouse; "
+            "`meshtune launch` starts one)")
     from .dp_sync import start_lighthouse
 
     store = dist.distributed_c10d._get_default_store()
@@ -121,19 +125,19 @@ def train_on_mesh(trainer):
     require(args.max_steps > 0, "max_steps", args.max_steps, "be > 0 on the distributed mesh (epochs are not counted there)")
     _require_every_stage_trains(model, topology)
     _ = args.device  # accelerate creates the default process group for launched jobs
-    require(args.world_size == topology.world_size, "TrainingArguments.world_size", args.world_size,
-            f"equal WORLD_SIZE={topology.world_size} (accelerate did not join the launched processes; on CPU "
+    require(args.world_size == topology.job_world_size, "TrainingArguments.world_size", args.world_size,
+            f"equal WORLD_SIZE={topology.job_world_size} (accelerate did not join the launched processes; on CPU "
             "export ACCELERATE_USE_CPU=true or pass --use_cpu, as `meshtune launch --cpu` does)")
     if not dist.is_initialized():
         dist.init_process_group("gloo")
-    rank = dist.get_rank()
+    rank = topology.mesh_rank(dist.get_rank())
     trainer.mesh_boundaries.remove()  # the stages apply the masks themselves
     if untie_embeddings(model) and rank == 0:
         print("hf_meshtune: the LM head was tied to the input embeddings; on the mesh the first and last stages "
               "each train their own copy (tie_word_embeddings=False in the saved config)", flush=True)
     groups = topology.build_groups(timeout_s=args.ddp_timeout)  # bounds every pipeline send/receive
-    link_group = dist.new_group(list(range(topology.world_size)), backend="gloo")  # anchor link: CPU tensors
-    lighthouse, server = _lighthouse(rank, len(topology.fast_replicas))
+    link_group = dist.new_group(list(range(topology.job_world_size)), backend="gloo")  # anchor link: CPU tensors
+    lighthouse, server = _lighthouse(rank, len(topology.fast_replicas), topology)
 
     dataset = trainer.train_dataset
     if hasattr(dataset, "column_names"):
@@ -171,8 +175,7 @@ def train_on_mesh(trainer):
     result = run_worker(model, topology, groups.pp_group, link_group, settings, batches, anchor_batches)
 
     result.params = result.global_params = None  # parameters travel by broadcast below, not pickled
-    results: list[MeshResult] = [None] * topology.world_size  # type: ignore[list-item]
-    dist.all_gather_object(results, result)
+    results = _gather_results(result, topology, settings.dp_timeout_s)
     _share_final_parameters(model, topology)
     summary = summarize(results, topology, trainer, seq_len)
     if rank == 0:
@@ -206,17 +209,42 @@ def _log_history(results: list[MeshResult], summary: dict) -> list[dict]:
     return history
 
 
+def _gather_results(result: MeshResult, topology: MeshTopology, timeout_s: float) -> list[MeshResult]:
+    """Every process's ``MeshResult``: over the job's world, and in replica jobs also through the
+    launcher's store (``$MESHTUNE_JOB_STORE``: mesh rank 0 waits for all X·Y). Without that store a
+    replica job only knows its own replica's results (the summary says how many replicas it covers)."""
+    results: list[MeshResult] = [None] * topology.job_world_size  # type: ignore[list-item]
+    dist.all_gather_object(results, result)
+    if topology.job_replica is None:
+        return results
+    from datetime import timedelta
+
+    from .mesh_runtime import job_store
+
+    store = job_store(timeout_s)
+    if store is None:
+        return results
+    key = "hf_meshtune/result/{}".format
+    store.set(key(result.rank), pickle.dumps(result))
+    if result.rank != 0:
+        return results
+    store.wait([key(r) for r in range(topology.world_size)], timedelta(seconds=timeout_s))
+    return [pickle.loads(store.get(key(r))) for r in range(topology.world_size)]
+
+
 def _share_final_parameters(model, topology: MeshTopology) -> None:
-    """Every process gets fast replica 0's final parameters, stage by stage (tensor broadcasts), so
-    ``save_model``/``evaluate`` see the trained model on any rank."""
+    """Every process gets fast replica 0's final parameters (in a replica job: its own replica's; they
+    share θ_global), stage by stage (tensor broadcasts), so ``save_model``/``evaluate`` see the trained
+    model on any rank."""
     from .pipeline import StageModule
 
+    source = topology.job_replica or 0
     with torch.no_grad():
         for stage in range(topology.stages):
             owned = StageModule(model, stage, topology.stages, None, None)
             for param in owned.parameters():
                 if param.requires_grad:
-                    dist.broadcast(param.data, src=topology.rank(0, stage))
+                    dist.broadcast(param.data, src=topology.process_rank(topology.rank(source, stage)))
 
 
 def summarize(results: list[MeshResult], topology: MeshTopology, trainer, seq_len: int) -> dict:
@@ -254,6 +282,8 @@ def summarize(results: list[MeshResult], topology: MeshTopology, trainer, seq_le
     step_seconds = [s for r in fast for s in r.step_seconds[1:]] or [s for r in fast for s in r.step_seconds]
     return {
         "mesh": f"{topology.replicas}x{topology.stages}", "fast_replicas": len(topology.fast_replicas),
+        "replicas_reported": len({r.replica for r in results}),
+        "heals": [{"rank": r.rank, "own_step": own, "peer_step": peer} for r in results for own, peer in r.heals],
         "anchor": topology.anchor, "steps": steps, "fast_tokens": tokens, "seq_len": seq_len,
         "measured_bytes_per_token": measured,
         "analytic_bytes_per_token": {"pp_fwd": ledger.pp_fwd, "pp_bwd": ledger.pp_bwd, "dp": ledger.dp, "anchor": anchor_analytic,

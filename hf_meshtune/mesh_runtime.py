@@ -26,11 +26,13 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -119,8 +121,10 @@ class MeshResult:
     wire: dict = field(default_factory=dict)
     dp_syncs: int = 0
     dp_sync_bytes: list[float] = field(default_factory=list)
+    dp_participants: list[int] = field(default_factory=list)  # replicas averaged by every committed DiLoCo sync
     arrivals: list[tuple[int, int]] = field(default_factory=list)  # (fast step on arrival, snapshot step)
     anchor_rounds: list[int] = field(default_factory=list)  # snapshot step of every round (anchor)
+    heals: list[tuple[int, int]] = field(default_factory=list)  # (own step, peer's step) of every heal
     params: dict[str, torch.Tensor] | None = None
     global_params: list[torch.Tensor] | None = None  # θ_global of every fragment, flattened (fast: DiLoCo's; anchor: its own)
 
@@ -408,6 +412,33 @@ class FastWorker(_StageWorker):
                 self.outbox = _Sender(self.wire, link_group, "anchor")
         self._step = 0
         self._dp_bytes_at_last_sync = 0.0
+        if self.manager is not None:  # a restarted replica heals this stage's whole state from a peer
+            self.manager.register_state_dict_fn("mesh_stage", self._load_stage_state, self._stage_state)
+
+    def _stage_state(self) -> dict:
+        """What a peer's stage s gives a restarted replica's stage s when it heals (torchft reads it in
+        DiLoCo's step post-hook, during the quorum: the inner step of ``self._step`` is done; its
+        scheduler step is not). DiLoCo's fragments (θ_global, outer momentum) and PowerSGD's Q heal
+        under their own keys."""
+        return {"step": self._step,
+                "params": {n: p.detach() for n, p in stage_parameter_names(self.model, self.module).items() if p.requires_grad},
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None}
+
+    def _load_stage_state(self, state: dict) -> None:
+        """Heal: take the peer's local parameters, inner optimizer, scheduler and step; the loop goes
+        on from the peer's step (its data and masks are pure functions of the step)."""
+        params = stage_parameter_names(self.model, self.module)
+        require(set(state["params"]) == {n for n, p in params.items() if p.requires_grad}, "healing state",
+                sorted(state["params"])[:3], "hold this stage's trainable parameters (a peer with another model or stage split)")
+        with torch.no_grad():
+            for name, value in state["params"].items():
+                params[name].copy_(value)
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None and state["scheduler"] is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        self.result.heals.append((self._step, int(state["step"])))
+        self._step = int(state["step"])
 
     def _count_dp_sync(self) -> None:
         """Record one DP sync and the ``dp`` bytes this process sent for it."""
@@ -415,6 +446,8 @@ class FastWorker(_StageWorker):
         sent = self.wire.sent["dp"]
         self.result.dp_sync_bytes.append(sent - self._dp_bytes_at_last_sync)
         self._dp_bytes_at_last_sync = sent
+        if self.manager is not None:
+            self.result.dp_participants.append(self.manager.num_participants())
 
     def _on_outer_update(self, update) -> None:
         """A committed fragment sync: count it, and (replica 0) forward it to the anchor."""
@@ -461,8 +494,8 @@ class FastWorker(_StageWorker):
         tokens_per_step = s.microbatch_size * s.microbatches * s.seq_len
         logging = self.stage == self.topology.stages - 1 and self.replica == 0
         with self.diloco:
-            for step in range(s.max_steps):
-                self._step = step
+            while self._step < s.max_steps:
+                step = self._step
                 start = time.perf_counter()
                 self.module.step = step
                 ids, labels = (t.to(self.device) for t in self.batches(step))
@@ -471,7 +504,8 @@ class FastWorker(_StageWorker):
                     self._sync_gradients()
                 self._clip()
                 self._drain_anchor()
-                self.optimizer.step()
+                self.optimizer.step()  # DiLoCo's sync runs in its post-hook: a heal moves self._step
+                step = self._step
                 if self.scheduler is not None:
                     self.scheduler.step()
                 self.optimizer.zero_grad(set_to_none=True)
@@ -485,6 +519,7 @@ class FastWorker(_StageWorker):
                                "step_seconds": self.result.step_seconds[-1]})
                 if s.on_step is not None:
                     s.on_step(step + 1, self)
+                self._step = step + 1
         self._finish()
         return self.result
 
@@ -635,7 +670,9 @@ def update_shapes(shapes: Sequence[torch.Size], rank: int | None) -> list[tuple[
 def run_worker(model: nn.Module, topology: MeshTopology, pp_group, link_group, settings: RunSettings,
                batches: Batches, anchor_batches: Batches | None = None) -> MeshResult:
     """Run this process's part of the mesh (its role comes from its rank) and return what it did."""
-    rank = dist.get_rank()
+    require(topology.job_replica is None or settings.dp_mode == "streaming_diloco", "dp_mode", settings.dp_mode,
+            "be 'streaming_diloco' when every replica is a job of its own (the per-step peers need one world)")
+    rank = topology.mesh_rank(dist.get_rank())
     from .dp_sync import advertised_host
 
     store = dist.distributed_c10d._get_default_store()
@@ -648,6 +685,40 @@ def run_worker(model: nn.Module, topology: MeshTopology, pp_group, link_group, s
     # Every torchft Manager heartbeats before any replica asks for its first quorum, so the
     # lighthouse waits for all fast replicas instead of forming a quorum without a late starter.
     dist.barrier()
+    if topology.job_replica is not None:
+        _job_barrier(topology, settings.dp_timeout_s)
     # read now, while the store is surely reachable: a link error later names its peers by address
     worker.peer_hosts = {peer: store.get(_host_key(peer)).decode() for peer in _neighbour_ranks(topology, rank)}
     return worker.run()
+
+
+JOB_STORE_ENV, RESTART_ENV = "MESHTUNE_JOB_STORE", "MESHTUNE_RESTART"
+
+
+def job_store(timeout_s: float) -> dist.TCPStore | None:
+    """A client of the launcher's store ``$MESHTUNE_JOB_STORE`` (replica jobs), or None without one."""
+    address = os.environ.get(JOB_STORE_ENV)
+    if not address:
+        return None
+    host, _, port = address.rpartition(":")
+    require(bool(host) and port.isdigit(), JOB_STORE_ENV, address, "be host:port of the launcher's TCPStore")
+    return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
+
+
+def _job_barrier(topology: MeshTopology, timeout_s: float) -> None:
+    """Replica jobs, first start only: wait until every process of the mesh is ready (its torchft
+    Manager heartbeats), through the launcher's store ``$MESHTUNE_JOB_STORE``, so no replica's first
+    quorum forms without a replica that is still loading. A restarted replica (``$MESHTUNE_RESTART``
+    > 0) joins the running mesh without waiting; without the store, replicas start unaligned (a late
+    one then heals at its first sync)."""
+    store = job_store(timeout_s)
+    if store is None or int(os.environ.get(RESTART_ENV, "0")) > 0:
+        return
+    key = "hf_meshtune/ready"
+    ready = store.add(key, 1)
+    deadline = time.monotonic() + timeout_s
+    while ready < topology.world_size:
+        require(time.monotonic() < deadline, "mesh start", f"{ready} of {topology.world_size} processes ready",
+                f"complete within dp_timeout_s = {timeout_s} s (a replica job did not start)")
+        time.sleep(0.05)
+        ready = store.add(key, 0)

@@ -65,6 +65,10 @@ class MeshTrainerMixin:
     mesh_boundaries: BoundaryHandle
     mesh_anchor: AnchorCircuit | None
 
+    def is_world_process_zero(self) -> bool:
+        """The Trainer's rule; in replica jobs (``MESHTUNE_REPLICA``) only replica 0's first process."""
+        return super().is_world_process_zero() and os.environ.get("MESHTUNE_REPLICA", "0") == "0"
+
     # --- set-up -------------------------------------------------------------------------------
     # Whether ``train()`` runs the distributed X·Y mesh when launched on several processes.
     _mesh_runs_distributed = True

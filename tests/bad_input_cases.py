@@ -335,6 +335,37 @@ def from_environment(world_size: int, num_stages: int, mesh: str | None, anchor:
     return trigger
 
 
+def replica_job(world_size: int, num_stages: int, mesh: str | None, replica: str,
+                anchor: bool = False) -> Callable[[], MeshTopology]:
+    """A trigger: ``MeshTopology.from_environment`` on a rank of replica job ``MESHTUNE_REPLICA=replica``."""
+    def trigger() -> MeshTopology:
+        with environ(MESHTUNE_MESH=mesh, MESHTUNE_REPLICA=replica):
+            return MeshTopology.from_environment(world_size, num_stages, anchor, 4)
+    return trigger
+
+
+def _allreduce_in_replica_job() -> None:
+    from hf_meshtune.mesh_runtime import RunSettings, run_worker
+
+    settings = RunSettings(config=MeshConfig(anchor=False, num_stages=2), microbatch_size=1, microbatches=1, seq_len=8,
+                           max_steps=1, dp_mode="allreduce")
+    run_worker(tiny_llama(), MeshTopology(3, 2, anchor=False, job_replica=0), None, None, settings, lambda step: None)
+
+
+def _replica_job_without_lighthouse() -> None:
+    from hf_meshtune.mesh_job import _lighthouse
+
+    with environ(TORCHFT_LIGHTHOUSE=None):
+        _lighthouse(0, 3, MeshTopology(3, 2, anchor=False, job_replica=0))
+
+
+def _job_store_without_port() -> None:
+    from hf_meshtune.mesh_runtime import job_store
+
+    with environ(MESHTUNE_JOB_STORE="nowhere"):
+        job_store(1.0)
+
+
 def embeddings_and_first_layers_frozen() -> nn.Module:
     """Stage 0 of a Y = 2 pipeline (embeddings + layers 0, 1) has nothing left to train."""
     model = tiny_llama()
@@ -986,6 +1017,35 @@ def _cases() -> list[Case]:
              "`MeshTopology.from_environment` (every rank)", from_environment(6, 4, None), ValueError,
              "num_stages=4 is invalid: it must divide the world size 6 (X = world size / Y replicas of Y stages)"),
 
+        Case(RANKS, "MESHTUNE_REPLICA=1 without MESHTUNE_MESH", "`MeshTopology.from_environment` (every rank)",
+             replica_job(2, 2, None, "1"), ValueError,
+             "MESHTUNE_MESH=None is invalid: it must be set (XxY) when MESHTUNE_REPLICA is: a replica job needs the "
+             "whole mesh's shape"),
+        Case(RANKS, "MESHTUNE_REPLICA=one", "`MeshTopology.from_environment` (every rank)",
+             replica_job(2, 2, "3x2", "one"), ValueError,
+             "MESHTUNE_REPLICA='one' is invalid: it must be a replica index (an integer >= 0)"),
+        Case(RANKS, "MESHTUNE_REPLICA=3 in a 3x2 mesh", "`MeshTopology.from_environment` (every rank)",
+             replica_job(2, 2, "3x2", "3"), ValueError,
+             "MESHTUNE_REPLICA=3 is invalid: it must lie in [0, 3) (a replica of the 3x2 mesh)"),
+        Case(RANKS, "a replica job of 3 processes under MESHTUNE_MESH=3x2", "`MeshTopology.from_environment` (every rank)",
+             replica_job(3, 2, "3x2", "0"), ValueError,
+             "world_size=3 is invalid: it must equal Y = 2 in a replica job (one process per stage of replica 0)"),
+        Case(RANKS, "the anchor on in a replica job (`meshtune launch --max-restarts`)",
+             "`MeshTopology.from_environment` (every rank)", replica_job(2, 2, "3x2", "0", anchor=True), ValueError,
+             "anchor=True is invalid: it must be False when every replica is a job of its own (replica restarts: the "
+             "anchor link is one static group over the whole mesh, which a restarted replica cannot rejoin)"),
+        Case(RANKS, "dp_mode='allreduce' in a replica job", "`mesh_runtime.run_worker` (every rank)",
+             _allreduce_in_replica_job, ValueError,
+             "dp_mode='allreduce' is invalid: it must be 'streaming_diloco' when every replica is a job of its own "
+             "(the per-step peers need one world)"),
+        Case(RANKS, "a replica job without TORCHFT_LIGHTHOUSE", "`MeshTrainer(...).train()` (every rank)",
+             _replica_job_without_lighthouse, ValueError,
+             "TORCHFT_LIGHTHOUSE=None is invalid: it must be set when every replica is a job of its own (the replicas "
+             "meet only at a shared lighthouse; `meshtune launch` starts one)"),
+        Case(RANKS, "MESHTUNE_JOB_STORE=nowhere", "`mesh_runtime.run_worker` (every rank of a replica job)",
+             _job_store_without_port, ValueError,
+             "MESHTUNE_JOB_STORE='nowhere' is invalid: it must be host:port of the launcher's TCPStore"),
+
         # --- model types ---------------------------------------------------------------------------------
         Case(MODELS, "a module without a decoder-layer list", "`attach_boundaries(model, Y)`",
              lambda: attach_boundaries(TwoLayerMLP(), 2), ValueError, f"model=TwoLayerMLP {_NO_DECODER}"),
@@ -1067,6 +1127,13 @@ def _cases() -> list[Case]:
         _cli("meshtune launch --mesh 3x2 --lighthouse nowhere -- <tmp>/train.py",
              "meshtune launch: error: lighthouse='nowhere' is invalid: it must be host:port or http://host:port of a "
              "running torchft lighthouse", lambda tmp: _launch_script(tmp, "--lighthouse", "nowhere")),
+        _cli("meshtune launch --mesh 3x2 --max-restarts -1 -- <tmp>/train.py",
+             "meshtune launch: error: max_restarts=-1 is invalid: it must be an integer >= 0 (restarts per replica)",
+             lambda tmp: _launch_script(tmp, "--max-restarts", "-1")),
+        _cli("meshtune launch --mesh 3x2 --max-restarts 1 --master-port 2900 -- <tmp>/train.py",
+             "meshtune launch: error: master_port=2900 is invalid: it must be unset with max_restarts > 0 (every "
+             "replica, and every restart of one, gets a free port of its own)",
+             lambda tmp: _launch_script(tmp, "--max-restarts", "1", "--master-port", "2900")),
         Case(CLI, "launch_mesh((0, 2), ['train.py'], cpu=True)", "`hf_meshtune.launch.launch_mesh`",
              _launch_mesh_without_replicas, ValueError,
              "mesh=(0, 2) is invalid: it must be a pair (X, Y) of integers >= 1 (X replicas, Y stages)"),

@@ -134,6 +134,15 @@ def test_child_env_is_torchrun_style_and_splits_cores() -> None:
     assert "ACCELERATE_USE_CPU" not in gpu and "CUDA_VISIBLE_DEVICES" not in gpu and "TORCHFT_LIGHTHOUSE" not in gpu
 
 
+def test_child_env_of_a_replica_job_is_its_own_world() -> None:
+    env = child_env((3, 2), 5, cpu=True, master_port=1234, lighthouse=None, base={}, cpu_count=12,
+                    replica_jobs=True, restart=2, job_store="127.0.0.1:7")
+    assert (env["RANK"], env["WORLD_SIZE"], env["MESHTUNE_REPLICA"], env["MESHTUNE_RESTART"]) == ("1", "2", "2", "2")
+    assert (env["LOCAL_RANK"], env["MASTER_PORT"], env["MESHTUNE_JOB_STORE"], env["OMP_NUM_THREADS"]) == ("5", "1234", "127.0.0.1:7", "2")
+    plain = child_env((3, 2), 5, cpu=True, master_port=1234, lighthouse=None, base={})
+    assert "MESHTUNE_REPLICA" not in plain and "MESHTUNE_RESTART" not in plain
+
+
 def test_local_lighthouse_answers_a_torchft_client_and_stops() -> None:
     from datetime import timedelta
 
@@ -154,6 +163,9 @@ def test_local_lighthouse_answers_a_torchft_client_and_stops() -> None:
     (["--mesh", "2x2", "--"], ["script=''", "be given after `--`"]),
     (["--mesh", "2x2", "--", "no_such_script.py"], ["script='no_such_script.py'", "existing Python file"]),
     (["--mesh", "2x2", "--lighthouse", "nowhere", "--", __file__], ["lighthouse='nowhere'", "host:port"]),
+    (["--mesh", "2x2", "--max-restarts", "-1", "--", __file__], ["max_restarts=-1", "integer >= 0"]),
+    (["--mesh", "2x2", "--max-restarts", "1", "--master-port", "2900", "--", __file__],
+     ["master_port=2900", "unset with max_restarts > 0"]),
 ])
 def test_bad_input_exits_2_naming_field_value_and_rule(args, needles, capsys) -> None:
     assert cli.main(["launch", *args]) == 2
@@ -219,6 +231,49 @@ def test_failing_rank_stops_the_mesh_and_sets_the_exit_code(tmp_path: Path, caps
     survivors = _wait_all_gone([pid for rec in records for pid in rec[:2]])
     assert survivors == []
     assert _port_closed(records[0][2])
+
+
+# A replica job: rank FAIL (argv[2]) exits 3 on its first FAILS starts (argv[3]); everyone else
+# records its start and exits 0 after a moment, so a restart must leave the other replicas alone.
+_RESTART_SCRIPT = """
+import os, sys, time
+out, fail, fails = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+mesh_rank = int(os.environ["MESHTUNE_REPLICA"]) * int(os.environ["WORLD_SIZE"]) + int(os.environ["RANK"])
+restart = int(os.environ["MESHTUNE_RESTART"])
+with open(os.path.join(out, "start%d.g%d" % (mesh_rank, restart)), "w") as f:
+    f.write("%s %s" % (os.environ["MASTER_PORT"], os.environ["MESHTUNE_JOB_STORE"]))
+if mesh_rank == fail and restart < fails:
+    sys.exit(3)
+time.sleep(1.5)
+"""
+
+
+def test_max_restarts_restarts_only_the_failed_replica(tmp_path: Path, capsys) -> None:
+    script = _script(tmp_path, "restart.py", _RESTART_SCRIPT)
+    out = tmp_path / "out"
+    out.mkdir()
+    code = launch_mesh((3, 2), [str(script), str(out), "3", "2"], cpu=True, max_restarts=2, grace_s=1.0)
+    assert code == 0
+    starts = sorted(p.name for p in out.iterdir())
+    # replica 1 (ranks 2, 3) started three times, the others once; a fresh port per start of a replica
+    assert starts == ["start0.g0", "start1.g0", "start2.g0", "start2.g1", "start2.g2", "start3.g0", "start3.g1",
+                      "start3.g2", "start4.g0", "start5.g0"]
+    ports = {name: (out / name).read_text().split()[0] for name in starts}
+    assert ports["start2.g0"] == ports["start3.g0"] and ports["start2.g1"] == ports["start3.g1"]
+    assert len({ports["start0.g0"], ports["start2.g0"], ports["start2.g1"], ports["start2.g2"], ports["start4.g0"]}) == 5
+    err = capsys.readouterr().err
+    assert "rank 3 (r1s1) failed with exit code 3: restarting replica 1 (1/2)" in err
+    assert "restarting replica 1 (2/2)" in err
+
+
+def test_a_replica_past_its_restarts_fails_the_mesh(tmp_path: Path, capsys) -> None:
+    script = _script(tmp_path, "restart.py", _RESTART_SCRIPT)
+    out = tmp_path / "out"
+    out.mkdir()
+    code = launch_mesh((2, 1), [str(script), str(out), "1", "5"], cpu=True, max_restarts=1, grace_s=1.0)
+    assert code == 3
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("start1")) == ["start1.g0", "start1.g1"]
+    assert "rank 1 (r1s0) failed first with exit code 3; stopping the others" in capsys.readouterr().err
 
 
 def test_sigint_stops_every_child_and_the_lighthouse(tmp_path: Path) -> None:

@@ -23,9 +23,9 @@ FLAGS = ["--num_stages", "2", "--max_steps", "12", "--per_device_train_batch_siz
          "--logging_steps", "1", "--report_to", "none", "--save_strategy", "no"]
 
 
-def _launch(mesh: str, output_dir: str, *extra: str) -> subprocess.CompletedProcess:
+def _launch(mesh: str, output_dir: str, *extra: str, launcher: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": ROOT, "RUST_LOG": "warn"}
-    command = [sys.executable, "-m", "hf_meshtune.cli", "launch", "--mesh", mesh, "--cpu", "--",
+    command = [sys.executable, "-m", "hf_meshtune.cli", "launch", "--mesh", mesh, "--cpu", *launcher, "--",
                os.path.join(ROOT, "tests", "scripts", "mesh_sft.py"), "--output_dir", output_dir, *FLAGS, *extra]
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=400, cwd=ROOT)
 
@@ -100,6 +100,23 @@ def test_trl_sft_script_runs_unchanged_on_a_launched_mesh(tmp_path):
     _, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys"))
     assert "MeshSFTTrainer" in (out / "README.md").read_text()
+
+
+def test_meshtrainer_runs_with_every_replica_a_job_of_its_own(tmp_path):
+    """``--max-restarts``: three gloo worlds of two processes meet only through torchft; the summary
+    still covers the whole mesh (results travel through the launcher's store) and only replica 0 saves."""
+    out = tmp_path / "jobs"
+    proc = _launch("3x2", str(out), "--anchor", "false", launcher=("--max-restarts", "1"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "one job per replica, up to 1 restart(s) each" in proc.stderr
+    summary = json.loads((out / "mesh_summary.json").read_text())
+    assert summary["replicas_reported"] == 3 and summary["fast_replicas"] == 3 and summary["steps"] == 12
+    assert summary["dp_syncs_per_rank"] == 12 // 2 and summary["heals"] == []
+    assert summary["measured_bytes_per_token"]["dp"] == pytest.approx(summary["analytic_bytes_per_token"]["dp"], rel=1e-9)
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("mesh_summary")) == ["mesh_summary.json"]
+    saved = AutoModelForCausalLM.from_pretrained(out)
+    initial = tiny_llama(seed=0, layers=4, hidden=64)
+    assert not torch.equal(saved.state_dict()["lm_head.weight"], initial.state_dict()["lm_head.weight"])
 
 
 def test_a_mesh_that_does_not_fit_the_world_fails_fast_on_every_rank(tmp_path):

@@ -1,0 +1,73 @@
+"""One rank of a mesh whose replicas are jobs of their own (``meshtune launch --max-restarts``).
+
+    python tests/scripts/replica_job.py OUT_DIR STEPS [MESH_CONFIG_JSON]
+
+Runs its stage of a tiny Llama mesh without the anchor (``mesh_runtime.run_worker``), writes
+``OUT_DIR/progress/r{rank}.g{restart}`` = ``pid step`` after every step (what a test watches to kill
+it by PID) and, at the end, ``OUT_DIR/result{rank}.pt``: its ``MeshResult`` with θ_global of every
+fragment. ``STEP_SECONDS`` in the environment paces the steps (a soak's timeline);
+``RESTART_DELAY_S`` holds a restarted process back before it joins (a machine that takes a while to
+come back: the others meanwhile sync without it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from hf_meshtune.boundaries import find_decoder_layers
+from hf_meshtune.config import MeshConfig
+from hf_meshtune.mesh import MeshTopology
+from hf_meshtune.mesh_runtime import RunSettings, run_worker
+from tests.tiny import tiny_llama
+
+SEQ, MICRO, MICROBATCHES = 16, 2, 2
+CONFIG = dict(mask_ratio=0.9, anchor=False, dp_sync_every=4, dp_fragments=2, dp_powersgd_rank=2)
+
+
+def batches(replica: int):
+    def draw(step: int):
+        gen = torch.Generator().manual_seed(replica * 100_000 + step)
+        start = torch.randint(3, 60, (MICRO * MICROBATCHES, 1), generator=gen)
+        ids = (start + torch.arange(SEQ)) % 97 + 3
+        return ids, ids.clone()
+    return draw
+
+
+def main(out: str, steps: int, overrides: dict) -> None:
+    torch.set_num_threads(1)
+    if int(os.environ.get("MESHTUNE_RESTART", "0")) > 0:
+        time.sleep(float(os.environ.get("RESTART_DELAY_S", "0")))
+    dist.init_process_group("gloo")
+    model = tiny_llama(seed=0, layers=4, hidden=64)
+    stages = int(os.environ["MESHTUNE_MESH"].lower().split("x")[1])
+    cfg = MeshConfig(num_stages=stages, **{**CONFIG, **overrides})
+    topology = MeshTopology.from_environment(dist.get_world_size(), stages, cfg.anchor, len(find_decoder_layers(model)[1]))
+    groups = topology.build_groups(timeout_s=30)
+    rank, restart = groups.rank, os.environ.get("MESHTUNE_RESTART", "0")
+    os.makedirs(os.path.join(out, "progress"), exist_ok=True)
+    pace = float(os.environ.get("STEP_SECONDS", "0"))
+
+    def on_step(step: int, worker) -> None:
+        path = os.path.join(out, "progress", f"r{rank}.g{restart}")
+        with open(f"{path}.tmp", "w") as handle:
+            handle.write(f"{os.getpid()} {step}")
+        os.replace(f"{path}.tmp", path)
+        if pace:
+            time.sleep(pace)
+
+    settings = RunSettings(config=cfg, microbatch_size=MICRO, microbatches=MICROBATCHES, seq_len=SEQ, max_steps=steps,
+                           lr=3e-3, lighthouse=os.environ["TORCHFT_LIGHTHOUSE"], dp_timeout_s=30.0,
+                           link_timeout_s=30.0, record_parameters=True, on_step=on_step)
+    result = run_worker(model, topology, groups.pp_group, None, settings, batches(groups.replica))
+    torch.save(result, os.path.join(out, f"result{rank}.pt"))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3]) if len(sys.argv) > 3 else {})
