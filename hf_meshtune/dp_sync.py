@@ -376,6 +376,39 @@ class StreamingDiLoCo:
         saved = self._diloco._fragments[fragment].original_parameters
         return [saved[name].clone() for name, _ in self.fragments[fragment].named_parameters()]
 
+    def state_dict(self) -> dict:
+        """Everything a resumed run needs to sync exactly as this one would have: inner steps since the
+        last sync, θ_global and outer momentum of every fragment, PowerSGD's Q and error feedback, and
+        the torchft manager's step (which fragment syncs next). Only between syncs: with a fragment's
+        all-reduces in flight the state would miss them (a ValueError says so)."""
+        fragments = self._diloco._fragments
+        busy = [i for i, f in enumerate(fragments) if f._allreduce_work]
+        require(not busy, "DiLoCo state", f"fragments {busy} syncing",
+                "be taken between syncs (at a multiple of dp_sync_every / dp_fragments inner steps)")
+        return {
+            "local_step": self._diloco._local_step,
+            "manager": self._diloco._manager.state_dict(),
+            "fragments": [{"original": {n: t.clone() for n, t in f.original_parameters.items()},
+                           "outer": f._outer_optimizer.state_dict()} for f in fragments],
+            "codec": None if self.codec is None else {"q": dict(self.codec.q), "error": dict(self.codec.error)},
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore ``state_dict()``'s state (same fragments, sync period and PowerSGD rank)."""
+        fragments = self._diloco._fragments
+        require(len(state["fragments"]) == len(fragments), "dp_fragments", len(fragments),
+                f"equal the checkpoint's {len(state['fragments'])} fragments")
+        self._diloco._local_step = int(state["local_step"])
+        self._diloco._manager.load_state_dict(state["manager"])
+        with torch.no_grad():
+            for fragment, saved in zip(fragments, state["fragments"]):
+                for name, value in saved["original"].items():
+                    fragment.original_parameters[name].copy_(value)
+                fragment._outer_optimizer.load_state_dict(saved["outer"])
+        if self.codec is not None and state["codec"] is not None:
+            self.codec.q = {k: v.float().clone() for k, v in state["codec"]["q"].items()}
+            self.codec.error = {k: v.float().clone() for k, v in state["codec"]["error"].items()}
+
     def __enter__(self) -> StreamingDiLoCo:
         self._diloco.__enter__()
         return self

@@ -115,14 +115,34 @@ def _lighthouse(rank: int, fast_replicas: int, topology: MeshTopology) -> tuple[
     return store.get("meshtune/lighthouse").decode(), server
 
 
-def train_on_mesh(trainer):
-    """Run ``trainer``'s training on the distributed mesh; returns a ``TrainOutput``."""
+def _checkpoint_every(args) -> int | None:
+    """``save_strategy``/``save_steps`` → fast steps between mesh checkpoints (None: no checkpoints)."""
+    strategy = str(getattr(args.save_strategy, "value", args.save_strategy))
+    require(strategy in ("no", "steps"), "save_strategy", strategy,
+            "be 'no' or 'steps' on the distributed mesh (it counts fast steps, not epochs or evaluations)")
+    if strategy == "no":
+        return None
+    steps = args.save_steps
+    return max(1, math.ceil(steps * args.max_steps)) if steps < 1 else int(steps)  # a float < 1 is a ratio, as in Trainer
+
+
+def train_on_mesh(trainer, resume_from_checkpoint: bool | str | None = None):
+    """Run ``trainer``'s training on the distributed mesh; returns a ``TrainOutput``.
+
+    ``save_strategy="steps"`` writes a mesh checkpoint every ``save_steps`` fast steps
+    (``mesh_checkpoint``: ``checkpoint-N/mesh/rank<r>.pt``, ``save_total_limit`` complete ones kept);
+    ``resume_from_checkpoint`` (True: the newest complete one in ``output_dir``) continues from one.
+    """
     from transformers import get_scheduler
     from transformers.trainer_utils import TrainOutput
+
+    from .mesh_checkpoint import resolve_resume
 
     args, model = trainer.args, trainer.model
     topology = validate_mesh_job(model, args)
     require(args.max_steps > 0, "max_steps", args.max_steps, "be > 0 on the distributed mesh (epochs are not counted there)")
+    checkpoint_every = _checkpoint_every(args)
+    resume_from = resolve_resume(resume_from_checkpoint, args.output_dir, topology)
     _require_every_stage_trains(model, topology)
     _ = args.device  # accelerate creates the default process group for launched jobs
     require(args.world_size == topology.job_world_size, "TrainingArguments.world_size", args.world_size,
@@ -169,7 +189,8 @@ def train_on_mesh(trainer):
         max_steps=args.max_steps, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
         weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm or None, scheduler=scheduler,
         anchor_microbatches=anchor_micro, lighthouse=lighthouse, log=log, log_every=max(1, int(args.logging_steps)),
-        link_timeout_s=args.ddp_timeout,
+        link_timeout_s=args.ddp_timeout, checkpoint_dir=args.output_dir, checkpoint_every=checkpoint_every,
+        checkpoint_keep=args.save_total_limit, resume_from=resume_from,
     )
     torch.manual_seed(args.seed)
     result = run_worker(model, topology, groups.pp_group, link_group, settings, batches, anchor_batches)
@@ -202,7 +223,8 @@ def _log_history(results: list[MeshResult], summary: dict) -> list[dict]:
     ``trainer_state.json`` readers expect)."""
     per_replica = [r.losses for r in results if r.role == "fast" and r.losses]
     steps = min((len(losses) for losses in per_replica), default=0)
-    history = [{"step": i + 1, "loss": statistics.fmean(losses[i] for losses in per_replica)} for i in range(steps)]
+    first = min((r.first_step for r in results if r.role == "fast"), default=0)  # > 0 in a resumed run
+    history = [{"step": first + i + 1, "loss": statistics.fmean(losses[i] for losses in per_replica)} for i in range(steps)]
     if history:
         measured = summary["measured_bytes_per_token"]
         history[-1].update({f"comm/measured_{name}_bytes_per_token": float(value) for name, value in measured.items()})
@@ -298,4 +320,5 @@ def summarize(results: list[MeshResult], topology: MeshTopology, trainer, seq_le
         "step_seconds_mean": statistics.fmean(step_seconds) if step_seconds else None,
         "final_loss": fast[-1].losses[-1] if fast and fast[-1].losses else None,
         "mesh_env": os.environ.get(MESH_ENV),
+        "resumed_from_step": min((r.first_step for r in fast), default=0),
     }

@@ -82,6 +82,13 @@ class RunSettings:
     # caller); a step past it fails naming the neighbours; None = the process group's default
     link_timeout_s: float | None = None
     on_step: Callable[[int, FastWorker], None] | None = None  # every fast rank, after each step (benchmarks)
+    # mesh checkpoints (``mesh_checkpoint``): every fast rank writes its state to
+    # checkpoint_dir/checkpoint-N/mesh/ after every checkpoint_every-th step, keeping checkpoint_keep
+    # complete ones (None = all); resume_from = a checkpoint-N folder to continue from
+    checkpoint_dir: str | None = None
+    checkpoint_every: int | None = None
+    checkpoint_keep: int | None = None
+    resume_from: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("microbatch_size", "microbatches", "seq_len", "max_steps", "log_every"):
@@ -93,6 +100,18 @@ class RunSettings:
         require(self.dp_mode in DP_MODES, "dp_mode", self.dp_mode, f"be one of {list(DP_MODES)}")
         require(self.dp_mode == "streaming_diloco" or not self.config.anchor, "dp_mode", self.dp_mode,
                 "be 'streaming_diloco' when anchor=True (the anchor replica follows θ by replaying DiLoCo's outer updates)")
+        every = self.checkpoint_every
+        require(every is None or (isinstance(every, int) and every >= 1), "checkpoint_every", every, "be None or an int >= 1")
+        require(every is None or self.checkpoint_dir is not None, "checkpoint_dir", self.checkpoint_dir,
+                "be set when checkpoint_every is (the folder the checkpoint-N folders go to)")
+        keep = self.checkpoint_keep
+        require(keep is None or (isinstance(keep, int) and keep >= 1), "checkpoint_keep", keep, "be None or an int >= 1")
+        if every is not None or self.resume_from is not None:
+            require(self.dp_mode != "powersgd_hook", "dp_mode", self.dp_mode,
+                    "be 'streaming_diloco' or 'allreduce' with mesh checkpoints (torch's PowerSGD hook state is not saved)")
+        period = self.config.dp_sync_every // self.config.dp_fragments
+        require(every is None or self.dp_mode != "streaming_diloco" or every % period == 0, "checkpoint_every", every,
+                f"be a multiple of dp_sync_every / dp_fragments = {period} (a checkpoint is taken between DiLoCo syncs)")
 
 
 def require_mesh_supported(cfg) -> None:
@@ -125,6 +144,7 @@ class MeshResult:
     arrivals: list[tuple[int, int]] = field(default_factory=list)  # (fast step on arrival, snapshot step)
     anchor_rounds: list[int] = field(default_factory=list)  # snapshot step of every round (anchor)
     heals: list[tuple[int, int]] = field(default_factory=list)  # (own step, peer's step) of every heal
+    first_step: int = 0  # the step this process started from (a resumed run's checkpoint step)
     params: dict[str, torch.Tensor] | None = None
     global_params: list[torch.Tensor] | None = None  # θ_global of every fragment, flattened (fast: DiLoCo's; anchor: its own)
 
@@ -414,6 +434,8 @@ class FastWorker(_StageWorker):
         self._dp_bytes_at_last_sync = 0.0
         if self.manager is not None:  # a restarted replica heals this stage's whole state from a peer
             self.manager.register_state_dict_fn("mesh_stage", self._load_stage_state, self._stage_state)
+        if settings.resume_from is not None:
+            self._resume(settings.resume_from)
 
     def _stage_state(self) -> dict:
         """What a peer's stage s gives a restarted replica's stage s when it heals (torchft reads it in
@@ -428,6 +450,37 @@ class FastWorker(_StageWorker):
     def _load_stage_state(self, state: dict) -> None:
         """Heal: take the peer's local parameters, inner optimizer, scheduler and step; the loop goes
         on from the peer's step (its data and masks are pure functions of the step)."""
+        own = self._step
+        self._restore_stage(state)
+        self.result.heals.append((own, self._step))
+
+    def checkpoint_state(self) -> dict:
+        """This process's part of a mesh checkpoint (``mesh_checkpoint``): the healing state plus the
+        knobs, the RNG and DiLoCo's state (θ_global, outer momentum, PowerSGD, manager step)."""
+        import dataclasses
+
+        return {**self._stage_state(), "config": dataclasses.asdict(self.settings.config),
+                "rng": torch.get_rng_state(), "diloco": self.diloco.state_dict() if self.manager is not None else None}
+
+    def _resume(self, checkpoint: str) -> None:
+        from .mesh_checkpoint import read_rank_state
+
+        state = read_rank_state(checkpoint, self.topology.rank(self.replica, self.stage), self.topology)
+        _require_same_knobs(state["config"], self.settings.config, checkpoint)
+        self._restore_stage(state)
+        if self.manager is not None:
+            self.diloco.load_state_dict(state["diloco"])
+        torch.set_rng_state(state["rng"])
+        self.result.first_step = self._step
+
+    def _save_checkpoint(self) -> None:
+        from .mesh_checkpoint import save_rank_state
+
+        s = self.settings
+        save_rank_state(s.checkpoint_dir, self._step, self.topology.rank(self.replica, self.stage), self.checkpoint_state(),
+                        self.topology, s.checkpoint_keep)
+
+    def _restore_stage(self, state: dict) -> None:
         params = stage_parameter_names(self.model, self.module)
         require(set(state["params"]) == {n for n, p in params.items() if p.requires_grad}, "healing state",
                 sorted(state["params"])[:3], "hold this stage's trainable parameters (a peer with another model or stage split)")
@@ -437,7 +490,6 @@ class FastWorker(_StageWorker):
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scheduler is not None and state["scheduler"] is not None:
             self.scheduler.load_state_dict(state["scheduler"])
-        self.result.heals.append((self._step, int(state["step"])))
         self._step = int(state["step"])
 
     def _count_dp_sync(self) -> None:
@@ -517,9 +569,11 @@ class FastWorker(_StageWorker):
                     if logging and s.log is not None and (step + 1) % s.log_every == 0:
                         s.log({"step": step + 1, "loss": loss, "lr": self.optimizer.param_groups[0]["lr"],
                                "step_seconds": self.result.step_seconds[-1]})
-                if s.on_step is not None:
-                    s.on_step(step + 1, self)
                 self._step = step + 1
+                if s.checkpoint_every and self._step % s.checkpoint_every == 0:
+                    self._save_checkpoint()
+                if s.on_step is not None:
+                    s.on_step(self._step, self)
         self._finish()
         return self.result
 
@@ -558,7 +612,26 @@ class AnchorWorker(_StageWorker):
         self.inbox = _Receiver(self.wire, link_group, self.source, (TAG_UPDATE, TAG_UPDATE_PAYLOAD), 4,
                                lambda header: header[3])
         self.applied_step = 0  # fast steps reflected in this stage's parameters
+        self.first_round = 0
         self.stopped = False
+        if settings.resume_from is not None:
+            self._resume(settings.resume_from)
+
+    def _resume(self, checkpoint: str) -> None:
+        """θ_global and the outer momentum from fast replica 0's state of this stage: the anchor goes on
+        from the checkpoint's step (its rounds draw batches from step / anchor_every on)."""
+        from .mesh_checkpoint import read_rank_state
+
+        state = read_rank_state(checkpoint, self.topology.rank(0, self.stage), self.topology)
+        _require_same_knobs(state["config"], self.settings.config, checkpoint)
+        with torch.no_grad():
+            for fragment, saved in zip(self.fragments, state["diloco"]["fragments"]):
+                for name, param in fragment.named_parameters():
+                    param.copy_(saved["original"][name])
+        for optimizer, saved in zip(self.follower._optimizers, state["diloco"]["fragments"]):
+            optimizer.load_state_dict(saved["outer"])
+        self.applied_step = int(state["step"])
+        self.first_round = self.applied_step // self.settings.config.anchor_every
 
     def _apply(self, message) -> None:
         from .dp_sync import OuterUpdate
@@ -580,7 +653,7 @@ class AnchorWorker(_StageWorker):
     def _choose_round(self, previous: int | None) -> int | None:
         """Stage 0: the snapshot of the next round (None = the fast circuit has stopped)."""
         if previous is None:
-            return 0
+            return self.applied_step  # 0, or the step a resumed run starts from
         due = previous + self.settings.config.anchor_every
         while self.applied_step < due:  # wait for a snapshot far enough ahead
             message = self.inbox.next()
@@ -599,7 +672,7 @@ class AnchorWorker(_StageWorker):
         stages = self.topology.stages
         anchor_ranks = [self.topology.rank(self.replica, s) for s in range(stages)]
         previous: int | None = None
-        round_index = 0
+        round_index = self.first_round
         while True:
             if self.stage == 0:
                 target = None if self.stopped else self._choose_round(previous)
@@ -650,6 +723,15 @@ class AnchorWorker(_StageWorker):
             self.wire.send("anchor", torch.tensor([STOP, -1], dtype=torch.long), self.topology.rank(replica, self.stage),
                            group=self.link_group, tag=TAG_GRAD)
         self._record(lambda: [_flatten(list(f.parameters())) for f in self.fragments])
+
+
+def _require_same_knobs(saved: dict, config: MeshConfig, checkpoint: str) -> None:
+    """A resumed mesh runs with the knobs it was saved with: every one of them shapes its numerics."""
+    import dataclasses
+
+    for name, value in dataclasses.asdict(config).items():
+        require(saved.get(name) == value, name, value,
+                f"equal the checkpoint's value {saved.get(name)!r} to resume from {checkpoint} (start a new run to change it)")
 
 
 def update_shapes(shapes: Sequence[torch.Size], rank: int | None) -> list[tuple[int, ...]]:

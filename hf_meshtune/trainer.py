@@ -165,9 +165,7 @@ class MeshTrainerMixin:
         """The Trainer's loop on one process; the distributed mesh when launched on several."""
         if not is_distributed_job():
             return super().train(resume_from_checkpoint, *args, **kwargs)
-        require(not resume_from_checkpoint, "resume_from_checkpoint", resume_from_checkpoint,
-                "be None on the distributed mesh (mesh checkpoints are not written yet; resume runs on one process)")
-        return train_on_mesh(self)
+        return train_on_mesh(self, resume_from_checkpoint)
 
     # --- logs ---------------------------------------------------------------------------------
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:

@@ -366,6 +366,42 @@ def _job_store_without_port() -> None:
         job_store(1.0)
 
 
+def _mesh_checkpoint(tmp: Path, step: int, ranks=(0, 1, 2, 3), **state) -> str:
+    """A 3x2 (anchor on) mesh checkpoint of fake states under ``tmp``; returns its folder."""
+    from hf_meshtune.mesh_checkpoint import save_rank_state
+
+    for rank in ranks:
+        save_rank_state(str(tmp), step, rank, dict(state), MeshTopology(3, 2), None)
+    return str(tmp / f"checkpoint-{step}")
+
+
+def _incomplete_mesh_checkpoint(tmp: Path) -> None:
+    checkpoint = _mesh_checkpoint(tmp, 8, ranks=(0, 1, 3))
+    mesh_train_in(6, "3x2", resume_from=checkpoint, num_stages=2)(tmp)
+
+
+def _checkpoint_of_another_mesh(tmp: Path) -> None:
+    from hf_meshtune.mesh_checkpoint import read_rank_state
+
+    read_rank_state(_mesh_checkpoint(tmp, 4), 0, MeshTopology(2, 2, anchor=False))
+
+
+def _damaged_rank_file(tmp: Path) -> None:
+    from hf_meshtune.mesh_checkpoint import read_rank_state
+
+    checkpoint = _mesh_checkpoint(tmp, 4)
+    Path(checkpoint, "mesh", "rank0.pt").write_bytes(b"")
+    read_rank_state(checkpoint, 0, MeshTopology(3, 2))
+
+
+def _mesh_resume_with_changed_knob() -> None:
+    import dataclasses
+
+    from hf_meshtune.mesh_runtime import _require_same_knobs
+
+    _require_same_knobs(dataclasses.asdict(MeshConfig(mask_ratio=0.9)), MeshConfig(mask_ratio=0.5), "checkpoint-4")
+
+
 def embeddings_and_first_layers_frozen() -> nn.Module:
     """Stage 0 of a Y = 2 pipeline (embeddings + layers 0, 1) has nothing left to train."""
     model = tiny_llama()
@@ -1220,8 +1256,43 @@ def _cases() -> list[Case]:
         Case(CHECKPOINTS, "resume_from_checkpoint on the distributed mesh (WORLD_SIZE=4, MESHTUNE_MESH=2x2)",
              "`MeshTrainer.train(resume_from_checkpoint=...)` on a launched rank",
              mesh_train_in(4, "2x2", resume_from="checkpoint-2"), ValueError,
-             "resume_from_checkpoint='checkpoint-2' is invalid: it must be None on the distributed mesh (mesh checkpoints "
-             "are not written yet; resume runs on one process)"),
+             "resume_from_checkpoint='checkpoint-2' is invalid: it must be a mesh checkpoint folder (checkpoint-N holding "
+             "mesh/rank<r>.pt, written by a distributed mesh run)"),
+        Case(CHECKPOINTS, "resume_from_checkpoint=True on the mesh with no mesh checkpoint in output_dir",
+             "`MeshTrainer.train(resume_from_checkpoint=True)` on a launched rank",
+             mesh_train_in(4, "2x2", resume_from=True), ValueError,
+             f"resume_from_checkpoint=True is invalid: it must find a complete mesh checkpoint (checkpoint-N/mesh/) in "
+             f"output_dir='{TMP}/out' (there is none)"),
+        Case(CHECKPOINTS, "a mesh checkpoint whose rank 2 never finished its save", "`MeshTrainer.train(resume_from_checkpoint=...)` "
+             "on a launched rank (every rank)", _incomplete_mesh_checkpoint, ValueError,
+             f"resume_from_checkpoint='{TMP}/checkpoint-8' is invalid: it must hold the state of every fast rank (missing "
+             "mesh/rank{r}.pt for r in [2]: a save that did not complete; resume from an older checkpoint)"),
+        Case(CHECKPOINTS, "a 3x2 mesh checkpoint resumed on a 2x2 mesh", "`mesh_runtime.run_worker` (every rank, resuming)",
+             _checkpoint_of_another_mesh, ValueError,
+             f"mesh='2x2' is invalid: it must equal the checkpoint's mesh 3x2 (anchor=True) to resume from {TMP}/checkpoint-4"),
+        Case(CHECKPOINTS, "a damaged rank file in a mesh checkpoint", "`mesh_runtime.run_worker` (every rank, resuming)",
+             _damaged_rank_file, ValueError,
+             f"mesh checkpoint file='{TMP}/checkpoint-4/mesh/rank0.pt' is invalid: it must be a readable file written by a "
+             "mesh process (", prefix=True, note="the rest is torch's own message"),
+        Case(CHECKPOINTS, "a mesh checkpoint resumed with mask_ratio=0.5 (saved with 0.9)", "`mesh_runtime.run_worker` "
+             "(every rank, resuming)", _mesh_resume_with_changed_knob, ValueError,
+             "mask_ratio=0.5 is invalid: it must equal the checkpoint's value 0.9 to resume from checkpoint-4 (start a new "
+             "run to change it)"),
+        Case(CHECKPOINTS, "save_strategy='epoch' on the distributed mesh", "`MeshTrainer.train()` on a launched rank",
+             mesh_train_in(4, "2x2", save_strategy="epoch"), ValueError,
+             "save_strategy='epoch' is invalid: it must be 'no' or 'steps' on the distributed mesh (it counts fast steps, "
+             "not epochs or evaluations)"),
+        Case(CHECKPOINTS, "checkpoint_every=3 with dp_sync_every=4, dp_fragments=2", "`RunSettings(...)` (every rank)",
+             run_settings(MeshConfig(dp_sync_every=4, dp_fragments=2), checkpoint_dir=".", checkpoint_every=3), ValueError,
+             "checkpoint_every=3 is invalid: it must be a multiple of dp_sync_every / dp_fragments = 2 (a checkpoint is "
+             "taken between DiLoCo syncs)"),
+        Case(CHECKPOINTS, "checkpoint_every=4 without checkpoint_dir", "`RunSettings(...)` (every rank)",
+             run_settings(checkpoint_every=4), ValueError,
+             "checkpoint_dir=None is invalid: it must be set when checkpoint_every is (the folder the checkpoint-N folders go to)"),
+        Case(CHECKPOINTS, "mesh checkpoints with dp_mode='powersgd_hook'", "`RunSettings(...)` (every rank)",
+             run_settings(MeshConfig(anchor=False), dp_mode="powersgd_hook", checkpoint_dir=".", checkpoint_every=20),
+             ValueError, "dp_mode='powersgd_hook' is invalid: it must be 'streaming_diloco' or 'allreduce' with mesh "
+             "checkpoints (torch's PowerSGD hook state is not saved)"),
         Case(CHECKPOINTS, "load_state with mask_ratio=0.75 (saved with 0.5)", "`MeshAccelerator.load_state`",
              accelerate_resume_with_changed_knob, ValueError,
              f"mask_ratio=0.75 is invalid: it must equal the checkpoint's value 0.5 {_RESUME}"),

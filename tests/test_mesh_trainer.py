@@ -119,6 +119,31 @@ def test_meshtrainer_runs_with_every_replica_a_job_of_its_own(tmp_path):
     assert not torch.equal(saved.state_dict()["lm_head.weight"], initial.state_dict()["lm_head.weight"])
 
 
+def _step_losses(stdout: str) -> dict[int, float]:
+    lines = [json.loads(line.split("] ", 1)[1]) for line in stdout.splitlines() if line.startswith("[r0s1] {") and '"loss"' in line]
+    return {entry["step"]: entry["loss"] for entry in lines}
+
+
+def test_meshtrainer_writes_mesh_checkpoints_and_resumes_from_one_exactly(tmp_path):
+    """``--save_strategy steps`` writes checkpoint-N/mesh/; ``--resume_from_checkpoint`` continues from
+    one with the losses of the uninterrupted run, bit for bit (no anchor: nothing runs on its own clock)."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    flags = ("--anchor", "false", "--save_strategy", "steps", "--save_steps", "4", "--save_total_limit", "2")
+    proc = _launch("2x2", str(first), *flags)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert sorted(p.name for p in first.iterdir() if p.name.startswith("checkpoint-")) == ["checkpoint-12", "checkpoint-8"]
+    assert sorted(os.listdir(first / "checkpoint-8" / "mesh")) == [f"rank{r}.pt" for r in range(4)]
+    proc2 = _launch("2x2", str(second), *flags, "--resume_from_checkpoint", str(first / "checkpoint-8"))
+    assert proc2.returncode == 0, proc2.stdout[-3000:] + proc2.stderr[-3000:]
+    uninterrupted, resumed = _step_losses(proc.stdout), _step_losses(proc2.stdout)
+    assert sorted(resumed) == [9, 10, 11, 12]
+    assert all(resumed[step] == uninterrupted[step] for step in resumed)
+    summary = json.loads((second / "mesh_summary.json").read_text())
+    assert summary["resumed_from_step"] == 8
+    history = json.loads((second / "trainer_state.json").read_text())["log_history"]
+    assert [entry["step"] for entry in history] == [9, 10, 11, 12]
+
+
 def test_a_mesh_that_does_not_fit_the_world_fails_fast_on_every_rank(tmp_path):
     proc = _launch("2x2", str(tmp_path / "bad"), "--num_stages", "3")
     assert proc.returncode != 0

@@ -2,7 +2,7 @@
 a peer, while the other replicas keep training (torchft's quorum shrinks, then grows back).
 
 The mesh is real: 3 replicas × 2 stages of a tiny Llama, each replica a gloo world of its own
-(``tests/scripts/replica_job.py``), Streaming DiLoCo + PowerSGD between them through a torchft
+(``tests/scripts/mesh_run.py``), Streaming DiLoCo + PowerSGD between them through a torchft
 lighthouse on loopback.
 """
 
@@ -35,7 +35,7 @@ def killed_run(tmp_path_factory):
     """The whole run: replica 1's stage 1 (mesh rank 3) is SIGKILLed once it has taken KILL_AT steps."""
     out = tmp_path_factory.mktemp("replica_restart")
     command = [sys.executable, "-m", "hf_meshtune.cli", "launch", "--mesh", "3x2", "--cpu", "--max-restarts", "1",
-               "--", "tests/scripts/replica_job.py", str(out), str(STEPS)]
+               "--", "tests/scripts/mesh_run.py", str(out), str(STEPS)]
     env = {**os.environ, "PYTHONPATH": str(REPO), "RESTART_DELAY_S": "4", "STEP_SECONDS": "0.1"}  # long enough for a quorum without it
     launcher = subprocess.Popen(command, cwd=REPO, env=env, text=True,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

@@ -26,7 +26,7 @@ def main(argv: list[str]) -> None:
 
         peft_config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM")
     trainer = MeshTrainer(model=model, args=args, train_dataset=pattern_dataset(64, 16), peft_config=peft_config)
-    trainer.train()
+    trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)  # as the transformers examples do
     trainer.save_model()
     trainer.save_state()
     if torch.distributed.is_initialized():

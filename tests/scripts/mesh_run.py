@@ -1,13 +1,14 @@
-"""One rank of a mesh whose replicas are jobs of their own (``meshtune launch --max-restarts``).
+"""One rank of a tiny-Llama mesh on ``meshtune launch`` (one world, or replica jobs with ``--max-restarts``).
 
-    python tests/scripts/replica_job.py OUT_DIR STEPS [MESH_CONFIG_JSON]
+    python tests/scripts/mesh_run.py OUT_DIR STEPS [MESH_CONFIG_JSON]
 
-Runs its stage of a tiny Llama mesh without the anchor (``mesh_runtime.run_worker``), writes
+Runs its stage (``mesh_runtime.run_worker``; the anchor's too when the config turns it on), writes
 ``OUT_DIR/progress/r{rank}.g{restart}`` = ``pid step`` after every step (what a test watches to kill
 it by PID) and, at the end, ``OUT_DIR/result{rank}.pt``: its ``MeshResult`` with θ_global of every
 fragment. ``STEP_SECONDS`` in the environment paces the steps (a soak's timeline);
 ``RESTART_DELAY_S`` holds a restarted process back before it joins (a machine that takes a while to
-come back: the others meanwhile sync without it).
+come back: the others meanwhile sync without it). ``CHECKPOINT_EVERY`` writes mesh checkpoints to
+OUT_DIR every that many steps (``CHECKPOINT_KEEP`` kept); ``RESUME_FROM`` continues from one.
 """
 
 from __future__ import annotations
@@ -61,10 +62,15 @@ def main(out: str, steps: int, overrides: dict) -> None:
         if pace:
             time.sleep(pace)
 
+    every = os.environ.get("CHECKPOINT_EVERY")
+    keep = os.environ.get("CHECKPOINT_KEEP")
     settings = RunSettings(config=cfg, microbatch_size=MICRO, microbatches=MICROBATCHES, seq_len=SEQ, max_steps=steps,
                            lr=3e-3, lighthouse=os.environ["TORCHFT_LIGHTHOUSE"], dp_timeout_s=30.0,
-                           link_timeout_s=30.0, record_parameters=True, on_step=on_step)
-    result = run_worker(model, topology, groups.pp_group, None, settings, batches(groups.replica))
+                           link_timeout_s=30.0, record_parameters=True, on_step=on_step, checkpoint_dir=out,
+                           checkpoint_every=int(every) if every else None, checkpoint_keep=int(keep) if keep else None,
+                           resume_from=os.environ.get("RESUME_FROM") or None)
+    link = dist.new_group(list(range(topology.job_world_size))) if cfg.anchor else None
+    result = run_worker(model, topology, groups.pp_group, link, settings, batches(groups.replica), batches(99))
     torch.save(result, os.path.join(out, f"result{rank}.pt"))
     dist.destroy_process_group()
 

@@ -1,0 +1,162 @@
+"""Mesh checkpoints: one file per fast process, complete only when all are there, atomic, rotated
+safely; and resume through them: bit-exact without the anchor, the stated tolerance with it.
+
+The real runs are tiny-Llama meshes on ``meshtune launch`` (``tests/scripts/mesh_run.py``); the
+checkpoint bookkeeping is tested on its own on fake states first.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_meshtune.mesh import MeshTopology
+from hf_meshtune.mesh_checkpoint import (
+    complete_checkpoints,
+    latest_complete_checkpoint,
+    read_rank_state,
+    resolve_resume,
+    save_rank_state,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+MESH = MeshTopology(3, 2, anchor=True)  # fast ranks 0-3, anchor ranks 4-5
+
+
+# ---------------------------------------------------------------------------------------------
+# Bookkeeping
+# ---------------------------------------------------------------------------------------------
+def _save_all(out: Path, step: int, ranks=(0, 1, 2, 3), keep=None) -> None:
+    for rank in ranks:
+        save_rank_state(str(out), step, rank, {"value": torch.tensor([step, rank])}, MESH, keep)
+
+
+def test_a_checkpoint_is_complete_only_with_every_fast_rank(tmp_path):
+    _save_all(tmp_path, 4)
+    _save_all(tmp_path, 8, ranks=(0, 1, 3))  # rank 2 was killed before its save of step 8
+    (tmp_path / "checkpoint-8" / "mesh" / "rank2.pt.tmp-123").write_bytes(b"half a file")
+    assert [step for step, _ in complete_checkpoints(str(tmp_path), MESH)] == [4]
+    assert latest_complete_checkpoint(str(tmp_path), MESH) == str(tmp_path / "checkpoint-4")
+    assert resolve_resume(True, str(tmp_path), MESH) == str(tmp_path / "checkpoint-4")
+    assert resolve_resume(None, str(tmp_path), MESH) is None
+    with pytest.raises(ValueError, match=r"missing mesh/rank\{r\}.pt for r in \[2\]"):
+        resolve_resume(str(tmp_path / "checkpoint-8"), str(tmp_path), MESH)
+    state = read_rank_state(str(tmp_path / "checkpoint-4"), 2, MESH)
+    assert state["step"] == 4 and state["mesh"] == "3x2" and torch.equal(state["value"], torch.tensor([4, 2]))
+
+
+def test_rotation_keeps_the_newest_complete_checkpoints_and_never_the_only_one(tmp_path):
+    _save_all(tmp_path, 4, keep=2)
+    _save_all(tmp_path, 8, keep=2)
+    _save_all(tmp_path, 12, ranks=(0, 1, 2), keep=2)  # incomplete: nothing older may go yet
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-12", "checkpoint-4", "checkpoint-8"]
+    _save_all(tmp_path, 12, ranks=(3,), keep=2)  # now 12 is complete: 4 goes
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-12", "checkpoint-8"]
+    (tmp_path / "checkpoint-2").mkdir()  # a single-process Trainer checkpoint: not the mesh's to remove
+    _save_all(tmp_path, 16, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-12", "checkpoint-16", "checkpoint-2"]
+
+
+def test_a_checkpoint_of_another_mesh_or_a_damaged_file_is_refused_by_name(tmp_path):
+    _save_all(tmp_path, 4)
+    other = MeshTopology(2, 2, anchor=False)  # fast ranks 0-3 as well, so the folder is complete for it
+    with pytest.raises(ValueError, match=r"mesh='2x2' is invalid: it must equal the checkpoint's mesh 3x2 \(anchor=True\)"):
+        read_rank_state(str(tmp_path / "checkpoint-4"), 0, other)
+    (tmp_path / "checkpoint-4" / "mesh" / "rank1.pt").write_bytes(b"\x00" * 10)
+    with pytest.raises(ValueError, match=r"rank1.pt' is invalid: it must be a readable file written by a mesh process"):
+        read_rank_state(str(tmp_path / "checkpoint-4"), 1, MESH)
+    with pytest.raises(ValueError, match=r"resume_from_checkpoint=True is invalid: it must find a complete mesh checkpoint"):
+        resolve_resume(True, str(tmp_path / "nothing"), MESH)
+    with pytest.raises(ValueError, match=r"it must be a mesh checkpoint folder"):
+        resolve_resume(str(tmp_path), str(tmp_path), MESH)
+
+
+# ---------------------------------------------------------------------------------------------
+# Real meshes
+# ---------------------------------------------------------------------------------------------
+STEPS = 16
+ANCHOR = {"anchor": True, "anchor_every": 2, "anchor_delay": 0, "spectral_tau": 1e-3}
+
+
+def _launch(mesh: str, out: Path, config: dict, **env: str) -> subprocess.Popen:
+    command = [sys.executable, "-m", "hf_meshtune.cli", "launch", "--mesh", mesh, "--cpu", "--",
+               "tests/scripts/mesh_run.py", str(out), str(STEPS), json.dumps(config)]
+    return subprocess.Popen(command, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), **env}, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def _results(out: Path, count: int) -> list:
+    return [torch.load(out / f"result{r}.pt", weights_only=False) for r in range(count)]
+
+
+def _finish(proc: subprocess.Popen) -> str:
+    output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, output[-3000:]
+    return output
+
+
+def _progress(out: Path, rank: int) -> tuple[int, int] | None:
+    try:
+        pid, step = (out / "progress" / f"r{rank}.g0").read_text().split()
+        return int(pid), int(step)
+    except (OSError, ValueError):
+        return None
+
+
+def test_a_mesh_killed_by_pid_resumes_bit_exactly_without_the_anchor(tmp_path):
+    """Uninterrupted 2x2 run vs the same run SIGKILLed (every process, by PID) after step 10 and
+    resumed from its newest complete checkpoint: the same losses and θ_global, bit for bit."""
+    full, killed, resumed = tmp_path / "full", tmp_path / "killed", tmp_path / "resumed"
+    config = {"anchor": False}
+    reference = _launch("2x2", full, config, CHECKPOINT_EVERY="4")
+    _finish(reference)
+    run = _launch("2x2", killed, config, CHECKPOINT_EVERY="4", CHECKPOINT_KEEP="2", STEP_SECONDS="0.2")
+    deadline = time.monotonic() + 120
+    while any((seen := _progress(killed, r)) is None or seen[1] < 10 for r in range(4)):
+        assert run.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    for rank in range(4):
+        os.kill(_progress(killed, rank)[0], signal.SIGKILL)
+    run.communicate(timeout=60)
+    assert run.returncode != 0
+    checkpoint = resolve_resume(True, str(killed), MeshTopology(2, 2, anchor=False))
+    assert checkpoint in (str(killed / "checkpoint-8"), str(killed / "checkpoint-12"))
+    assert len(complete_checkpoints(str(killed), MeshTopology(2, 2, anchor=False))) <= 2  # rotated
+    start = int(checkpoint.rsplit("-", 1)[1])
+    _finish(_launch("2x2", resumed, config, RESUME_FROM=checkpoint))
+    for before, after in zip(_results(full, 4), _results(resumed, 4)):
+        assert after.first_step == start and after.steps == STEPS - start
+        assert after.losses == before.losses[start:]  # last stages: exact floats; others log none
+        for mine, theirs in zip(before.global_params, after.global_params):
+            assert torch.equal(mine, theirs)
+        assert after.params.keys() == before.params.keys()
+        assert all(torch.equal(before.params[n], after.params[n]) for n in before.params)
+
+
+def test_a_resumed_mesh_with_the_anchor_continues_within_the_stated_tolerance(tmp_path):
+    """3x2 with the anchor: the resumed run's first step is bitwise the uninterrupted run's (same
+    parameters, optimizer, masks and anchor momentum); after it, anchor gradients arrive at other
+    moments than in the uninterrupted run, so the losses agree to the stated 2 % (relative)."""
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    _finish(_launch("3x2", full, ANCHOR, CHECKPOINT_EVERY="8"))
+    _finish(_launch("3x2", resumed, ANCHOR, RESUME_FROM=str(full / "checkpoint-8")))
+    before, after = _results(full, 6), _results(resumed, 6)
+    for b, a in zip(before, after):
+        if b.role == "anchor":
+            assert a.anchor_rounds[0] == 8 and a.anchor_rounds[-1] == b.anchor_rounds[-1]
+            continue
+        assert a.first_step == 8 and a.steps == STEPS - 8
+        if b.losses:
+            assert a.losses[0] == b.losses[8]
+            for x, y in zip(a.losses, b.losses[8:]):
+                assert abs(x - y) <= 0.02 * abs(y), (a.losses, b.losses[8:])
+        for mine, theirs in zip(b.global_params, a.global_params):
+            torch.testing.assert_close(theirs, mine, rtol=0.02, atol=0.02)
