@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torchft import Manager
+from torchft.checkpointing.http_transport import HTTPTransport
 from torchft.coordination import LighthouseServer
 from torchft.local_sgd import DiLoCo, _StreamingDiLoCoFragment
 from torchft.process_group import ProcessGroupGloo
@@ -509,6 +510,22 @@ def host_replica_store(replica: int, stage: int, *, host: str | None = None,
     return ReplicaStore(addr, int(port))
 
 
+class _AdvertisedHTTPTransport(HTTPTransport):
+    """torchft's checkpoint server (how a restarted replica fetches a peer's state), named by the
+    address peers reach it at: torchft's own names the hostname, which from another machine or
+    network namespace may resolve to an interface the server is not reachable on (the heal then
+    fails with "Connection refused"). The server itself listens on every interface."""
+
+    def __init__(self, host: str | None, **kwargs: Any) -> None:
+        self._advertised = host
+        super().__init__(**kwargs)
+
+    def address(self) -> str:
+        if self._advertised is None:
+            return super().address()
+        return f"http://{self._advertised}:{self._server.socket.getsockname()[1]}/checkpoint/"
+
+
 def make_manager(*, replica: int, stage: int, num_stages: int, lighthouse_addr: str, store_addr: str,
                  store_port: int, timeout_s: float = 60.0, quorum_timeout_s: float | None = None,
                  hostname: str | None = None, init_sync: bool = False, min_replica_size: int = 1) -> Manager:
@@ -533,6 +550,7 @@ def make_manager(*, replica: int, stage: int, num_stages: int, lighthouse_addr: 
     hostname = hostname if hostname is not None else os.environ.get(HOST_ENV)
     kwargs = {"hostname": hostname} if hostname is not None else {}
     return Manager(pg=ProcessGroupGloo(timeout=timeout), load_state_dict=None, state_dict=None,
+                   checkpoint_transport=_AdvertisedHTTPTransport(hostname, timeout=timeout, num_chunks=0),
                    min_replica_size=min_replica_size, use_async_quorum=False, timeout=timeout,
                    quorum_timeout=timedelta(seconds=quorum_timeout_s or timeout_s), connect_timeout=timeout,
                    rank=stage, world_size=num_stages, store_addr=store_addr, store_port=store_port,

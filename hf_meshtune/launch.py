@@ -145,27 +145,27 @@ def _normalize_lighthouse(address: str) -> str:
 # The lighthouse
 # ---------------------------------------------------------------------------------------------------
 
-def start_local_lighthouse(min_replicas: int = 1) -> tuple[Any, str]:
-    """Start a torchft lighthouse on a free loopback port; return ``(server, "http://127.0.0.1:PORT")``.
+def start_local_lighthouse(min_replicas: int = 1, host: str = "127.0.0.1") -> tuple[Any, str]:
+    """Start a torchft lighthouse on a free port of ``host``; return ``(server, "http://HOST:PORT")``.
 
     torchft advertises the machine's hostname (``http://vm:PORT``), which may not resolve, or resolve
-    to another interface; the server only listens on loopback, so the loopback address is the one
-    that works. Stop it with ``server.shutdown()``.
+    to another interface; the server only listens on ``host`` (loopback by default), so that address
+    is the one that works. Stop it with ``server.shutdown()``.
     """
     from torchft.coordination import LighthouseServer  # lazy: torchft is optional for the library
 
     from .dp_sync import JOIN_TIMEOUT_MS
 
-    server = LighthouseServer(bind="127.0.0.1:0", min_replicas=min_replicas, join_timeout_ms=JOIN_TIMEOUT_MS)
+    server = LighthouseServer(bind=f"{host}:0", min_replicas=min_replicas, join_timeout_ms=JOIN_TIMEOUT_MS)
     port = server.address().rsplit(":", 1)[1].rstrip("/")
-    return server, f"http://127.0.0.1:{port}"
+    return server, f"http://{host}:{port}"
 
 
-def _maybe_start_lighthouse(lighthouse: str | None) -> tuple[Any, str | None]:
+def _maybe_start_lighthouse(lighthouse: str | None, host: str) -> tuple[Any, str | None]:
     if lighthouse is not None:
         return None, _normalize_lighthouse(lighthouse)
     try:
-        return start_local_lighthouse()
+        return start_local_lighthouse(host=host)
     except ImportError:
         _say("torchft is not installed: no lighthouse, TORCHFT_LIGHTHOUSE is left unset")
         return None, None
@@ -352,9 +352,14 @@ class _SignalTrap:
 # Public entry point
 # ---------------------------------------------------------------------------------------------------
 
+RankHook = Callable[[int], "tuple[list[str], dict[str, str]]"]
+"""rank → (argv prefix, extra environment) of that rank's process."""
+
+
 def launch_mesh(mesh: tuple[int, int], command: list[str], *, cpu: bool, master_port: int | None = None,
                 lighthouse: str | None = None, log_dir: str | None = None,
-                env: dict[str, str] | None = None, grace_s: float = DEFAULT_GRACE_S, max_restarts: int = 0) -> int:
+                env: dict[str, str] | None = None, grace_s: float = DEFAULT_GRACE_S, max_restarts: int = 0,
+                host: str = "127.0.0.1", rank_hook: RankHook | None = None) -> int:
     """Run ``python *command`` as every rank of a local X × Y mesh; return the mesh's exit code.
 
     ``mesh`` is (X replicas, Y stages) → X·Y processes; rank r is replica r // Y, stage r % Y.
@@ -364,7 +369,11 @@ def launch_mesh(mesh: tuple[int, int], command: list[str], *, cpu: bool, master_
     ``log_dir`` also receives each rank's prefixed output as ``rank{N}.log``. ``env`` is added to every
     child's environment last (it overrides everything). ``grace_s``: seconds between SIGTERM and
     SIGKILL when the mesh is stopped. ``max_restarts`` > 0: every replica is a job of its own and one
-    that fails is restarted, at most that many times per replica (module docstring). Returns 0 when
+    that fails is restarted, at most that many times per replica (module docstring). ``host``: the
+    address the launcher's lighthouse and store listen on and advertise (loopback by default; the
+    address of an interface the children reach when they run elsewhere). ``rank_hook(rank)`` →
+    ``(argv prefix, env)`` for one rank, applied last (e.g. ``ip netns exec NS`` and its MASTER_ADDR
+    and MESHTUNE_HOST when ranks run in network namespaces). Returns 0 when
     every child exits 0, else the code of the child that failed first (128+s if signal s killed it),
     or 130/143 after SIGINT/SIGTERM.
 
@@ -379,9 +388,15 @@ def launch_mesh(mesh: tuple[int, int], command: list[str], *, cpu: bool, master_
     if log_dir is not None:
         os.makedirs(log_dir, exist_ok=True)
     port = master_port if master_port is not None else free_port()
-    server, address = _maybe_start_lighthouse(lighthouse)
+    server, address = _maybe_start_lighthouse(lighthouse, host)
     world_size = mesh[0] * mesh[1]
-    jobs = _ReplicaJobs(mesh, max_restarts) if max_restarts else None
+    jobs = _ReplicaJobs(mesh, max_restarts, host) if max_restarts else None
+
+    def start(rank: int, ranked_env: dict[str, str], append: bool = False) -> None:
+        prefix, extra = rank_hook(rank) if rank_hook is not None else ([], {})
+        running.start(rank, _rank_tag(mesh, rank), [*prefix, *child_argv(command)], ranked_env | dict(extra), log_dir,
+                      append=append)
+
     _say(f"mesh {mesh[0]}x{mesh[1]} = {world_size} processes, "
          + (f"one job per replica, up to {max_restarts} restart(s) each" if jobs else f"master 127.0.0.1:{port}")
          + f", lighthouse {address}")
@@ -393,7 +408,7 @@ def launch_mesh(mesh: tuple[int, int], command: list[str], *, cpu: bool, master_
         for rank in range(replica * mesh[1], (replica + 1) * mesh[1]):
             ranked_env = child_env(mesh, rank, cpu=cpu, master_port=replica_port, lighthouse=address, base=os.environ,
                                    replica_jobs=True, restart=restart, job_store=jobs.address) | dict(env or {})
-            running.start(rank, _rank_tag(mesh, rank), child_argv(command), ranked_env, log_dir, append=restart > 0)
+            start(rank, ranked_env, append=restart > 0)
 
     with _SignalTrap() as trap:  # also covers the stop: a second Ctrl-C must not cut it short
         try:
@@ -401,7 +416,7 @@ def launch_mesh(mesh: tuple[int, int], command: list[str], *, cpu: bool, master_
                 for rank in range(world_size):
                     ranked_env = child_env(mesh, rank, cpu=cpu, master_port=port, lighthouse=address,
                                            base=os.environ) | dict(env or {})
-                    running.start(rank, _rank_tag(mesh, rank), child_argv(command), ranked_env, log_dir)
+                    start(rank, ranked_env)
             else:
                 for replica in range(mesh[0]):
                     start_replica(replica, 0)
@@ -418,13 +433,13 @@ def launch_mesh(mesh: tuple[int, int], command: list[str], *, cpu: bool, master_
 class _ReplicaJobs:
     """Restart bookkeeping of a mesh launched as one job per replica, and the store of its first start."""
 
-    def __init__(self, mesh: tuple[int, int], max_restarts: int) -> None:
+    def __init__(self, mesh: tuple[int, int], max_restarts: int, host: str) -> None:
         import torch.distributed as dist  # lazy: the launcher imports no torch for a plain launch
 
         self.mesh, self.max_restarts = mesh, max_restarts
         self.restarts = [0] * mesh[0]
-        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        self.address = f"127.0.0.1:{self.store.port}"
+        self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        self.address = f"{host}:{self.store.port}"
 
     def close(self) -> None:
         del self.store

@@ -299,3 +299,24 @@ def test_the_advertised_host_is_meshtune_host_when_set(monkeypatch):
         assert address == f"http://10.77.0.13:{port}" and port.isdigit() and plain.split("://")[1].split(":")[0] != "10.77.0.13"
     finally:
         server.shutdown()
+
+
+def test_the_checkpoint_server_a_restarted_replica_heals_from_is_named_by_meshtune_host():
+    """torchft names its checkpoint server by hostname; from another namespace that may be unreachable
+    ("Connection refused" in the heal). The mesh's managers name it by MESHTUNE_HOST, and it serves there."""
+    from datetime import timedelta
+
+    from hf_meshtune.dp_sync import _AdvertisedHTTPTransport
+
+    timeout = timedelta(seconds=10)
+    elsewhere = _AdvertisedHTTPTransport("10.77.0.13", timeout=timeout, num_chunks=0)
+    served = _AdvertisedHTTPTransport("127.0.0.1", timeout=timeout, num_chunks=0)
+    try:
+        assert elsewhere.metadata().startswith("http://10.77.0.13:") and elsewhere.metadata().endswith("/checkpoint/")
+        state = {"mesh_stage": {"step": 7, "w": torch.arange(6.0)}}
+        served.send_checkpoint(dst_ranks=[1], step=3, state_dict=state, timeout=timeout)
+        fetched = served.recv_checkpoint(src_rank=0, metadata=served.metadata(), step=3, timeout=timeout)
+        assert fetched["mesh_stage"]["step"] == 7 and torch.equal(fetched["mesh_stage"]["w"], torch.arange(6.0))
+    finally:
+        elsewhere.shutdown()
+        served.shutdown()

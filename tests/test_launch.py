@@ -266,6 +266,20 @@ def test_max_restarts_restarts_only_the_failed_replica(tmp_path: Path, capsys) -
     assert "restarting replica 1 (2/2)" in err
 
 
+def test_rank_hook_prefixes_argv_and_adds_env_per_rank(tmp_path: Path, capsys) -> None:
+    """The hook's prefix runs before the interpreter (here `env NAME=VALUE`, as `ip netns exec NS` would)."""
+    _script(tmp_path, "hooked.py", """
+        import os
+        print(os.environ["RANK"], os.environ["FROM_PREFIX"], os.environ["FROM_ENV"])
+    """)
+    def hook(rank: int):
+        return ["env", f"FROM_PREFIX=p{rank}"], {"FROM_ENV": f"e{rank}"}
+    code = launch_mesh((1, 2), [str(tmp_path / "hooked.py")], cpu=True, rank_hook=hook)
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "[r0s0] 0 p0 e0\n" in out and "[r0s1] 1 p1 e1\n" in out
+
+
 def test_a_replica_past_its_restarts_fails_the_mesh(tmp_path: Path, capsys) -> None:
     script = _script(tmp_path, "restart.py", _RESTART_SCRIPT)
     out = tmp_path / "out"

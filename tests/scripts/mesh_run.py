@@ -8,7 +8,8 @@ it by PID) and, at the end, ``OUT_DIR/result{rank}.pt``: its ``MeshResult`` with
 fragment. ``STEP_SECONDS`` in the environment paces the steps (a soak's timeline);
 ``RESTART_DELAY_S`` holds a restarted process back before it joins (a machine that takes a while to
 come back: the others meanwhile sync without it). ``CHECKPOINT_EVERY`` writes mesh checkpoints to
-OUT_DIR every that many steps (``CHECKPOINT_KEEP`` kept); ``RESUME_FROM`` continues from one.
+OUT_DIR every that many steps (``CHECKPOINT_KEEP`` kept); ``RESUME_FROM`` continues from one;
+``LINK_TIMEOUT_S`` bounds pipeline sends/receives (default 30).
 """
 
 from __future__ import annotations
@@ -49,9 +50,12 @@ def main(out: str, steps: int, overrides: dict) -> None:
     stages = int(os.environ["MESHTUNE_MESH"].lower().split("x")[1])
     cfg = MeshConfig(num_stages=stages, **{**CONFIG, **overrides})
     topology = MeshTopology.from_environment(dist.get_world_size(), stages, cfg.anchor, len(find_decoder_layers(model)[1]))
-    groups = topology.build_groups(timeout_s=30)
+    timeout = float(os.environ.get("LINK_TIMEOUT_S", "30"))
+    groups = topology.build_groups(timeout_s=timeout)
     rank, restart = groups.rank, os.environ.get("MESHTUNE_RESTART", "0")
     os.makedirs(os.path.join(out, "progress"), exist_ok=True)
+    with open(os.path.join(out, "progress", f"pid{rank}.g{restart}"), "w") as handle:  # every role, e.g. the anchor
+        handle.write(str(os.getpid()))
     pace = float(os.environ.get("STEP_SECONDS", "0"))
 
     def on_step(step: int, worker) -> None:
@@ -66,7 +70,7 @@ def main(out: str, steps: int, overrides: dict) -> None:
     keep = os.environ.get("CHECKPOINT_KEEP")
     settings = RunSettings(config=cfg, microbatch_size=MICRO, microbatches=MICROBATCHES, seq_len=SEQ, max_steps=steps,
                            lr=3e-3, lighthouse=os.environ["TORCHFT_LIGHTHOUSE"], dp_timeout_s=30.0,
-                           link_timeout_s=30.0, record_parameters=True, on_step=on_step, checkpoint_dir=out,
+                           link_timeout_s=timeout, record_parameters=True, on_step=on_step, checkpoint_dir=out,
                            checkpoint_every=int(every) if every else None, checkpoint_keep=int(keep) if keep else None,
                            resume_from=os.environ.get("RESUME_FROM") or None)
     link = dist.new_group(list(range(topology.job_world_size))) if cfg.anchor else None

@@ -1,0 +1,424 @@
+"""Soak: a mesh on emulated WAN links through a scripted series of real faults, and what it survived.
+
+    sudo bash benchmarks/reliability/soak.sh        # ~22 min on 2 cores → results/soak.json, soak.md
+    sudo .venv/bin/python -m benchmarks.reliability.soak --smoke   # ~4 min → results/soak_smoke.json
+
+Two meshes run one after the other on a star of network namespaces (``benchmarks/wan/netns.py``; 7
+nodes: the 6 ranks of a 3x2 tiny-Llama mesh and a service node where ``meshtune launch``'s lighthouse
+and store run), each rank in its own namespace, steps paced so that the faults land mid-run:
+
+* phase A, replica jobs (``--max-restarts``, no anchor), checkpoints every 20 steps: stage processes
+  SIGKILLed by PID, a link cut shorter than the pipeline timeout (the mesh waits), a link cut longer
+  than it (that replica fails, is restarted and heals), a straggler link at a tenth of the rate;
+* phase B, one world with the anchor, checkpoints every 20 steps: the anchor replica SIGSTOPped and
+  resumed, its link cut for less than the timeout, a fast process SIGKILLed (the mesh stops) and
+  the mesh resumed from its newest complete checkpoint.
+
+Reported per fault and in total: faults injected, faults survived, optimizer steps lost (steps the
+mesh recomputed after a resume; a replica kill loses none of the survivors' steps, and the steps the
+restarted replica skipped by adopting a peer's state are reported apart), checkpoints lost (a
+complete checkpoint that vanished other than by rotation or became unreadable; must be 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+
+from benchmarks.wan import netns
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+RESULTS = os.path.join(ROOT, "benchmarks", "reliability", "results")
+MESH, NODES, SERVICE = (3, 2), 6, 6
+RATE_MBIT, DELAY_MS = 50.0, 5.0
+LINK_TIMEOUT_S, CHECKPOINT_EVERY, CHECKPOINT_KEEP = 10.0, 20, 3
+STEP_SECONDS = 0.3  # pacing added to every step, so a phase lasts minutes at a modest step count
+_RESTART = re.compile(r"restarting replica (\d+)")
+
+
+@dataclass
+class Fault:
+    at_s: float  # seconds after the phase's mesh took its 5th step
+    kind: str  # kill | cut | straggler | sigstop_anchor | crash
+    target: int  # mesh rank (kill, crash) or node (cut, straggler); unused for sigstop_anchor
+    duration_s: float = 0.0
+    injected_at_step: int | None = None
+    outcome: str = "not injected (the run ended first)"
+    survived: bool = False
+    steps_lost: int = 0
+    replica_steps_skipped: int = 0
+
+
+@dataclass
+class Phase:
+    name: str
+    replica_jobs: bool
+    config: dict
+    steps: int
+    faults: list[Fault]
+    out: str = ""
+    lines: list[tuple[float, str]] = field(default_factory=list)
+    complete_seen: dict[int, float] = field(default_factory=dict)
+    checkpoints_lost: list[int] = field(default_factory=list)
+    launches: int = 0
+    wall_s: float = 0.0
+    final: dict = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------------------------
+# Watching the mesh
+# ---------------------------------------------------------------------------------------------
+def _latest(out: str, prefix: str, rank: int) -> tuple[int, str] | None:
+    """(restart generation, file text) of the newest ``progress/{prefix}{rank}.g{n}`` file."""
+    folder = os.path.join(out, "progress")
+    best = None
+    try:
+        names = os.listdir(folder)
+    except FileNotFoundError:
+        return None
+    for name in names:
+        match = re.fullmatch(rf"{prefix}{rank}\.g(\d+)", name)
+        if match and (best is None or int(match.group(1)) > best):
+            best = int(match.group(1))
+    if best is None:
+        return None
+    try:
+        with open(os.path.join(folder, f"{prefix}{rank}.g{best}")) as handle:
+            return best, handle.read()
+    except OSError:
+        return None
+
+
+def step_of(out: str, rank: int) -> tuple[int, int, int] | None:
+    """(generation, pid, step) of fast rank ``rank``'s newest process."""
+    seen = _latest(out, "r", rank)
+    if seen is None or not seen[1].strip():
+        return None
+    pid, step = seen[1].split()
+    return seen[0], int(pid), int(step)
+
+
+def pid_of(out: str, rank: int) -> int | None:
+    seen = _latest(out, "pid", rank)
+    return int(seen[1]) if seen and seen[1].strip() else None
+
+
+def fast_ranks() -> list[int]:
+    return list(range(NODES))
+
+
+class Launch:
+    """One ``benchmarks.reliability.launch`` run in the service namespace, its output timestamped."""
+
+    def __init__(self, phase: Phase, env: dict[str, str], resume_from: str | None = None) -> None:
+        argv = [*netns.exec_prefix(SERVICE), sys.executable, "-m", "benchmarks.reliability.launch",
+                "--mesh", f"{MESH[0]}x{MESH[1]}", "--out", phase.out, "--steps", str(phase.steps),
+                "--max-restarts", "3" if phase.replica_jobs else "0", "--config", json.dumps(phase.config),
+                "--service-node", str(SERVICE)]
+        full_env = {**os.environ, **env, "PYTHONPATH": ROOT, "RUST_LOG": "warn"}
+        if resume_from:
+            full_env["RESUME_FROM"] = resume_from
+        self.phase = phase
+        self.proc = subprocess.Popen(argv, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.log = open(os.path.join(phase.out, f"launcher{phase.launches}.log"), "w")
+        phase.launches += 1
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.phase.lines.append((time.monotonic(), line.rstrip("\n")))
+            self.log.write(line)
+        self.log.flush()
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        finally:
+            self.reader.join(timeout=5)
+            self.log.close()
+
+
+def _checkpoint_watch(phase: Phase, stop: threading.Event, keep: int) -> None:
+    """Every second: which checkpoints are complete; a complete one that disappears while fewer than
+    ``keep`` newer complete ones exist was lost (rotation only removes those with ``keep`` newer)."""
+    from hf_meshtune.mesh import MeshTopology
+    from hf_meshtune.mesh_checkpoint import complete_checkpoints
+
+    topology = MeshTopology(*MESH, anchor=phase.config.get("anchor", False))
+    previous: set[int] = set()
+    while not stop.is_set():
+        now = {step for step, _ in complete_checkpoints(phase.out, topology)}
+        for step in now - previous:
+            phase.complete_seen.setdefault(step, time.monotonic())
+        for step in previous - now:
+            newer = [s for s in now if s > step]
+            if len(newer) < keep:
+                phase.checkpoints_lost.append(step)
+        previous = now
+        stop.wait(1.0)
+
+
+def _verify_checkpoints(phase: Phase) -> int:
+    """Load every fast rank's file of every complete checkpoint left; count the unreadable ones."""
+    from hf_meshtune.mesh import MeshTopology
+    from hf_meshtune.mesh_checkpoint import complete_checkpoints, read_rank_state
+
+    topology = MeshTopology(*MESH, anchor=phase.config.get("anchor", False))
+    bad = 0
+    for step, path in complete_checkpoints(phase.out, topology):
+        for replica in topology.fast_replicas:
+            for stage in range(topology.stages):
+                try:
+                    state = read_rank_state(path, topology.rank(replica, stage), topology)
+                    assert state["step"] == step
+                except Exception:  # noqa: BLE001 - counted, and named in the report
+                    bad += 1
+                    phase.checkpoints_lost.append(step)
+    return bad
+
+
+# ---------------------------------------------------------------------------------------------
+# Faults
+# ---------------------------------------------------------------------------------------------
+def _fast_step(phase: Phase) -> int:
+    """Where the mesh is: the largest step any fast process has reported."""
+    fast = [r for r in range(NODES) if not (phase.config.get("anchor") and r // MESH[1] == MESH[0] - 1)]
+    steps = [seen[2] for r in fast if (seen := step_of(phase.out, r)) is not None]
+    return max(steps, default=0)
+
+
+def _restarts_since(phase: Phase, since: float) -> list[int]:
+    return [int(m.group(1)) for t, line in phase.lines if t >= since and (m := _RESTART.search(line))]
+
+
+def _await_heal(phase: Phase, replica: int, after_step: int, timeout: float) -> int | None:
+    """The step replica ``replica``'s restarted processes took over from a peer (None: not yet)."""
+    deadline = time.monotonic() + timeout
+    ranks = [replica * MESH[1] + s for s in range(MESH[1])]
+    while time.monotonic() < deadline:
+        seen = [step_of(phase.out, r) for r in ranks]
+        if all(s is not None and s[0] > 0 and s[2] > after_step for s in seen):
+            return min(s[2] for s in seen)
+        time.sleep(0.5)
+    return None
+
+
+def inject(phase: Phase, fault: Fault, launch: Launch) -> Launch:
+    """Inject one fault, judge how the mesh got through it; returns the launch that runs now."""
+    fault.injected_at_step = _fast_step(phase)
+    start = time.monotonic()
+    if fault.kind == "kill":
+        pid, replica = pid_of(phase.out, fault.target), fault.target // MESH[1]
+        os.kill(pid, signal.SIGKILL)
+        healed = _await_heal(phase, replica, fault.injected_at_step, timeout=120)
+        fault.survived = healed is not None and replica in _restarts_since(phase, start)
+        fault.replica_steps_skipped = (healed or 0) - fault.injected_at_step
+        fault.outcome = (f"rank {fault.target} (pid {pid}) SIGKILLed at step {fault.injected_at_step}; replica {replica} "
+                         f"restarted and healed from a peer at step {healed}" if fault.survived else
+                         f"rank {fault.target} SIGKILLed; replica {replica} did not heal within 120 s")
+    elif fault.kind in ("cut", "straggler"):
+        before = _fast_step(phase)
+        if fault.kind == "cut":
+            netns.set_link(fault.target, False)
+        else:
+            netns.set_rate(fault.target, RATE_MBIT / 10)
+        time.sleep(fault.duration_s)
+        during = _fast_step(phase) - before
+        netns.set_link(fault.target, True) if fault.kind == "cut" else netns.set_rate(fault.target, RATE_MBIT)
+        time.sleep(LINK_TIMEOUT_S + 5)
+        restarted = sorted(set(_restarts_since(phase, start)))
+        healed = [_await_heal(phase, r, fault.injected_at_step, timeout=120) for r in restarted]
+        moving = _fast_step(phase) > fault.injected_at_step
+        fault.survived = moving and all(h is not None for h in healed) and launch.proc.poll() in (None, 0)
+        what = "link cut" if fault.kind == "cut" else "link at a tenth of the rate"
+        how = (f"replica(s) {restarted} failed past the {LINK_TIMEOUT_S:.0f} s timeout, were restarted and healed at "
+               f"step(s) {healed}" if restarted else "no process failed; the mesh waited it out")
+        fault.outcome = f"node {fault.target}: {what} for {fault.duration_s:.0f} s ({during} fast steps meanwhile); {how}"
+        fault.replica_steps_skipped = sum((h or 0) - fault.injected_at_step for h in healed)
+    elif fault.kind == "sigstop_anchor":
+        pids = [pid_of(phase.out, r) for r in range(NODES - MESH[1], NODES)]
+        before = _fast_step(phase)
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        time.sleep(fault.duration_s)
+        during = _fast_step(phase) - before
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+        fault.survived = during > 0 and launch.proc.poll() in (None, 0)
+        fault.outcome = (f"anchor replica (pids {pids}) SIGSTOPped for {fault.duration_s:.0f} s: the fast circuit took "
+                         f"{during} steps meanwhile; SIGCONT")
+    elif fault.kind == "crash":
+        pid = pid_of(phase.out, fault.target)
+        os.kill(pid, signal.SIGKILL)
+        code = launch.wait(timeout=120)
+        from hf_meshtune.mesh import MeshTopology
+        from hf_meshtune.mesh_checkpoint import latest_complete_checkpoint
+
+        crashed_at = _fast_step(phase)
+        checkpoint = latest_complete_checkpoint(phase.out, MeshTopology(*MESH, anchor=phase.config.get("anchor", False)))
+        resumed_from = int(checkpoint.rsplit("-", 1)[1]) if checkpoint else 0
+        launch = Launch(phase, _env(phase), resume_from=checkpoint)
+        fault.steps_lost = crashed_at - resumed_from
+        fault.survived = checkpoint is not None and code != 0
+        fault.outcome = (f"rank {fault.target} (pid {pid}) SIGKILLed at step {crashed_at}: the mesh stopped (exit {code}); "
+                         f"relaunched from {os.path.basename(checkpoint or 'nothing')}, recomputing {fault.steps_lost} steps")
+    else:
+        raise ValueError(f"fault kind={fault.kind!r} is invalid: it must be kill, cut, straggler, sigstop_anchor or crash")
+    print(f"[soak {phase.name}] {fault.kind}: {fault.outcome} → {'survived' if fault.survived else 'NOT survived'}", flush=True)
+    return launch
+
+
+def _env(phase: Phase) -> dict[str, str]:
+    return {"STEP_SECONDS": str(STEP_SECONDS), "CHECKPOINT_EVERY": str(CHECKPOINT_EVERY), "CHECKPOINT_KEEP": str(CHECKPOINT_KEEP),
+            "LINK_TIMEOUT_S": str(LINK_TIMEOUT_S), "RESTART_DELAY_S": "5"}
+
+
+def run_phase(phase: Phase) -> None:
+    os.makedirs(phase.out, exist_ok=True)
+    stop = threading.Event()
+    watcher = threading.Thread(target=_checkpoint_watch, args=(phase, stop, CHECKPOINT_KEEP), daemon=True)
+    watcher.start()
+    start = time.monotonic()
+    launch = Launch(phase, _env(phase))
+    while _fast_step(phase) < 5:
+        if launch.proc.poll() is not None:
+            raise RuntimeError(f"phase {phase.name}: the mesh exited with {launch.proc.returncode} before step 5; "
+                               f"see {phase.out}/launcher0.log")
+        time.sleep(0.5)
+    t0 = time.monotonic()
+    for fault in sorted(phase.faults, key=lambda f: f.at_s):
+        while time.monotonic() - t0 < fault.at_s and launch.proc.poll() is None:
+            time.sleep(0.2)
+        if launch.proc.poll() is not None:
+            break
+        launch = inject(phase, fault, launch)
+    code = launch.wait(timeout=3600)
+    phase.wall_s = time.monotonic() - start
+    stop.set()
+    watcher.join()
+    unreadable = _verify_checkpoints(phase)
+    phase.final = _final(phase, code, unreadable)
+    if code != 0:
+        for fault in phase.faults:
+            fault.survived = False
+
+
+def _final(phase: Phase, code: int, unreadable: int) -> dict:
+    import torch
+
+    results = []
+    for rank in range(NODES):
+        try:
+            results.append(torch.load(os.path.join(phase.out, f"result{rank}.pt"), weights_only=False))
+        except OSError:
+            results.append(None)
+    fast = [r for r in results if r is not None and r.role == "fast"]
+    equal = None
+    if fast and all(r.global_params is not None for r in fast):
+        equal = all(all(torch.equal(a, b) for a, b in zip(fast[0 if r.stage == 0 else 1].global_params, r.global_params))
+                    for r in fast)
+    losses = [r.losses for r in fast if r.losses]
+    return {"exit_code": code, "steps": phase.steps, "fast_steps_done": [r.steps for r in fast],
+            "identical_theta_global_across_replicas": equal, "unreadable_checkpoint_files": unreadable,
+            "complete_checkpoints_seen": sorted(phase.complete_seen),
+            "first_last_loss": [[round(x[0], 3), round(x[-1], 3)] for x in losses],
+            "heals_in_final_processes": [r.heals for r in fast], "launches": phase.launches}
+
+
+# ---------------------------------------------------------------------------------------------
+# The two phases and the report
+# ---------------------------------------------------------------------------------------------
+def phases(smoke: bool, out: str) -> list[Phase]:
+    if smoke:
+        a = [Fault(15, "kill", 3), Fault(50, "cut", 4, 3.0)]
+        b = [Fault(15, "sigstop_anchor", 0, 8.0), Fault(40, "crash", 1)]
+        steps_a, steps_b = 260, 200
+    else:
+        a = [Fault(45, "kill", 3), Fault(120, "cut", 4, 4.0), Fault(190, "straggler", 2, 30.0), Fault(280, "kill", 4),
+             Fault(370, "cut", 1, 25.0), Fault(480, "kill", 0), Fault(560, "cut", 3, 3.0)]
+        b = [Fault(40, "sigstop_anchor", 0, 20.0), Fault(110, "cut", 4, 5.0), Fault(170, "sigstop_anchor", 0, 20.0),
+             Fault(240, "crash", 1), Fault(330, "sigstop_anchor", 0, 10.0)]
+        steps_a, steps_b = 1100, 900
+    anchor = {"anchor": True, "anchor_every": 4, "anchor_delay": 0, "spectral_tau": 1e-3, "anchor_max_staleness": 40}
+    return [Phase("A", True, {"anchor": False}, steps_a, a, out=os.path.join(out, "phase_a")),
+            Phase("B", False, anchor, steps_b, b, out=os.path.join(out, "phase_b"))]
+
+
+def report(ran: list[Phase]) -> dict:
+    faults = [(p.name, f) for p in ran for f in p.faults]
+    injected = [f for _, f in faults if f.injected_at_step is not None]
+    return {
+        "setup": {"mesh": f"{MESH[0]}x{MESH[1]}", "model": "tiny Llama (H=64, 4 layers)", "rate_mbit": RATE_MBIT,
+                  "delay_ms": DELAY_MS, "link_timeout_s": LINK_TIMEOUT_S, "checkpoint_every": CHECKPOINT_EVERY,
+                  "checkpoint_keep": CHECKPOINT_KEEP, "step_pacing_s": STEP_SECONDS},
+        "faults_injected": len(injected),
+        "faults_survived": sum(f.survived for f in injected),
+        "optimizer_steps_lost": sum(f.steps_lost for f in injected),
+        "replica_steps_skipped_by_healing": sum(f.replica_steps_skipped for f in injected),
+        "checkpoints_lost": sum(len(p.checkpoints_lost) for p in ran),
+        "wall_minutes": round(sum(p.wall_s for p in ran) / 60, 1),
+        "phases": [{"name": p.name, "replica_jobs": p.replica_jobs, "config": p.config, "wall_s": round(p.wall_s, 1),
+                    "checkpoints_lost": p.checkpoints_lost, **p.final,
+                    "faults": [asdict(f) for f in p.faults]} for p in ran],
+    }
+
+
+def markdown(summary: dict) -> str:
+    lines = ["# Soak", "", f"{summary['wall_minutes']} min on 2 CPU cores; `sudo bash benchmarks/reliability/soak.sh`.", "",
+             "| faults injected | survived | optimizer steps lost | replica steps skipped by healing | checkpoints lost |",
+             "|---:|---:|---:|---:|---:|",
+             f"| {summary['faults_injected']} | {summary['faults_survived']} | {summary['optimizer_steps_lost']} | "
+             f"{summary['replica_steps_skipped_by_healing']} | {summary['checkpoints_lost']} |", "",
+             "| phase | fault | at step | survived | outcome |", "|---|---|---:|---|---|"]
+    for phase in summary["phases"]:
+        for f in phase["faults"]:
+            lines.append(f"| {phase['name']} | {f['kind']} | {f['injected_at_step']} | {'yes' if f['survived'] else 'no'} | "
+                         f"{f['outcome']} |")
+    lines += ["", "Setup: " + json.dumps(summary["setup"]), ""]
+    for phase in summary["phases"]:
+        lines.append(f"Phase {phase['name']}: exit {phase['exit_code']}, {phase['launches']} launch(es), "
+                     f"{phase['wall_s']} s, identical θ_global across replicas: {phase['identical_theta_global_across_replicas']}, "
+                     f"complete checkpoints seen: {len(phase['complete_checkpoints_seen'])}, first/last loss per fast "
+                     f"last stage: {phase['first_last_loss']}.")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.reliability.soak", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="two short phases (~4 min)")
+    parser.add_argument("--out", default=os.path.join(ROOT, ".cache", "soak"))
+    args = parser.parse_args(argv)
+    netns.up(NODES + 1, RATE_MBIT, DELAY_MS)
+    try:
+        ran = phases(args.smoke, args.out)
+        for phase in ran:
+            if os.path.isdir(phase.out):
+                import shutil
+
+                shutil.rmtree(phase.out)
+            run_phase(phase)
+    finally:
+        netns.down()
+    summary = report(ran)
+    os.makedirs(RESULTS, exist_ok=True)
+    name = "soak_smoke" if args.smoke else "soak"
+    with open(os.path.join(RESULTS, f"{name}.json"), "w") as handle:
+        json.dump(summary, handle, indent=2)
+    with open(os.path.join(RESULTS, f"{name}.md"), "w") as handle:
+        handle.write(markdown(summary))
+    print(markdown(summary))
+    ok = summary["faults_survived"] == summary["faults_injected"] and summary["checkpoints_lost"] == 0
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
