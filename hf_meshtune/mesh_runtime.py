@@ -759,6 +759,7 @@ def run_worker(model: nn.Module, topology: MeshTopology, pp_group, link_group, s
 
     store = dist.distributed_c10d._get_default_store()
     store.set(_host_key(rank), advertised_host())  # every rank's address, for link errors
+    _require_same_settings(store, topology, rank, settings)
     if topology.is_anchor(rank):
         require(anchor_batches is not None, "anchor_batches", None, "be given on the anchor replica")
         worker = AnchorWorker(model, topology, pp_group, link_group, settings, anchor_batches, rank)
@@ -775,6 +776,48 @@ def run_worker(model: nn.Module, topology: MeshTopology, pp_group, link_group, s
 
 
 JOB_STORE_ENV, RESTART_ENV = "MESHTUNE_JOB_STORE", "MESHTUNE_RESTART"
+
+# What every process of a mesh must agree on besides its shape (which ``MeshTopology`` checks): the
+# knobs (masks, anchor, DiLoCo, filter) and the step's shapes, schedule and optimizer.
+_SHARED_SETTINGS = ("microbatch_size", "microbatches", "seq_len", "max_steps", "lr", "betas", "eps", "weight_decay",
+                    "max_grad_norm", "dp_mode", "checkpoint_every")
+
+
+def _settings_of(settings: RunSettings) -> dict:
+    import dataclasses
+    import json
+
+    values = {f"config.{k}": v for k, v in dataclasses.asdict(settings.config).items()}
+    values.update({k: getattr(settings, k) for k in _SHARED_SETTINGS})
+    return json.loads(json.dumps(values))  # tuples as lists, as they come back from the store
+
+
+def _require_same_settings(store, topology: MeshTopology, rank: int, settings: RunSettings) -> None:
+    """Every process of a world reads every process's settings and compares them with the first one's,
+    so a rank started with another mask_ratio, sync period or batch shape fails the whole world with
+    one message naming the field, the rank and both values, instead of training something else. In
+    replica jobs with the launcher's store, each process also compares itself with mesh rank 0."""
+    import json
+
+    key = "hf_meshtune/settings/{}".format
+    timeout = timedelta(seconds=settings.dp_timeout_s)
+    text = json.dumps(_settings_of(settings))
+    store.set(key(rank), text)
+    world = [topology.mesh_rank(r) for r in range(topology.job_world_size)]
+    store.wait([key(r) for r in world], timeout)
+    checks = [(world[0], [(r, json.loads(store.get(key(r)))) for r in world[1:]], store)]
+    shared = job_store(settings.dp_timeout_s) if topology.job_replica is not None else None
+    if shared is not None:
+        shared.set(key(rank), text)
+        checks.append((0, [(rank, json.loads(text))], shared))
+    for reference, others, where in checks:
+        where.wait([key(reference)], timeout)
+        theirs = json.loads(where.get(key(reference)))
+        for other, values in others:
+            for name, value in values.items():
+                require(theirs.get(name) == value, f"{name} (rank {other})", value,
+                        f"equal rank {reference}'s {theirs.get(name)!r}: every process of the mesh runs with the same "
+                        "settings (check that rank's command line and environment)")
 
 
 def job_store(timeout_s: float) -> dist.TCPStore | None:

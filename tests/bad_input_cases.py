@@ -344,6 +344,24 @@ def replica_job(world_size: int, num_stages: int, mesh: str | None, replica: str
     return trigger
 
 
+def _ranks_with_different_knobs() -> None:
+    """What every rank of a 2x2 world sees when rank 1's settings differ (a store holding all four)."""
+    import json
+
+    import torch.distributed as dist
+
+    from hf_meshtune.mesh_runtime import RunSettings, _require_same_settings, _settings_of
+
+    def settings(ratio: float) -> RunSettings:
+        return RunSettings(config=MeshConfig(anchor=False, num_stages=2, mask_ratio=ratio), microbatch_size=1,
+                           microbatches=1, seq_len=8, max_steps=1, dp_timeout_s=1.0)
+
+    store = dist.HashStore()
+    for rank in (0, 2, 3):
+        store.set(f"hf_meshtune/settings/{rank}", json.dumps(_settings_of(settings(0.9))))
+    _require_same_settings(store, MeshTopology(2, 2, anchor=False), 1, settings(0.95))
+
+
 def _allreduce_in_replica_job() -> None:
     from hf_meshtune.mesh_runtime import RunSettings, run_worker
 
@@ -1053,6 +1071,10 @@ def _cases() -> list[Case]:
              "`MeshTopology.from_environment` (every rank)", from_environment(6, 4, None), ValueError,
              "num_stages=4 is invalid: it must divide the world size 6 (X = world size / Y replicas of Y stages)"),
 
+        Case(RANKS, "rank 1 started with mask_ratio=0.95, the others with 0.9", "`mesh_runtime.run_worker` (every rank)",
+             _ranks_with_different_knobs, ValueError,
+             "config.mask_ratio (rank 1)=0.95 is invalid: it must equal rank 0's 0.9: every process of the mesh runs with "
+             "the same settings (check that rank's command line and environment)"),
         Case(RANKS, "MESHTUNE_REPLICA=1 without MESHTUNE_MESH", "`MeshTopology.from_environment` (every rank)",
              replica_job(2, 2, None, "1"), ValueError,
              "MESHTUNE_MESH=None is invalid: it must be set (XxY) when MESHTUNE_REPLICA is: a replica job needs the "

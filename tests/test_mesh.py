@@ -62,6 +62,29 @@ def test_a_mismatched_mesh_fails_on_every_rank_without_a_hang(launcher):
     assert len(set(messages)) == 1 and "world_size=3 is invalid" in messages[0]
 
 
+def _knob_worker(rank: int, world: int) -> str:
+    """Rank 2 was started with mask_ratio 0.95, the others with 0.9."""
+    from hf_meshtune.mesh_runtime import run_worker
+
+    topology = MeshTopology(2, 2, anchor=False)
+    groups = topology.build_groups()
+    cfg = MeshConfig(num_stages=2, anchor=False, mask_ratio=0.95 if rank == 2 else 0.9)
+    settings = RunSettings(config=cfg, microbatch_size=MICRO, microbatches=MICROBATCHES, seq_len=SEQ, max_steps=1,
+                           lighthouse="http://127.0.0.1:1", dp_timeout_s=20.0)
+    try:
+        run_worker(tiny_llama(seed=0, layers=LAYERS, hidden=HIDDEN), topology, groups.pp_group, None, settings, _batches(0))
+    except ValueError as error:
+        return str(error)
+    return "started"
+
+
+def test_ranks_started_with_different_knobs_all_fail_naming_the_field_and_both_values(launcher):
+    messages = launcher(_knob_worker, 4, timeout=90)
+    assert len(set(messages)) == 1, messages
+    assert messages[0] == ("config.mask_ratio (rank 2)=0.95 is invalid: it must equal rank 0's 0.9: every process of "
+                           "the mesh runs with the same settings (check that rank's command line and environment)")
+
+
 # ---------------------------------------------------------------------------------------------
 # A real 3×2 mesh
 # ---------------------------------------------------------------------------------------------
