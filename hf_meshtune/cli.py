@@ -31,8 +31,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.handler(args)
     except ValueError as err:
-        print(f"meshtune {args.command}: error: {err}", file=sys.stderr)
+        print(f"meshtune {args.command}: error: {_as_flag(parser, args.command, str(err))}", file=sys.stderr)
         return 2
+
+
+def _as_flag(parser: argparse.ArgumentParser, command: str, message: str) -> str:
+    """A library message about field ``name=value`` speaks of the flag the user typed: ``--flag=value``."""
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for action in subparsers.choices[command]._actions:
+        longs = [o for o in action.option_strings if o.startswith("--")]
+        if longs and message.startswith(f"{action.dest}="):
+            return longs[0] + message[len(action.dest):]
+    return message
 
 
 def build_parser() -> argparse.ArgumentParser:

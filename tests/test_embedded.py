@@ -67,9 +67,9 @@ def test_demo_runs_end_to_end_through_the_cli(tmp_path, capsys):
 
 def test_demo_rejects_bad_settings(capsys):
     assert main(["demo", "--max-steps", "0"]) == 2
-    assert "max_steps=0 is invalid: it must be >= 1" in capsys.readouterr().err
+    assert "--max-steps=0 is invalid: it must be >= 1" in capsys.readouterr().err
     assert main(["demo", "--seq-len", "8", "--max-steps", "1"]) == 2
-    assert "seq_len=8 is invalid: it must leave answer tokens" in capsys.readouterr().err
+    assert "--seq-len=8 is invalid: it must leave answer tokens" in capsys.readouterr().err
 
 
 def test_freeze_and_settings_reject_bad_values(smollm2):

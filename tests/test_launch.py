@@ -158,14 +158,14 @@ def test_local_lighthouse_answers_a_torchft_client_and_stops() -> None:
 
 
 @pytest.mark.parametrize(("args", "needles"), [
-    (["--mesh", "3x0"], ["mesh='3x0'", "X >= 1 replicas and Y >= 1 stages"]),
-    (["--mesh", "abc"], ["mesh='abc'", "be XxY"]),
+    (["--mesh", "3x0"], ["--mesh='3x0'", "X >= 1 replicas and Y >= 1 stages"]),
+    (["--mesh", "abc"], ["--mesh='abc'", "be XxY"]),
     (["--mesh", "2x2", "--"], ["script=''", "be given after `--`"]),
     (["--mesh", "2x2", "--", "no_such_script.py"], ["script='no_such_script.py'", "existing Python file"]),
-    (["--mesh", "2x2", "--lighthouse", "nowhere", "--", __file__], ["lighthouse='nowhere'", "host:port"]),
-    (["--mesh", "2x2", "--max-restarts", "-1", "--", __file__], ["max_restarts=-1", "integer >= 0"]),
+    (["--mesh", "2x2", "--lighthouse", "nowhere", "--", __file__], ["--lighthouse='nowhere'", "host:port"]),
+    (["--mesh", "2x2", "--max-restarts", "-1", "--", __file__], ["--max-restarts=-1", "integer >= 0"]),
     (["--mesh", "2x2", "--max-restarts", "1", "--master-port", "2900", "--", __file__],
-     ["master_port=2900", "unset with max_restarts > 0"]),
+     ["--master-port=2900", "unset with max_restarts > 0"]),
 ])
 def test_bad_input_exits_2_naming_field_value_and_rule(args, needles, capsys) -> None:
     assert cli.main(["launch", *args]) == 2
@@ -243,6 +243,12 @@ restart = int(os.environ["MESHTUNE_RESTART"])
 with open(os.path.join(out, "start%d.g%d" % (mesh_rank, restart)), "w") as f:
     f.write("%s %s" % (os.environ["MASTER_PORT"], os.environ["MESHTUNE_JOB_STORE"]))
 if mesh_rank == fail and restart < fails:
+    stages = int(os.environ["WORLD_SIZE"])
+    first = mesh_rank - mesh_rank % stages
+    mates = [os.path.join(out, "start%d.g%d" % (r, restart)) for r in range(first, first + stages)]
+    deadline = time.time() + 30
+    while not all(os.path.exists(m) for m in mates) and time.time() < deadline:  # they started: now fail
+        time.sleep(0.02)
     sys.exit(3)
 time.sleep(1.5)
 """

@@ -240,13 +240,13 @@ def test_cli_default_table_has_paper_column(capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--mesh", "0x4"], "mesh='0x4' is invalid: it must"),
+    (["--mesh", "0x4"], "--mesh='0x4' is invalid: it must"),
     (["--mesh", "1x4"], "num_replicas=1 is invalid: it must"),
-    (["--anchor-payload", "svd"], "anchor_payload='svd' is invalid: it must"),
-    (["--rows", "Dense,M99"], "rows='M99' is invalid: it must"),
-    (["--preset", "gpt-5"], "preset='gpt-5' is invalid: it must"),
-    (["--rows", ","], "rows=',' is invalid: it must name at least one of"),
-    (["--config", "/nonexistent/model"], "config='/nonexistent/model' is invalid: it must be an existing config.json"),
+    (["--anchor-payload", "svd"], "--anchor-payload='svd' is invalid: it must"),
+    (["--rows", "Dense,M99"], "--rows='M99' is invalid: it must"),
+    (["--preset", "gpt-5"], "--preset='gpt-5' is invalid: it must"),
+    (["--rows", ","], "--rows=',' is invalid: it must name at least one of"),
+    (["--config", "/nonexistent/model"], "--config='/nonexistent/model' is invalid: it must be an existing config.json"),
 ])
 def test_cli_bad_values_exit_2_with_message(capsys, argv, message):
     assert main(["ledger", *argv]) == 2
