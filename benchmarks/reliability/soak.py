@@ -1,7 +1,7 @@
 """Soak: a mesh on emulated WAN links through a scripted series of real faults, and what it survived.
 
-    sudo bash benchmarks/reliability/soak.sh        # ~22 min on 2 cores → results/soak.json, soak.md
-    sudo .venv/bin/python -m benchmarks.reliability.soak --smoke   # ~4 min → results/soak_smoke.json
+    sudo bash benchmarks/reliability/soak.sh        # ~20 min on 2 cores → results/soak.{json,md,png}
+    sudo .venv/bin/python -m benchmarks.reliability.soak --smoke   # ~5 min → results/soak_smoke.*
 
 Two meshes run one after the other on a star of network namespaces (``benchmarks/wan/netns.py``; 7
 nodes: the 6 ranks of a 3x2 tiny-Llama mesh and a service node where ``meshtune launch``'s lighthouse
@@ -71,6 +71,8 @@ class Phase:
     launches: int = 0
     wall_s: float = 0.0
     final: dict = field(default_factory=dict)
+    timeline: list[list[float]] = field(default_factory=list)  # [seconds, step of every rank (-1: none)] each second
+    fault_windows: list[tuple[float, float, str]] = field(default_factory=list)  # (start s, end s, kind)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -145,6 +147,14 @@ class Launch:
         finally:
             self.reader.join(timeout=5)
             self.log.close()
+
+
+def _sample_steps(phase: Phase, stop: threading.Event, start: float) -> None:
+    """Every second: the step every rank's newest process has reported (the plot's timeline)."""
+    while not stop.is_set():
+        steps = [float(seen[2]) if (seen := step_of(phase.out, r)) is not None else -1.0 for r in range(NODES)]
+        phase.timeline.append([round(time.monotonic() - start, 1), *steps])
+        stop.wait(1.0)
 
 
 def _checkpoint_watch(phase: Phase, stop: threading.Event, keep: int) -> None:
@@ -288,6 +298,8 @@ def run_phase(phase: Phase) -> None:
     watcher = threading.Thread(target=_checkpoint_watch, args=(phase, stop, CHECKPOINT_KEEP), daemon=True)
     watcher.start()
     start = time.monotonic()
+    sampler = threading.Thread(target=_sample_steps, args=(phase, stop, start), daemon=True)
+    sampler.start()
     launch = Launch(phase, _env(phase))
     while _fast_step(phase) < 5:
         if launch.proc.poll() is not None:
@@ -300,11 +312,14 @@ def run_phase(phase: Phase) -> None:
             time.sleep(0.2)
         if launch.proc.poll() is not None:
             break
+        began = time.monotonic() - start
         launch = inject(phase, fault, launch)
+        phase.fault_windows.append((round(began, 1), round(began + max(fault.duration_s, 1.0), 1), fault.kind))
     code = launch.wait(timeout=3600)
     phase.wall_s = time.monotonic() - start
     stop.set()
     watcher.join()
+    sampler.join()
     unreadable = _verify_checkpoints(phase)
     phase.final = _final(phase, code, unreadable)
     if code != 0:
@@ -368,8 +383,37 @@ def report(ran: list[Phase]) -> dict:
         "wall_minutes": round(sum(p.wall_s for p in ran) / 60, 1),
         "phases": [{"name": p.name, "replica_jobs": p.replica_jobs, "config": p.config, "wall_s": round(p.wall_s, 1),
                     "checkpoints_lost": p.checkpoints_lost, **p.final,
-                    "faults": [asdict(f) for f in p.faults]} for p in ran],
+                    "faults": [asdict(f) for f in p.faults], "fault_windows": p.fault_windows,
+                    "timeline": p.timeline} for p in ran],
     }
+
+
+def plot(summary: dict, path: str) -> None:
+    """Step of every fast replica against time, one panel per phase, the faults shaded and named."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(summary["phases"]), 1, figsize=(10, 3.6 * len(summary["phases"])), squeeze=False)
+    for ax, phase in zip(axes[:, 0], summary["phases"]):
+        rows = phase["timeline"]
+        if not rows:
+            continue
+        anchor = phase["config"].get("anchor")
+        for replica in range(MESH[0] - 1 if anchor else MESH[0]):  # the anchor reports no fast steps
+            rank = replica * MESH[1] + MESH[1] - 1  # its last stage (the stages of a replica step together)
+            points = [(row[0], row[1 + rank]) for row in rows if row[1 + rank] >= 0]
+            ax.plot([t for t, _ in points], [s for _, s in points], lw=1.2, label=f"replica {replica} (rank {rank})")
+        for begin, end, kind in phase["fault_windows"]:
+            ax.axvspan(begin, end, color="tab:red", alpha=0.15)
+            ax.text(begin, ax.get_ylim()[1] * 0.97, kind, rotation=90, va="top", fontsize=7)
+        mode = "replica jobs, no anchor" if phase["replica_jobs"] else "one world, anchor on"
+        ax.set(title=f"phase {phase['name']} ({mode})", xlabel="seconds", ylabel="fast step")
+        ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def markdown(summary: dict) -> str:
@@ -415,6 +459,7 @@ def main(argv: list[str] | None = None) -> int:
         json.dump(summary, handle, indent=2)
     with open(os.path.join(RESULTS, f"{name}.md"), "w") as handle:
         handle.write(markdown(summary))
+    plot(summary, os.path.join(RESULTS, f"{name}.png"))
     print(markdown(summary))
     ok = summary["faults_survived"] == summary["faults_injected"] and summary["checkpoints_lost"] == 0
     return 0 if ok else 1
