@@ -178,7 +178,7 @@ def _add_launch_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "launch", help="start a local X×Y mesh of processes running one script",
         usage="meshtune launch --mesh XxY [--cpu] [--master-port P] [--lighthouse ADDR] "
-              "[--log-dir DIR] [--max-restarts N] -- SCRIPT [ARGS...]",
+              "[--log-dir DIR] [--max-restarts N] [--optional-replica R] -- SCRIPT [ARGS...]",
         description="Start X·Y processes `python SCRIPT ARGS` (or `python -m MOD ARGS`) with the torchrun "
                     "environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), "
                     "MESHTUNE_MESH=XxY and TORCHFT_LIGHTHOUSE. Rank r is replica r // Y, stage r % Y; its "
@@ -195,6 +195,9 @@ def _add_launch_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-restarts", type=int, default=0,
                    help="restarts per replica; > 0 runs every replica as its own job (needs --no-anchor) so a "
                         "failed one is restarted and heals from the others (default 0: the first failure stops the mesh)")
+    p.add_argument("--optional-replica", dest="optional_replicas", type=int, action="append", default=[], metavar="R",
+                   help="a replica whose failure does not stop the others, e.g. the anchor replica X-1 "
+                        "(repeatable; its remaining processes are stopped)")
     p.add_argument("script", nargs=argparse.REMAINDER, metavar="-- SCRIPT [ARGS...]",
                    help="a Python file or `-m module`, then its arguments")
     p.set_defaults(handler=run_launch)
@@ -206,7 +209,8 @@ def run_launch(args: argparse.Namespace) -> int:
 
     command = args.script[1:] if args.script[:1] == ["--"] else args.script  # `args.command` is "launch"
     return launch_mesh(_parse_mesh(args.mesh), command, cpu=args.cpu, master_port=args.master_port,
-                       lighthouse=args.lighthouse, log_dir=args.log_dir, max_restarts=args.max_restarts)
+                       lighthouse=args.lighthouse, log_dir=args.log_dir, max_restarts=args.max_restarts,
+                       optional_replicas=args.optional_replicas)
 
 
 # ---------------------------------------------------------------------------------------------------

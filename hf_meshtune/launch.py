@@ -18,7 +18,11 @@ processes of replica r are stopped and the whole replica starts again on a fresh
 is one unit), at most ``max_restarts`` times per replica, like torchrun's ``--max_restarts`` for one
 replica group; the other replicas keep training and the restarted one heals from them through torchft.
 
-Failure semantics: the first child to exit non-zero (past its replica's restarts) stops the mesh: the others get SIGTERM, then
+Optional replicas (``optional_replicas``, ``meshtune launch --optional-replica R``): a failure there
+stops only that replica (the anchor replica: the fast circuit trains on without it).
+
+Failure semantics: the first child to exit non-zero (past its replica's restarts, outside the
+optional replicas) stops the mesh: the others get SIGTERM, then
 SIGKILL after ``grace_s``, and the launcher returns that child's code (128+signal if it was killed by
 a signal). SIGINT/SIGTERM to the launcher do the same and return 130/143. Children run in their own
 sessions, and the launcher signals whole process groups, so workers they spawned (data loaders, a
@@ -359,7 +363,8 @@ RankHook = Callable[[int], "tuple[list[str], dict[str, str]]"]
 def launch_mesh(mesh: tuple[int, int], command: list[str], *, cpu: bool, master_port: int | None = None,
                 lighthouse: str | None = None, log_dir: str | None = None,
                 env: dict[str, str] | None = None, grace_s: float = DEFAULT_GRACE_S, max_restarts: int = 0,
-                host: str = "127.0.0.1", rank_hook: RankHook | None = None) -> int:
+                host: str = "127.0.0.1", rank_hook: RankHook | None = None,
+                optional_replicas: Sequence[int] = ()) -> int:
     """Run ``python *command`` as every rank of a local X × Y mesh; return the mesh's exit code.
 
     ``mesh`` is (X replicas, Y stages) → X·Y processes; rank r is replica r // Y, stage r % Y.
@@ -373,7 +378,9 @@ def launch_mesh(mesh: tuple[int, int], command: list[str], *, cpu: bool, master_
     address the launcher's lighthouse and store listen on and advertise (loopback by default; the
     address of an interface the children reach when they run elsewhere). ``rank_hook(rank)`` →
     ``(argv prefix, env)`` for one rank, applied last (e.g. ``ip netns exec NS`` and its MASTER_ADDR
-    and MESHTUNE_HOST when ranks run in network namespaces). Returns 0 when
+    and MESHTUNE_HOST when ranks run in network namespaces). ``optional_replicas``: replicas whose
+    failure does not stop the others (the anchor replica X-1: the fast circuit trains on without it;
+    its remaining processes are stopped). Returns 0 when
     every child exits 0, else the code of the child that failed first (128+s if signal s killed it),
     or 130/143 after SIGINT/SIGTERM.
 
@@ -383,6 +390,9 @@ def launch_mesh(mesh: tuple[int, int], command: list[str], *, cpu: bool, master_
     _validate(mesh, command, master_port, lighthouse)
     require(isinstance(max_restarts, int) and not isinstance(max_restarts, bool) and max_restarts >= 0,
             "max_restarts", max_restarts, "be an integer >= 0 (restarts per replica)")
+    optional = list(optional_replicas)
+    require(all(isinstance(r, int) and 0 <= r < mesh[0] for r in optional), "optional_replicas", optional,
+            f"name replicas in [0, {mesh[0]}) of the {mesh[0]}x{mesh[1]} mesh")
     require(max_restarts == 0 or master_port is None, "master_port", master_port,
             "be unset with max_restarts > 0 (every replica, and every restart of one, gets a free port of its own)")
     if log_dir is not None:
@@ -420,7 +430,7 @@ def launch_mesh(mesh: tuple[int, int], command: list[str], *, cpu: bool, master_
             else:
                 for replica in range(mesh[0]):
                     start_replica(replica, 0)
-            return _supervise(running, trap, jobs, start_replica)
+            return _supervise(running, trap, mesh, jobs, start_replica, optional_replicas)
         finally:
             running.stop()
             progress.close()
@@ -445,10 +455,10 @@ class _ReplicaJobs:
         del self.store
 
 
-def _supervise(running: _Mesh, trap: _SignalTrap, jobs: _ReplicaJobs | None = None,
-               start_replica: Callable[[int, int], None] | None = None) -> int:
-    """Wait until every child is done, a child fails (past its replica's restarts) or a signal
-    arrives; the mesh's exit code."""
+def _supervise(running: _Mesh, trap: _SignalTrap, mesh: tuple[int, int], jobs: _ReplicaJobs | None = None,
+               start_replica: Callable[[int, int], None] | None = None, optional: Sequence[int] = ()) -> int:
+    """Wait until every child is done, a child fails (past its replica's restarts, outside the
+    optional replicas) or a signal arrives; the mesh's exit code."""
     done: set[int] = set()  # id() of the children whose exit 0 was seen
     while any(id(c) not in done for c in running.children if not c.retired):
         if trap.signum is not None:
@@ -462,16 +472,23 @@ def _supervise(running: _Mesh, trap: _SignalTrap, jobs: _ReplicaJobs | None = No
         if code == 0 or child.retired:
             done.add(id(child))
             continue
-        replica = child.rank // (jobs.mesh[1] if jobs else 1)
-        if jobs is None or jobs.restarts[replica] >= jobs.max_restarts:
+        replica = child.rank // mesh[1]
+        mates = [c for c in running.children if not c.retired and c.rank // mesh[1] == replica]
+        if jobs is not None and jobs.restarts[replica] < jobs.max_restarts:
+            jobs.restarts[replica] += 1
+            for mate in mates:
+                mate.retired = True
+            _say(f"rank {child.rank} ({child.tag}) failed with exit code {code}: restarting replica {replica} "
+                 f"({jobs.restarts[replica]}/{jobs.max_restarts}); the other replicas go on")
+            running.stop(mates)
+            start_replica(replica, jobs.restarts[replica])
+        elif replica in optional:
+            for mate in mates:
+                mate.retired = True
+            _say(f"rank {child.rank} ({child.tag}) failed with exit code {code}: optional replica {replica} is "
+                 "lost; the other replicas go on")
+            running.stop(mates)
+        else:
             _say(f"rank {child.rank} ({child.tag}) failed first with exit code {code}; stopping the others")
             return code
-        jobs.restarts[replica] += 1
-        mates = [c for c in running.children if not c.retired and c.rank // jobs.mesh[1] == replica]
-        for mate in mates:
-            mate.retired = True
-        _say(f"rank {child.rank} ({child.tag}) failed with exit code {code}: restarting replica {replica} "
-             f"({jobs.restarts[replica]}/{jobs.max_restarts}); the other replicas go on")
-        running.stop(mates)
-        start_replica(replica, jobs.restarts[replica])
     return 0

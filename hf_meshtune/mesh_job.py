@@ -156,7 +156,13 @@ def train_on_mesh(trainer, resume_from_checkpoint: bool | str | None = None):
         print("hf_meshtune: the LM head was tied to the input embeddings; on the mesh the first and last stages "
               "each train their own copy (tie_word_embeddings=False in the saved config)", flush=True)
     groups = topology.build_groups(timeout_s=args.ddp_timeout)  # bounds every pipeline send/receive
-    link_group = dist.new_group(list(range(topology.job_world_size)), backend="gloo")  # anchor link: CPU tensors
+    from datetime import timedelta
+
+    link_group = dist.new_group(list(range(topology.job_world_size)), backend="gloo",  # anchor link: CPU tensors
+                                timeout=timedelta(seconds=args.ddp_timeout))
+    # the fast ranks alone: what the end of the run uses when the anchor replica was lost
+    fast_group = (dist.new_group([topology.process_rank(topology.rank(r, s)) for r in topology.fast_replicas
+                                  for s in range(topology.stages)]) if topology.anchor and topology.job_replica is None else None)
     lighthouse, server = _lighthouse(rank, len(topology.fast_replicas), topology)
 
     dataset = trainer.train_dataset
@@ -196,8 +202,11 @@ def train_on_mesh(trainer, resume_from_checkpoint: bool | str | None = None):
     result = run_worker(model, topology, groups.pp_group, link_group, settings, batches, anchor_batches)
 
     result.params = result.global_params = None  # parameters travel by broadcast below, not pickled
-    results = _gather_results(result, topology, settings.dp_timeout_s)
-    _share_final_parameters(model, topology)
+    survivors = _survivors(result, topology, fast_group, settings.dp_timeout_s)
+    if survivors is not None and result.role == "anchor":  # given up by the fast ranks: nothing to share
+        return TrainOutput(args.max_steps, math.nan, {})
+    results = _gather_results(result, topology, settings.dp_timeout_s, survivors)
+    _share_final_parameters(model, topology, survivors)
     summary = summarize(results, topology, trainer, seq_len)
     if rank == 0:
         os.makedirs(args.output_dir, exist_ok=True)
@@ -209,7 +218,7 @@ def train_on_mesh(trainer, resume_from_checkpoint: bool | str | None = None):
     trainer.state.global_step = trainer.state.max_steps = args.max_steps
     trainer.state.log_history.extend(_log_history(results, summary))
     trainer.mesh_summary = summary
-    dist.barrier()
+    dist.barrier(group=survivors)
     if server is not None:
         server.shutdown()
     losses = [loss for r in results if r.role == "fast" for loss in r.losses]
@@ -231,12 +240,35 @@ def _log_history(results: list[MeshResult], summary: dict) -> list[dict]:
     return history
 
 
-def _gather_results(result: MeshResult, topology: MeshTopology, timeout_s: float) -> list[MeshResult]:
-    """Every process's ``MeshResult``: over the job's world, and in replica jobs also through the
-    launcher's store (``$MESHTUNE_JOB_STORE``: mesh rank 0 waits for all X·Y). Without that store a
-    replica job only knows its own replica's results (the summary says how many replicas it covers)."""
-    results: list[MeshResult] = [None] * topology.job_world_size  # type: ignore[list-item]
-    dist.all_gather_object(results, result)
+def _survivors(result: MeshResult, topology: MeshTopology, fast_group, timeout_s: float):
+    """None when every process of the world is there to finish together; the fast ranks' group when
+    any of them lost the anchor link (its processes died: ``meshtune launch --optional-replica``).
+    The fast ranks agree (max over their group) and mesh rank 0 tells the anchor ranks through the
+    store, so every live process takes the same way out."""
+    if fast_group is None:
+        return None
+    from datetime import timedelta
+
+    store, key = dist.distributed_c10d._get_default_store(), "hf_meshtune/anchor_lost"
+    if result.role == "fast":
+        flag = torch.tensor([0 if result.anchor_lost_at is None else 1])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=fast_group)
+        lost = bool(flag.item())
+        if result.rank == 0:
+            store.set(key, "1" if lost else "0")
+    else:
+        store.wait([key], timedelta(seconds=timeout_s))
+        lost = store.get(key) == b"1"
+    return fast_group if lost else None
+
+
+def _gather_results(result: MeshResult, topology: MeshTopology, timeout_s: float, group=None) -> list[MeshResult]:
+    """Every process's ``MeshResult``: over the job's world (or ``group``: the fast ranks when the
+    anchor was lost), and in replica jobs also through the launcher's store (``$MESHTUNE_JOB_STORE``:
+    mesh rank 0 waits for all X·Y). Without that store a replica job only knows its own replica's
+    results (the summary says how many replicas it covers)."""
+    results: list[MeshResult] = [None] * dist.get_world_size(group)  # type: ignore[list-item]
+    dist.all_gather_object(results, result, group=group)
     if topology.job_replica is None:
         return results
     from datetime import timedelta
@@ -254,7 +286,7 @@ def _gather_results(result: MeshResult, topology: MeshTopology, timeout_s: float
     return [pickle.loads(store.get(key(r))) for r in range(topology.world_size)]
 
 
-def _share_final_parameters(model, topology: MeshTopology) -> None:
+def _share_final_parameters(model, topology: MeshTopology, group=None) -> None:
     """Every process gets fast replica 0's final parameters (in a replica job: its own replica's; they
     share θ_global), stage by stage (tensor broadcasts), so ``save_model``/``evaluate`` see the trained
     model on any rank."""
@@ -266,7 +298,7 @@ def _share_final_parameters(model, topology: MeshTopology) -> None:
             owned = StageModule(model, stage, topology.stages, None, None)
             for param in owned.parameters():
                 if param.requires_grad:
-                    dist.broadcast(param.data, src=topology.process_rank(topology.rank(source, stage)))
+                    dist.broadcast(param.data, src=topology.process_rank(topology.rank(source, stage)), group=group)
 
 
 def summarize(results: list[MeshResult], topology: MeshTopology, trainer, seq_len: int) -> dict:
@@ -321,4 +353,5 @@ def summarize(results: list[MeshResult], topology: MeshTopology, trainer, seq_le
         "final_loss": fast[-1].losses[-1] if fast and fast[-1].losses else None,
         "mesh_env": os.environ.get(MESH_ENV),
         "resumed_from_step": min((r.first_step for r in fast), default=0),
+        "anchor_lost_at_step": min((r.anchor_lost_at for r in fast if r.anchor_lost_at is not None), default=None),
     }

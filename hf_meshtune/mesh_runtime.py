@@ -25,6 +25,7 @@ what has already arrived; what they send to the anchor goes through a background
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import queue
@@ -47,6 +48,8 @@ from .pipeline import MeshStage, StageModule, build_schedule, causal_lm_loss, st
 from .wire import Wire
 
 __all__ = ["AnchorWorker", "FastWorker", "MeshResult", "RunSettings", "require_mesh_supported", "run_worker", "stage_fragments"]
+
+logger = logging.getLogger(__name__)
 
 STOP, DATA = 0, 1
 TAG_UPDATE, TAG_UPDATE_PAYLOAD, TAG_GRAD, TAG_GRAD_PAYLOAD, TAG_ROUND = 101, 102, 201, 202, 301
@@ -145,6 +148,7 @@ class MeshResult:
     anchor_rounds: list[int] = field(default_factory=list)  # snapshot step of every round (anchor)
     heals: list[tuple[int, int]] = field(default_factory=list)  # (own step, peer's step) of every heal
     first_step: int = 0  # the step this process started from (a resumed run's checkpoint step)
+    anchor_lost_at: int | None = None  # fast step at which the anchor link broke (fast ranks; None: it held)
     params: dict[str, torch.Tensor] | None = None
     global_params: list[torch.Tensor] | None = None  # θ_global of every fragment, flattened (fast: DiLoCo's; anchor: its own)
 
@@ -255,7 +259,8 @@ class _Sender:
         self.thread.start()
 
     def put(self, dst: int, tag: int, tensor: torch.Tensor) -> None:
-        self.queue.put((dst, tag, tensor))
+        if self.error is None:  # after a failed send nothing more goes out (close() reports it)
+            self.queue.put((dst, tag, tensor))
 
     def _loop(self) -> None:
         while True:
@@ -510,6 +515,16 @@ class FastWorker(_StageWorker):
             self.outbox.put(self.anchor_rank, TAG_UPDATE, header)
             self.outbox.put(self.anchor_rank, TAG_UPDATE_PAYLOAD, payload)
 
+    def _unless_anchor_lost(self, close: Callable[[], None]) -> None:
+        """Close one direction of the anchor link; a link that broke means the anchor is gone, not a bug."""
+        try:
+            close()
+        except RuntimeError as err:
+            cause = err.__cause__ if err.__cause__ is not None else err
+            if not _is_link_error(cause):
+                raise
+            self._anchor_lost(cause)
+
     def _sync_gradients(self) -> None:
         """A per-step DP peer (``dp_mode`` allreduce / powersgd_hook): average the gradients now."""
         self.gradient_sync.sync()
@@ -529,11 +544,25 @@ class FastWorker(_StageWorker):
             for g in grads:
                 g.mul_(max_norm / (norm + 1e-6))
 
+    def _anchor_lost(self, error: BaseException) -> None:
+        """The anchor link broke (its process died or its link is gone): train on without it, once warned."""
+        if self.result.anchor_lost_at is not None:
+            return
+        self.result.anchor_lost_at = self._step
+        staleness = self.settings.config.anchor_max_staleness
+        logger.warning("rank %d (fast replica %d, stage %d) lost the anchor link at step %d (%s: %s); training goes on "
+                       "without anchor gradients: SpectralAdamW keeps its last bases%s", self.topology.rank(self.replica, self.stage),
+                       self.replica, self.stage, self._step, type(error).__name__, str(error).splitlines()[0][:200],
+                       f" and fades them out after anchor_max_staleness={staleness} steps" if staleness is not None else
+                       " (anchor_max_staleness=None: for the rest of the run)")
+
     def _drain_anchor(self) -> None:
         if self.inbox is None:
             return
         for message in self.inbox.ready():
             if message is None:
+                if self.inbox.error is not None and _is_link_error(self.inbox.error):
+                    self._anchor_lost(self.inbox.error)
                 continue
             header, payload = message
             grads = _unflatten(payload, [p.shape for _, p in self.matrices])
@@ -580,9 +609,9 @@ class FastWorker(_StageWorker):
     def _finish(self) -> None:
         if self.outbox is not None:
             self.outbox.put(self.anchor_rank, TAG_UPDATE, torch.tensor([STOP, self._step + 1, -1, 0], dtype=torch.long))
-            self.outbox.close()
+            self._unless_anchor_lost(self.outbox.close)
         if self.inbox is not None:  # the anchor answers our STOP with its own once its round is done
-            self.inbox.join()
+            self._unless_anchor_lost(self.inbox.join)
             self._step = self.settings.max_steps
             self._drain_anchor()
         if self.manager is None:  # per-step sync: the replicas' parameters are the global ones

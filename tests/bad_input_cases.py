@@ -1192,6 +1192,9 @@ def _cases() -> list[Case]:
              "meshtune launch: error: --master-port=2900 is invalid: it must be unset with max_restarts > 0 (every "
              "replica, and every restart of one, gets a free port of its own)",
              lambda tmp: _launch_script(tmp, "--max-restarts", "1", "--master-port", "2900")),
+        _cli("meshtune launch --mesh 3x2 --optional-replica 3 -- <tmp>/train.py",
+             "meshtune launch: error: --optional-replica=[3] is invalid: it must name replicas in [0, 3) of the 3x2 mesh",
+             lambda tmp: _launch_script(tmp, "--optional-replica", "3")),
         Case(CLI, "launch_mesh((0, 2), ['train.py'], cpu=True)", "`hf_meshtune.launch.launch_mesh`",
              _launch_mesh_without_replicas, ValueError,
              "mesh=(0, 2) is invalid: it must be a pair (X, Y) of integers >= 1 (X replicas, Y stages)"),

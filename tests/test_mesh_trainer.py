@@ -144,6 +144,53 @@ def test_meshtrainer_writes_mesh_checkpoints_and_resumes_from_one_exactly(tmp_pa
     assert [entry["step"] for entry in history] == [9, 10, 11, 12]
 
 
+def _child_with_rank(parent: int, rank: int) -> int | None:
+    """The launcher's child process whose environment says RANK=rank."""
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as handle:
+                ppid = int(handle.read().rsplit(b")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/environ", "rb") as handle:
+                env = handle.read().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        if ppid == parent and f"RANK={rank}".encode() in env:
+            return int(entry)
+    return None
+
+
+def test_meshtrainer_trains_on_when_the_anchor_replica_is_killed(tmp_path):
+    """``--optional-replica 2``: SIGKILL the anchor's stage 0 at step 6; the fast replicas run every
+    step, rank 0 writes the summary (anchor lost at its step) and the trained model is saved."""
+    import signal
+
+    out = tmp_path / "lost"
+    env = {**os.environ, "PYTHONPATH": ROOT, "RUST_LOG": "warn"}
+    flags = [*FLAGS, "--max_steps", "24", "--anchor_max_staleness", "4"]
+    command = [sys.executable, "-m", "hf_meshtune.cli", "launch", "--mesh", "3x2", "--cpu", "--optional-replica", "2", "--",
+               os.path.join(ROOT, "tests", "scripts", "mesh_sft.py"), "--output_dir", str(out), *flags]
+    launcher = subprocess.Popen(command, env=env, cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    lines = []
+    try:
+        for line in launcher.stdout:
+            lines.append(line)
+            if line.startswith("[r0s1] {") and json.loads(line.split("] ", 1)[1]).get("step") == 6:
+                os.kill(_child_with_rank(launcher.pid, 4), signal.SIGKILL)
+        launcher.wait(timeout=300)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    output = "".join(lines)
+    assert launcher.returncode == 0, output[-4000:]
+    assert "optional replica 2 is lost; the other replicas go on" in output
+    assert sorted(_step_losses(output)) == list(range(1, 25))
+    summary = json.loads((out / "mesh_summary.json").read_text())
+    assert summary["steps"] == 24 and 6 <= summary["anchor_lost_at_step"] <= 10 and summary["replicas_reported"] == 2
+    saved = AutoModelForCausalLM.from_pretrained(out)
+    initial = tiny_llama(seed=0, layers=4, hidden=64)
+    assert not torch.equal(saved.state_dict()["lm_head.weight"], initial.state_dict()["lm_head.weight"])
+
+
 def test_a_mesh_that_does_not_fit_the_world_fails_fast_on_every_rank(tmp_path):
     proc = _launch("2x2", str(tmp_path / "bad"), "--num_stages", "3")
     assert proc.returncode != 0

@@ -1,7 +1,7 @@
 """``launch_mesh`` for the soak, run inside the service namespace: rank r runs in node r's namespace.
 
     ip netns exec mtw-n6 python -m benchmarks.reliability.launch --mesh 3x2 --out DIR --steps N
-        [--max-restarts R] [--config JSON]
+        [--max-restarts R] [--config JSON] [--optional-replica R]
 
 The launcher's lighthouse and store listen on the service node's address; every rank reaches them,
 its replica's stage 0 (MASTER_ADDR) and its pipeline neighbours over the shaped links.
@@ -27,6 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-restarts", type=int, default=0)
     parser.add_argument("--config", default="{}")
     parser.add_argument("--service-node", type=int, required=True)
+    parser.add_argument("--optional-replica", type=int, action="append", default=[])
     args = parser.parse_args(argv)
     replicas, stages = parse_mesh(args.mesh)
     jobs = args.max_restarts > 0
@@ -38,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
 
     return launch_mesh((replicas, stages), ["tests/scripts/mesh_run.py", args.out, str(args.steps), args.config],
                        cpu=True, max_restarts=args.max_restarts, host=netns.node_ip(args.service_node),
-                       rank_hook=hook, log_dir=os.path.join(args.out, "logs"))
+                       rank_hook=hook, log_dir=os.path.join(args.out, "logs"), optional_replicas=args.optional_replica)
 
 
 if __name__ == "__main__":

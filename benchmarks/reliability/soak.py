@@ -10,9 +10,10 @@ and store run), each rank in its own namespace, steps paced so that the faults l
 * phase A, replica jobs (``--max-restarts``, no anchor), checkpoints every 20 steps: stage processes
   SIGKILLed by PID, a link cut shorter than the pipeline timeout (the mesh waits), a link cut longer
   than it (that replica fails, is restarted and heals), a straggler link at a tenth of the rate;
-* phase B, one world with the anchor, checkpoints every 20 steps: the anchor replica SIGSTOPped and
-  resumed, its link cut for less than the timeout, a fast process SIGKILLed (the mesh stops) and
-  the mesh resumed from its newest complete checkpoint.
+* phase B, one world with the anchor (``--optional-replica 2``), checkpoints every 20 steps: the
+  anchor replica SIGSTOPped and resumed, its link cut for less than the timeout, its stage 0
+  SIGKILLed (the fast circuit trains on without it), then a fast process SIGKILLed (the mesh stops)
+  and the mesh resumed from its newest complete checkpoint, the anchor with it.
 
 Reported per fault and in total: faults injected, faults survived, optimizer steps lost (steps the
 mesh recomputed after a resume; a replica kill loses none of the survivors' steps, and the steps the
@@ -47,7 +48,7 @@ _RESTART = re.compile(r"restarting replica (\d+)")
 @dataclass
 class Fault:
     at_s: float  # seconds after the phase's mesh took its 5th step
-    kind: str  # kill | cut | straggler | sigstop_anchor | crash
+    kind: str  # kill | cut | straggler | sigstop_anchor | kill_anchor | crash
     target: int  # mesh rank (kill, crash) or node (cut, straggler); unused for sigstop_anchor
     duration_s: float = 0.0
     injected_at_step: int | None = None
@@ -125,6 +126,8 @@ class Launch:
                 "--mesh", f"{MESH[0]}x{MESH[1]}", "--out", phase.out, "--steps", str(phase.steps),
                 "--max-restarts", "3" if phase.replica_jobs else "0", "--config", json.dumps(phase.config),
                 "--service-node", str(SERVICE)]
+        if phase.config.get("anchor"):
+            argv += ["--optional-replica", str(MESH[0] - 1)]  # the fast circuit trains on without a dead anchor
         full_env = {**os.environ, **env, "PYTHONPATH": ROOT, "RUST_LOG": "warn"}
         if resume_from:
             full_env["RESUME_FROM"] = resume_from
@@ -266,6 +269,16 @@ def inject(phase: Phase, fault: Fault, launch: Launch) -> Launch:
         fault.survived = during > 0 and launch.proc.poll() in (None, 0)
         fault.outcome = (f"anchor replica (pids {pids}) SIGSTOPped for {fault.duration_s:.0f} s: the fast circuit took "
                          f"{during} steps meanwhile; SIGCONT")
+    elif fault.kind == "kill_anchor":
+        pid = pid_of(phase.out, fault.target)
+        os.kill(pid, signal.SIGKILL)
+        time.sleep(20)
+        after = _fast_step(phase)
+        lost = any("optional replica" in line and "is lost" in line for t, line in phase.lines if t >= start)
+        fault.survived = lost and after > fault.injected_at_step + 5 and launch.proc.poll() is None
+        fault.outcome = (f"anchor rank {fault.target} (pid {pid}) SIGKILLed at step {fault.injected_at_step}: the launcher "
+                         f"{'stopped the rest of the anchor replica' if lost else 'did not give the anchor up'}; the fast "
+                         f"circuit reached step {after} 20 s later without it (the anchor comes back with the next relaunch)")
     elif fault.kind == "crash":
         pid = pid_of(phase.out, fault.target)
         os.kill(pid, signal.SIGKILL)
@@ -282,7 +295,8 @@ def inject(phase: Phase, fault: Fault, launch: Launch) -> Launch:
         fault.outcome = (f"rank {fault.target} (pid {pid}) SIGKILLed at step {crashed_at}: the mesh stopped (exit {code}); "
                          f"relaunched from {os.path.basename(checkpoint or 'nothing')}, recomputing {fault.steps_lost} steps")
     else:
-        raise ValueError(f"fault kind={fault.kind!r} is invalid: it must be kill, cut, straggler, sigstop_anchor or crash")
+        raise ValueError(f"fault kind={fault.kind!r} is invalid: it must be kill, cut, straggler, sigstop_anchor, "
+                         "kill_anchor or crash")
     print(f"[soak {phase.name}] {fault.kind}: {fault.outcome} → {'survived' if fault.survived else 'NOT survived'}", flush=True)
     return launch
 
@@ -355,14 +369,14 @@ def _final(phase: Phase, code: int, unreadable: int) -> dict:
 def phases(smoke: bool, out: str) -> list[Phase]:
     if smoke:
         a = [Fault(15, "kill", 3), Fault(50, "cut", 4, 3.0)]
-        b = [Fault(15, "sigstop_anchor", 0, 8.0), Fault(40, "crash", 1)]
-        steps_a, steps_b = 260, 200
+        b = [Fault(15, "sigstop_anchor", 0, 8.0), Fault(40, "kill_anchor", 4), Fault(75, "crash", 1)]
+        steps_a, steps_b = 260, 260
     else:
         a = [Fault(45, "kill", 3), Fault(120, "cut", 4, 4.0), Fault(190, "straggler", 2, 30.0), Fault(280, "kill", 4),
              Fault(370, "cut", 1, 25.0), Fault(480, "kill", 0), Fault(560, "cut", 3, 3.0)]
         b = [Fault(40, "sigstop_anchor", 0, 20.0), Fault(110, "cut", 4, 5.0), Fault(170, "sigstop_anchor", 0, 20.0),
-             Fault(240, "crash", 1), Fault(330, "sigstop_anchor", 0, 10.0)]
-        steps_a, steps_b = 1100, 900
+             Fault(240, "kill_anchor", 4), Fault(320, "crash", 1), Fault(420, "sigstop_anchor", 0, 10.0)]
+        steps_a, steps_b = 1100, 1050
     anchor = {"anchor": True, "anchor_every": 4, "anchor_delay": 0, "spectral_tau": 1e-3, "anchor_max_staleness": 40}
     return [Phase("A", True, {"anchor": False}, steps_a, a, out=os.path.join(out, "phase_a")),
             Phase("B", False, anchor, steps_b, b, out=os.path.join(out, "phase_b"))]
