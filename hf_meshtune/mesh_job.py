@@ -97,7 +97,7 @@ def _fixed_length(dataset) -> int:
     return max(len(ids) for ids in dataset["input_ids"])
 
 
-def _lighthouse(rank: int, fast_replicas: int, topology: MeshTopology) -> tuple[str, object | None]:
+def _lighthouse(rank: int, topology: MeshTopology) -> tuple[str, object | None]:
     """The torchft lighthouse: ``$TORCHFT_LIGHTHOUSE``, or one that rank 0 starts for the job."""
     address = os.environ.get(LIGHTHOUSE_ENV)
     if address:
@@ -110,7 +110,7 @@ def _lighthouse(rank: int, fast_replicas: int, topology: MeshTopology) -> tuple[
     store = dist.distributed_c10d._get_default_store()
     server = None
     if rank == 0:
-        server, address = start_lighthouse(min_replicas=fast_replicas)
+        server, address = start_lighthouse(min_replicas=len(topology.fast_replicas))
         store.set("meshtune/lighthouse", address)
     return store.get("meshtune/lighthouse").decode(), server
 
@@ -163,7 +163,7 @@ def train_on_mesh(trainer, resume_from_checkpoint: bool | str | None = None):
     # the fast ranks alone: what the end of the run uses when the anchor replica was lost
     fast_group = (dist.new_group([topology.process_rank(topology.rank(r, s)) for r in topology.fast_replicas
                                   for s in range(topology.stages)]) if topology.anchor and topology.job_replica is None else None)
-    lighthouse, server = _lighthouse(rank, len(topology.fast_replicas), topology)
+    lighthouse, server = _lighthouse(rank, topology)
 
     dataset = trainer.train_dataset
     if hasattr(dataset, "column_names"):

@@ -374,7 +374,7 @@ def _replica_job_without_lighthouse() -> None:
     from hf_meshtune.mesh_job import _lighthouse
 
     with environ(TORCHFT_LIGHTHOUSE=None):
-        _lighthouse(0, 3, MeshTopology(3, 2, anchor=False, job_replica=0))
+        _lighthouse(0, MeshTopology(3, 2, anchor=False, job_replica=0))
 
 
 def _job_store_without_port() -> None:

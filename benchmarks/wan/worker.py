@@ -60,7 +60,7 @@ def main() -> None:
     topology = MeshTopology(row.replicas, shape.stages, anchor=row.anchor)
     groups = topology.build_groups(timeout_s=args.link_timeout)
     link = dist.new_group(list(range(topology.world_size)))
-    lighthouse, server = _lighthouse(rank, len(topology.fast_replicas))
+    lighthouse, server = _lighthouse(rank, topology)
 
     data = torch.load(args.data)
     torch.manual_seed(0)
