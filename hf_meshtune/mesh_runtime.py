@@ -218,18 +218,27 @@ def _is_link_error(err: BaseException) -> bool:
 
 def _pipeline_step(worker: _StageWorker, ids: torch.Tensor, labels: torch.Tensor) -> float | None:
     """One pipeline step; a send/receive that fails or times out names the neighbours it waited on."""
-    try:
+    rank = worker.topology.rank(worker.replica, worker.stage)
+    with _pipeline_link(worker, "a message to or from", _neighbour_ranks(worker.topology, rank)):
         return _run_schedule(worker.schedule, worker.module, ids, labels)
+
+
+@contextlib.contextmanager
+def _pipeline_link(worker: _StageWorker, what: str, peers: Sequence[int]):
+    """Re-raise a network failure inside the block (gloo's transport error or timeout) as a message
+    naming this process, the step and the peers with their addresses; other errors pass unchanged."""
+    try:
+        yield
     except RuntimeError as err:
         if not _is_link_error(err):
             raise
         topology = worker.topology
         rank = topology.rank(worker.replica, worker.stage)
-        peers = ", ".join(f"rank {peer} (replica {topology.coords(peer)[0]}, stage {topology.coords(peer)[1]}) at "
-                          f"{worker.peer_hosts.get(peer, 'an unknown address')}" for peer in _neighbour_ranks(topology, rank))
+        named = ", ".join(f"rank {peer} (replica {topology.coords(peer)[0]}, stage {topology.coords(peer)[1]}) at "
+                          f"{worker.peer_hosts.get(peer, 'an unknown address')}" for peer in peers)
         raise RuntimeError(
             f"rank {rank} ({worker.role} replica {worker.replica}, stage {worker.stage}) lost its pipeline link at "
-            f"step {worker.module.step}: a message to or from {peers} did not complete (timeout "
+            f"step {worker.module.step}: {what} {named} did not complete (timeout "
             f"{worker.settings.link_timeout_s} s: TrainingArguments.ddp_timeout, RunSettings.link_timeout_s): "
             f"{type(err).__name__}: {err}") from err
 
@@ -538,7 +547,9 @@ class FastWorker(_StageWorker):
         local = torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum() if grads else torch.zeros(())
         total = local.reshape(1).clone()
         if self.topology.stages > 1:
-            self.wire.all_reduce("pp_bwd", total, self.topology.stages, lambda t: dist.all_reduce(t, group=self.pp_group))
+            rank = self.topology.rank(self.replica, self.stage)
+            with _pipeline_link(self, "the gradient-norm all-reduce with", [p for p in self.topology.pp_ranks(self.replica) if p != rank]):
+                self.wire.all_reduce("pp_bwd", total, self.topology.stages, lambda t: dist.all_reduce(t, group=self.pp_group))
         norm = float(total.sqrt())
         if norm > max_norm:
             for g in grads:
@@ -800,7 +811,8 @@ def run_worker(model: nn.Module, topology: MeshTopology, pp_group, link_group, s
     if topology.job_replica is not None:
         _job_barrier(topology, settings.dp_timeout_s)
     # read now, while the store is surely reachable: a link error later names its peers by address
-    worker.peer_hosts = {peer: store.get(_host_key(peer)).decode() for peer in _neighbour_ranks(topology, rank)}
+    worker.peer_hosts = {peer: store.get(_host_key(peer)).decode() for peer in topology.pp_ranks(topology.coords(rank)[0])
+                         if peer != rank}
     return worker.run()
 
 

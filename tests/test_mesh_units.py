@@ -160,3 +160,26 @@ def test_only_network_failures_are_reported_as_a_lost_pipeline_link():
     assert _is_link_error(dist.DistNetworkError("anything"))
     assert not _is_link_error(RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x8 and 16x2)"))
     assert not _is_link_error(ValueError("Timed out waiting"))  # only backend RuntimeErrors
+
+
+def test_a_link_error_in_the_gradient_norm_all_reduce_names_every_stage_it_waited_on():
+    """The clip's all-reduce spans the replica's whole pipeline: a cut there (not only in the schedule's
+    sends) fails with the pipeline-link message naming the other stages and their addresses."""
+    from types import SimpleNamespace
+
+    from hf_meshtune.mesh import MeshTopology
+    from hf_meshtune.mesh_runtime import _pipeline_link
+
+    topology = MeshTopology(2, 3, anchor=False)
+    worker = SimpleNamespace(topology=topology, replica=1, stage=1, role="fast", module=SimpleNamespace(step=7),
+                             settings=SimpleNamespace(link_timeout_s=8.0), peer_hosts={3: "10.77.0.13", 5: "10.77.0.15"})
+    timeout = "[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 8000ms for recv operation to complete"
+    with pytest.raises(RuntimeError) as caught:
+        with _pipeline_link(worker, "the gradient-norm all-reduce with", [3, 5]):
+            raise RuntimeError(timeout)
+    assert str(caught.value).startswith(
+        "rank 4 (fast replica 1, stage 1) lost its pipeline link at step 7: the gradient-norm all-reduce with rank 3 "
+        "(replica 1, stage 0) at 10.77.0.13, rank 5 (replica 1, stage 2) at 10.77.0.15 did not complete (timeout 8.0 s")
+    with pytest.raises(ValueError, match="not a link"):  # anything else passes unchanged
+        with _pipeline_link(worker, "x", [3]):
+            raise ValueError("not a link")
