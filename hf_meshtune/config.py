@@ -10,7 +10,7 @@ also accepts ``optim="spectral_adamw"``). TRL configs reuse the same mixin: mixe
 from __future__ import annotations
 
 import dataclasses
-import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
@@ -18,8 +18,9 @@ from transformers.training_args import OptimizerNames
 
 from ._validation import require
 from .fills import FILLS
+from .mesh import in_replica_zero_job
 
-__all__ = ["SPECTRAL_ADAMW", "MeshArguments", "MeshConfig", "MeshTrainingArguments"]
+__all__ = ["SPECTRAL_ADAMW", "MeshArguments", "MeshConfig", "MeshTrainingArguments", "require_saved_knobs"]
 
 SPECTRAL_ADAMW = "spectral_adamw"
 ANCHOR_PAYLOADS = ("gradient", "factors")
@@ -65,7 +66,7 @@ class MeshArguments:
     def should_save(self) -> bool:
         """TrainingArguments' rule; and when every replica is a job of its own (``MESHTUNE_REPLICA``, see
         ``hf_meshtune.mesh``) only replica 0's first process writes, as one process does in one world."""
-        return super().should_save and os.environ.get("MESHTUNE_REPLICA", "0") == "0"  # type: ignore[misc]
+        return super().should_save and in_replica_zero_job()  # type: ignore[misc]
 
     def __post_init__(self) -> None:
         parent = getattr(super(), "__post_init__", None)
@@ -138,6 +139,15 @@ def _require_field_types(args: MeshArguments) -> None:
 # The annotations as written ("float", "int | None"), taken now: HfArgumentParser later replaces the
 # fields' string annotations with type objects in place.
 _FIELD_TYPES = {f.name: str(f.type) for f in dataclasses.fields(MeshArguments)}
+
+
+def require_saved_knobs(saved: dict, config: MeshArguments, knobs: Sequence[str] | None = None,
+                        context: str = "to resume exactly") -> None:
+    """A resumed run uses the knobs it was saved with (``knobs``, default every one): they shape its numerics."""
+    current = dataclasses.asdict(config)
+    for knob in current if knobs is None else knobs:
+        require(saved.get(knob) == current[knob], knob, current[knob],
+                f"equal the checkpoint's value {saved.get(knob)!r} {context} (start a new run to change it)")
 
 
 def _require_optional_positive(name: str, value: int | None) -> None:

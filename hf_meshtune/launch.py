@@ -446,7 +446,7 @@ class _ReplicaJobs:
     def __init__(self, mesh: tuple[int, int], max_restarts: int, host: str) -> None:
         import torch.distributed as dist  # lazy: the launcher imports no torch for a plain launch
 
-        self.mesh, self.max_restarts = mesh, max_restarts
+        self.max_restarts = max_restarts
         self.restarts = [0] * mesh[0]
         self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
         self.address = f"{host}:{self.store.port}"
@@ -473,22 +473,20 @@ def _supervise(running: _Mesh, trap: _SignalTrap, mesh: tuple[int, int], jobs: _
             done.add(id(child))
             continue
         replica = child.rank // mesh[1]
-        mates = [c for c in running.children if not c.retired and c.rank // mesh[1] == replica]
-        if jobs is not None and jobs.restarts[replica] < jobs.max_restarts:
-            jobs.restarts[replica] += 1
-            for mate in mates:
-                mate.retired = True
-            _say(f"rank {child.rank} ({child.tag}) failed with exit code {code}: restarting replica {replica} "
-                 f"({jobs.restarts[replica]}/{jobs.max_restarts}); the other replicas go on")
-            running.stop(mates)
-            start_replica(replica, jobs.restarts[replica])
-        elif replica in optional:
-            for mate in mates:
-                mate.retired = True
-            _say(f"rank {child.rank} ({child.tag}) failed with exit code {code}: optional replica {replica} is "
-                 "lost; the other replicas go on")
-            running.stop(mates)
-        else:
+        restart = jobs is not None and jobs.restarts[replica] < jobs.max_restarts
+        if not restart and replica not in optional:
             _say(f"rank {child.rank} ({child.tag}) failed first with exit code {code}; stopping the others")
             return code
+        if restart:
+            jobs.restarts[replica] += 1
+            what = f"restarting replica {replica} ({jobs.restarts[replica]}/{jobs.max_restarts})"
+        else:
+            what = f"optional replica {replica} is lost"
+        _say(f"rank {child.rank} ({child.tag}) failed with exit code {code}: {what}; the other replicas go on")
+        mates = [c for c in running.children if not c.retired and c.rank // mesh[1] == replica]
+        for mate in mates:  # their exits (ours to cause) are not failures
+            mate.retired = True
+        running.stop(mates)
+        if restart:
+            start_replica(replica, jobs.restarts[replica])
     return 0

@@ -31,11 +31,17 @@ import torch.distributed as dist
 
 from ._validation import require
 
-__all__ = ["MESH_ENV", "REPLICA_ENV", "MeshGroups", "MeshTopology", "parse_mesh"]
+__all__ = ["MESH_ENV", "REPLICA_ENV", "MeshGroups", "MeshTopology", "in_replica_zero_job", "parse_mesh"]
 
 MESH_ENV = "MESHTUNE_MESH"
 REPLICA_ENV = "MESHTUNE_REPLICA"
 _MESH_RE = re.compile(r"^\s*(\d+)\s*[xX×]\s*(\d+)\s*$")
+
+
+def in_replica_zero_job() -> bool:
+    """False only in a replica job of a replica other than 0 (``$MESHTUNE_REPLICA``): what keeps
+    replicas that are worlds of their own from all writing as their world's process 0."""
+    return os.environ.get(REPLICA_ENV, "0") == "0"
 
 
 def parse_mesh(text: str, field: str = "mesh") -> tuple[int, int]:

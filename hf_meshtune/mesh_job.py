@@ -20,6 +20,7 @@ import math
 import os
 import pickle
 import statistics
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -156,8 +157,6 @@ def train_on_mesh(trainer, resume_from_checkpoint: bool | str | None = None):
         print("hf_meshtune: the LM head was tied to the input embeddings; on the mesh the first and last stages "
               "each train their own copy (tie_word_embeddings=False in the saved config)", flush=True)
     groups = topology.build_groups(timeout_s=args.ddp_timeout)  # bounds every pipeline send/receive
-    from datetime import timedelta
-
     link_group = dist.new_group(list(range(topology.job_world_size)), backend="gloo",  # anchor link: CPU tensors
                                 timeout=timedelta(seconds=args.ddp_timeout))
     # the fast ranks alone: what the end of the run uses when the anchor replica was lost
@@ -247,8 +246,6 @@ def _survivors(result: MeshResult, topology: MeshTopology, fast_group, timeout_s
     store, so every live process takes the same way out."""
     if fast_group is None:
         return None
-    from datetime import timedelta
-
     store, key = dist.distributed_c10d._get_default_store(), "hf_meshtune/anchor_lost"
     if result.role == "fast":
         flag = torch.tensor([0 if result.anchor_lost_at is None else 1])
@@ -271,8 +268,6 @@ def _gather_results(result: MeshResult, topology: MeshTopology, timeout_s: float
     dist.all_gather_object(results, result, group=group)
     if topology.job_replica is None:
         return results
-    from datetime import timedelta
-
     from .mesh_runtime import job_store
 
     store = job_store(timeout_s)

@@ -25,6 +25,8 @@ what has already arrived; what they send to the anchor goes through a background
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
 import logging
 import math
 import os
@@ -40,10 +42,11 @@ import torch.distributed as dist
 from torch import nn
 
 from ._validation import require
-from .config import MeshConfig
+from .config import MeshConfig, require_saved_knobs
 from .fills import FILLS
 from .masking import BoundaryMask
 from .mesh import MeshTopology
+from .mesh_checkpoint import read_rank_state, save_rank_state
 from .pipeline import MeshStage, StageModule, build_schedule, causal_lm_loss, stage_parameter_names
 from .wire import Wire
 
@@ -471,16 +474,12 @@ class FastWorker(_StageWorker):
     def checkpoint_state(self) -> dict:
         """This process's part of a mesh checkpoint (``mesh_checkpoint``): the healing state plus the
         knobs, the RNG and DiLoCo's state (θ_global, outer momentum, PowerSGD, manager step)."""
-        import dataclasses
-
         return {**self._stage_state(), "config": dataclasses.asdict(self.settings.config),
                 "rng": torch.get_rng_state(), "diloco": self.diloco.state_dict() if self.manager is not None else None}
 
     def _resume(self, checkpoint: str) -> None:
-        from .mesh_checkpoint import read_rank_state
-
         state = read_rank_state(checkpoint, self.topology.rank(self.replica, self.stage), self.topology)
-        _require_same_knobs(state["config"], self.settings.config, checkpoint)
+        require_saved_knobs(state["config"], self.settings.config, context=f"to resume from {checkpoint}")
         self._restore_stage(state)
         if self.manager is not None:
             self.diloco.load_state_dict(state["diloco"])
@@ -488,8 +487,6 @@ class FastWorker(_StageWorker):
         self.result.first_step = self._step
 
     def _save_checkpoint(self) -> None:
-        from .mesh_checkpoint import save_rank_state
-
         s = self.settings
         save_rank_state(s.checkpoint_dir, self._step, self.topology.rank(self.replica, self.stage), self.checkpoint_state(),
                         self.topology, s.checkpoint_keep)
@@ -660,10 +657,8 @@ class AnchorWorker(_StageWorker):
     def _resume(self, checkpoint: str) -> None:
         """θ_global and the outer momentum from fast replica 0's state of this stage: the anchor goes on
         from the checkpoint's step (its rounds draw batches from step / anchor_every on)."""
-        from .mesh_checkpoint import read_rank_state
-
         state = read_rank_state(checkpoint, self.topology.rank(0, self.stage), self.topology)
-        _require_same_knobs(state["config"], self.settings.config, checkpoint)
+        require_saved_knobs(state["config"], self.settings.config, context=f"to resume from {checkpoint}")
         with torch.no_grad():
             for fragment, saved in zip(self.fragments, state["diloco"]["fragments"]):
                 for name, param in fragment.named_parameters():
@@ -765,15 +760,6 @@ class AnchorWorker(_StageWorker):
         self._record(lambda: [_flatten(list(f.parameters())) for f in self.fragments])
 
 
-def _require_same_knobs(saved: dict, config: MeshConfig, checkpoint: str) -> None:
-    """A resumed mesh runs with the knobs it was saved with: every one of them shapes its numerics."""
-    import dataclasses
-
-    for name, value in dataclasses.asdict(config).items():
-        require(saved.get(name) == value, name, value,
-                f"equal the checkpoint's value {saved.get(name)!r} to resume from {checkpoint} (start a new run to change it)")
-
-
 def update_shapes(shapes: Sequence[torch.Size], rank: int | None) -> list[tuple[int, ...]]:
     """Shapes of an outer update's wire tensors: PowerSGD's P [m, r] and Q [n, r] for a compressed
     [m, n] parameter, the parameter's own shape otherwise (``dp_sync.OuterUpdate`` order)."""
@@ -799,7 +785,8 @@ def run_worker(model: nn.Module, topology: MeshTopology, pp_group, link_group, s
 
     store = dist.distributed_c10d._get_default_store()
     store.set(_host_key(rank), advertised_host())  # every rank's address, for link errors
-    _require_same_settings(store, topology, rank, settings)
+    shared = job_store(settings.dp_timeout_s) if topology.job_replica is not None else None
+    _require_same_settings(store, topology, rank, settings, shared)
     if topology.is_anchor(rank):
         require(anchor_batches is not None, "anchor_batches", None, "be given on the anchor replica")
         worker = AnchorWorker(model, topology, pp_group, link_group, settings, anchor_batches, rank)
@@ -808,8 +795,7 @@ def run_worker(model: nn.Module, topology: MeshTopology, pp_group, link_group, s
     # Every torchft Manager heartbeats before any replica asks for its first quorum, so the
     # lighthouse waits for all fast replicas instead of forming a quorum without a late starter.
     dist.barrier()
-    if topology.job_replica is not None:
-        _job_barrier(topology, settings.dp_timeout_s)
+    _job_barrier(shared, topology, settings.dp_timeout_s)
     # read now, while the store is surely reachable: a link error later names its peers by address
     worker.peer_hosts = {peer: store.get(_host_key(peer)).decode() for peer in topology.pp_ranks(topology.coords(rank)[0])
                          if peer != rank}
@@ -825,40 +811,36 @@ _SHARED_SETTINGS = ("microbatch_size", "microbatches", "seq_len", "max_steps", "
 
 
 def _settings_of(settings: RunSettings) -> dict:
-    import dataclasses
-    import json
-
     values = {f"config.{k}": v for k, v in dataclasses.asdict(settings.config).items()}
     values.update({k: getattr(settings, k) for k in _SHARED_SETTINGS})
     return json.loads(json.dumps(values))  # tuples as lists, as they come back from the store
 
 
-def _require_same_settings(store, topology: MeshTopology, rank: int, settings: RunSettings) -> None:
+def _require_same_settings(store, topology: MeshTopology, rank: int, settings: RunSettings, shared=None) -> None:
     """Every process of a world reads every process's settings and compares them with the first one's,
     so a rank started with another mask_ratio, sync period or batch shape fails the whole world with
     one message naming the field, the rank and both values, instead of training something else. In
-    replica jobs with the launcher's store, each process also compares itself with mesh rank 0."""
-    import json
-
+    replica jobs, ``shared`` (the launcher's store) also compares each process with mesh rank 0."""
     key = "hf_meshtune/settings/{}".format
     timeout = timedelta(seconds=settings.dp_timeout_s)
-    text = json.dumps(_settings_of(settings))
-    store.set(key(rank), text)
+    mine = _settings_of(settings)
+
+    def require_agree(other: int, values: dict, reference: int, theirs: dict) -> None:
+        for name, value in values.items():
+            require(theirs.get(name) == value, f"{name} (rank {other})", value,
+                    f"equal rank {reference}'s {theirs.get(name)!r}: every process of the mesh runs with the same "
+                    "settings (check that rank's command line and environment)")
+
+    store.set(key(rank), json.dumps(mine))
     world = [topology.mesh_rank(r) for r in range(topology.job_world_size)]
     store.wait([key(r) for r in world], timeout)
-    checks = [(world[0], [(r, json.loads(store.get(key(r)))) for r in world[1:]], store)]
-    shared = job_store(settings.dp_timeout_s) if topology.job_replica is not None else None
+    first = json.loads(store.get(key(world[0])))
+    for other in world[1:]:
+        require_agree(other, json.loads(store.get(key(other))), world[0], first)
     if shared is not None:
-        shared.set(key(rank), text)
-        checks.append((0, [(rank, json.loads(text))], shared))
-    for reference, others, where in checks:
-        where.wait([key(reference)], timeout)
-        theirs = json.loads(where.get(key(reference)))
-        for other, values in others:
-            for name, value in values.items():
-                require(theirs.get(name) == value, f"{name} (rank {other})", value,
-                        f"equal rank {reference}'s {theirs.get(name)!r}: every process of the mesh runs with the same "
-                        "settings (check that rank's command line and environment)")
+        shared.set(key(rank), json.dumps(mine))
+        shared.wait([key(0)], timeout)
+        require_agree(rank, mine, 0, json.loads(shared.get(key(0))))
 
 
 def job_store(timeout_s: float) -> dist.TCPStore | None:
@@ -871,13 +853,12 @@ def job_store(timeout_s: float) -> dist.TCPStore | None:
     return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
 
 
-def _job_barrier(topology: MeshTopology, timeout_s: float) -> None:
+def _job_barrier(store, topology: MeshTopology, timeout_s: float) -> None:
     """Replica jobs, first start only: wait until every process of the mesh is ready (its torchft
     Manager heartbeats), through the launcher's store ``$MESHTUNE_JOB_STORE``, so no replica's first
     quorum forms without a replica that is still loading. A restarted replica (``$MESHTUNE_RESTART``
     > 0) joins the running mesh without waiting; without the store, replicas start unaligned (a late
     one then heals at its first sync)."""
-    store = job_store(timeout_s)
     if store is None or int(os.environ.get(RESTART_ENV, "0")) > 0:
         return
     key = "hf_meshtune/ready"

@@ -22,9 +22,10 @@ from transformers import Trainer, TrainerCallback
 from ._validation import require
 from .anchor import AnchorBatches, AnchorCircuit
 from .boundaries import BoundaryHandle, attach_boundaries
-from .config import SPECTRAL_ADAMW, MeshArguments, MeshConfig
+from .config import SPECTRAL_ADAMW, MeshArguments, MeshConfig, require_saved_knobs
 from .ledger import LedgerSettings, compute_ledger, param_shapes_of
 from .mesh_job import is_distributed_job, train_on_mesh, validate_mesh_job
+from .mesh import in_replica_zero_job
 from .mesh_checkpoint import atomic_torch_save, load_torch_file
 from .optim.spectral import SpectralAdamW
 
@@ -68,7 +69,7 @@ class MeshTrainerMixin:
 
     def is_world_process_zero(self) -> bool:
         """The Trainer's rule; in replica jobs (``MESHTUNE_REPLICA``) only replica 0's first process."""
-        return super().is_world_process_zero() and os.environ.get("MESHTUNE_REPLICA", "0") == "0"
+        return super().is_world_process_zero() and in_replica_zero_job()
 
     # --- set-up -------------------------------------------------------------------------------
     # Whether ``train()`` runs the distributed X·Y mesh when launched on several processes.
@@ -301,10 +302,7 @@ def mesh_ledger(model: nn.Module, hidden_size: int, cfg: MeshArguments, tokens_p
 
 def require_resume_knobs(saved: dict, config: MeshArguments) -> None:
     """A resumed run must use the knobs it was saved with (they change its numerics)."""
-    current = dataclasses.asdict(config)
-    for knob in _RESUME_KNOBS:
-        require(saved.get(knob) == current[knob], knob, current[knob],
-                f"equal the checkpoint's value {saved.get(knob)!r} to resume exactly (start a new run to change it)")
+    require_saved_knobs(saved, config, _RESUME_KNOBS)
 
 
 # PEFT methods whose trainable weights are matrices [out, r] / [r, in] that the spectral filter can

@@ -415,9 +415,10 @@ def _damaged_rank_file(tmp: Path) -> None:
 def _mesh_resume_with_changed_knob() -> None:
     import dataclasses
 
-    from hf_meshtune.mesh_runtime import _require_same_knobs
+    from hf_meshtune.config import require_saved_knobs
 
-    _require_same_knobs(dataclasses.asdict(MeshConfig(mask_ratio=0.9)), MeshConfig(mask_ratio=0.5), "checkpoint-4")
+    require_saved_knobs(dataclasses.asdict(MeshConfig(mask_ratio=0.9)), MeshConfig(mask_ratio=0.5),
+                        context="to resume from checkpoint-4")
 
 
 def embeddings_and_first_layers_frozen() -> nn.Module:

@@ -320,3 +320,20 @@ def test_the_checkpoint_server_a_restarted_replica_heals_from_is_named_by_meshtu
     finally:
         elsewhere.shutdown()
         served.shutdown()
+
+
+def test_diloco_state_is_refused_mid_sync_and_for_another_fragment_count():
+    """The checkpoint state of a stage's Streaming DiLoCo exists only between syncs (an all-reduce in
+    flight would be lost), and loads only into as many fragments as it was taken from."""
+    from types import SimpleNamespace
+
+    from hf_meshtune.dp_sync import StreamingDiLoCo
+
+    diloco = StreamingDiLoCo.__new__(StreamingDiLoCo)
+    diloco.codec = None
+    busy = SimpleNamespace(_allreduce_work=[object()])
+    diloco._diloco = SimpleNamespace(_fragments=[SimpleNamespace(_allreduce_work=[]), busy])
+    with pytest.raises(ValueError, match=r"DiLoCo state='fragments \[1\] syncing' is invalid: it must be taken between syncs"):
+        diloco.state_dict()
+    with pytest.raises(ValueError, match=r"dp_fragments=2 is invalid: it must equal the checkpoint's 3 fragments"):
+        diloco.load_state_dict({"fragments": [{}, {}, {}]})

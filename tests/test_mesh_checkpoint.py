@@ -160,3 +160,43 @@ def test_a_resumed_mesh_with_the_anchor_continues_within_the_stated_tolerance(tm
             assert worst <= 0.02, (worst, a.losses, b.losses[8:])
         for mine, theirs in zip(b.global_params, a.global_params):
             torch.testing.assert_close(theirs, mine, rtol=0.02, atol=0.02)
+
+
+def test_a_rank_file_of_another_format_or_rank_is_refused_by_name(tmp_path):
+    _save_all(tmp_path, 4)
+    files = tmp_path / "checkpoint-4" / "mesh"
+    torch.save({"step": 4}, files / "rank0.pt")  # no format marker: not written by a mesh process
+    with pytest.raises(ValueError, match=r"rank0.pt' is invalid: it must hold a format-1 mesh state"):
+        read_rank_state(str(tmp_path / "checkpoint-4"), 0, MESH)
+    (files / "rank2.pt").write_bytes((files / "rank1.pt").read_bytes())  # rank 1's state under rank 2's name
+    with pytest.raises(ValueError, match=r"rank2.pt' is invalid: it must hold rank 2's state \(it holds rank 1\)"):
+        read_rank_state(str(tmp_path / "checkpoint-4"), 2, MESH)
+
+
+@pytest.mark.parametrize(("sizes", "message"), [
+    ({"checkpoint_dir": ".", "checkpoint_every": 0}, "checkpoint_every=0 is invalid: it must be None or an int >= 1"),
+    ({"checkpoint_keep": 0}, "checkpoint_keep=0 is invalid: it must be None or an int >= 1"),
+])
+def test_checkpoint_settings_are_validated(sizes, message):
+    from hf_meshtune.config import MeshConfig
+    from hf_meshtune.mesh_runtime import RunSettings
+
+    with pytest.raises(ValueError, match=message):
+        RunSettings(config=MeshConfig(), microbatch_size=1, microbatches=1, seq_len=8, max_steps=1, **sizes)
+
+
+def test_a_state_of_another_stage_split_is_refused_before_it_is_loaded():
+    """Healing or resuming copies a peer's parameters by name: a state whose names differ (another
+    model or stage split) is refused, naming what it holds, before anything is overwritten."""
+    from hf_meshtune.mesh_runtime import FastWorker
+    from hf_meshtune.pipeline import StageModule
+    from tests.tiny import tiny_llama
+
+    model = tiny_llama(seed=0, layers=4, hidden=64)
+    worker = FastWorker.__new__(FastWorker)
+    worker.model, worker.module = model, StageModule(model, 0, 2, None, None)
+    before = model.model.embed_tokens.weight.detach().clone()
+    with pytest.raises(ValueError, match=r"healing state=\['model.layers.3.mlp.down_proj.weight'\] is invalid: it must "
+                                         r"hold this stage's trainable parameters"):
+        worker._restore_stage({"params": {"model.layers.3.mlp.down_proj.weight": torch.zeros(64, 128)}, "step": 3})
+    assert torch.equal(model.model.embed_tokens.weight, before)

@@ -183,3 +183,24 @@ def test_a_link_error_in_the_gradient_norm_all_reduce_names_every_stage_it_waite
     with pytest.raises(ValueError, match="not a link"):  # anything else passes unchanged
         with _pipeline_link(worker, "x", [3]):
             raise ValueError("not a link")
+
+
+def test_a_replica_job_that_never_starts_fails_the_first_start_barrier_naming_the_count(monkeypatch):
+    """The first start waits for all X·Y processes in the launcher's store; one that never comes
+    fails it within dp_timeout_s with how many were ready. A restarted replica does not wait."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from hf_meshtune.mesh import MeshTopology
+    from hf_meshtune.mesh_runtime import _job_barrier
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
+    topology = MeshTopology(2, 1, anchor=False, job_replica=0)
+    monkeypatch.setenv("MESHTUNE_RESTART", "0")
+    with pytest.raises(ValueError, match=r"mesh start='1 of 2 processes ready' is invalid: it must complete within "
+                                         r"dp_timeout_s = 0.5 s \(a replica job did not start\)"):
+        _job_barrier(server, topology, 0.5)
+    monkeypatch.setenv("MESHTUNE_RESTART", "1")
+    _job_barrier(server, topology, 0.5)  # returns at once
+    assert server.add("hf_meshtune/ready", 0) == 1
