@@ -26,9 +26,10 @@ import torch
 from torch.utils.data import DataLoader
 from transformers import DataCollatorForSeq2Seq, get_scheduler
 
-from hf_meshtune.accelerate import MeshAccelerator as Accelerator, MeshPlugin
-from hf_meshtune.assets import load_smollm2
-from hf_meshtune.demo import freeze_all_but_last, gsm8k_splits
+from hf_meshtune.accelerate import MeshAccelerator as Accelerator
+from hf_meshtune.accelerate import MeshPlugin
+from hf_meshtune.apps.assets import load_smollm2
+from hf_meshtune.apps.demo import freeze_all_but_last, gsm8k_splits
 
 
 def main(argv: list[str] | None = None) -> list[float]:

@@ -16,8 +16,8 @@ from torch.utils.data import DataLoader
 from transformers import DataCollatorForSeq2Seq
 
 from hf_meshtune import AnchorBatches, AnchorCircuit, SpectralAdamW, attach_boundaries
-from hf_meshtune.assets import load_smollm2
-from hf_meshtune.demo import freeze_all_but_last, gsm8k_splits
+from hf_meshtune.apps.assets import load_smollm2
+from hf_meshtune.apps.demo import freeze_all_but_last, gsm8k_splits
 
 
 def main(argv: list[str] | None = None) -> list[float]:

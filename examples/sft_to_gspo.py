@@ -69,8 +69,8 @@ def main(argv: list[str] | None = None) -> dict:
 def _base_accuracy(path: str | None, count: int) -> float:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hf_meshtune import arithmetic
-    from hf_meshtune.assets import smollm2_checkpoint
+    from hf_meshtune.apps import arithmetic
+    from hf_meshtune.apps.assets import smollm2_checkpoint
 
     path = path or str(smollm2_checkpoint())
     model, tokenizer = AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)

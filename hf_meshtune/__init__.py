@@ -7,11 +7,13 @@ Four mechanisms, four places:
 - ``ledger``: exact bytes per token of every circuit (DP sync arrives with the mesh).
 """
 
+import importlib
+
 from .anchor import AnchorBatches, AnchorCircuit
-from .boundaries import BoundaryHandle, attach_boundaries, find_decoder_layers, split_stages
+from .boundary.hooks import BoundaryHandle, attach_boundaries, find_decoder_layers, split_stages
+from .boundary.masking import BoundaryMask, compact, expand, keep_count, keep_indices
 from .config import SPECTRAL_ADAMW, MeshConfig, MeshTrainingArguments
 from .ledger import Ledger, LedgerSettings, compute_ledger, ledger_for_config
-from .masking import BoundaryMask, compact, expand, keep_count, keep_indices
 from .optim.spectral import SpectralAdamW
 from .trainer import MeshTrainer, MeshTrainerMixin
 
@@ -19,16 +21,18 @@ __version__ = "0.1.0"
 
 # Integrations whose libraries are optional (TRL, PEFT) or heavy to import load on first use.
 _LAZY = {
-    "MeshSFTConfig": "trl_trainers", "MeshSFTTrainer": "trl_trainers",
-    "MeshGRPOConfig": "trl_trainers", "MeshGRPOTrainer": "trl_trainers", "MeshGSPOConfig": "trl_trainers",
-    "MeshAccelerator": "accelerate", "MeshPlugin": "accelerate",
+    "MeshSFTConfig": "trl_trainers",
+    "MeshSFTTrainer": "trl_trainers",
+    "MeshGRPOConfig": "trl_trainers",
+    "MeshGRPOTrainer": "trl_trainers",
+    "MeshGSPOConfig": "trl_trainers",
+    "MeshAccelerator": "accelerate",
+    "MeshPlugin": "accelerate",
 }
 
 
 def __getattr__(name: str):
     if name in _LAZY:
-        import importlib
-
         return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 

@@ -42,75 +42,20 @@ from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader, IterableDataset
 
 from ._validation import require
-from .anchor import AnchorBatches, AnchorCircuit
-from .boundaries import BoundaryHandle, attach_boundaries, find_decoder_layers
+from .anchor.batches import AnchorBatches
+from .anchor.circuit import AnchorCircuit
+from .boundary.hooks import BoundaryHandle, find_decoder_layers
 from .config import MeshArguments
+from .engine import MeshEngine
 from .ledger import Ledger
 from .optim.spectral import SpectralAdamW
-from .trainer import mesh_ledger, mesh_log_entries, require_resume_knobs
+from .plugin_env import ENV_PREFIX, FROM_ENV, env_backed, env_field, parse_env_value
 
 __all__ = ["ENV_PREFIX", "MeshAccelerator", "MeshPlugin"]
 
-# MESHTUNE_<FIELD>; no field is called "mesh", so MESHTUNE_MESH stays the launcher's mesh shape.
-ENV_PREFIX = "MESHTUNE_"
-_TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
-
-
-class _FromEnvironment:
-    """Default of every env-backed plugin field: "not given" (None is a real value for some knobs)."""
-
-    def __repr__(self) -> str:
-        return "FROM_ENV"
-
-
-FROM_ENV: Any = _FromEnvironment()
-
-
-def _env_field(default: Any, help: str) -> Any:
-    return field(default=FROM_ENV, metadata={"help": help, "library_default": default})
-
-
-def _env_backed(cls: type) -> type:
-    """Re-declare every ``MeshArguments`` field of ``cls`` with the ``FROM_ENV`` default.
-
-    The fields keep their names, order, types and help; their validation stays ``MeshArguments``'.
-    Applied before ``@dataclass``, which then sees the re-declarations as overrides.
-    """
-    annotations = cls.__dict__.get("__annotations__", {})
-    for f in dataclasses.fields(MeshArguments):
-        annotations[f.name] = f.type
-        setattr(cls, f.name, _env_field(f.default, f.metadata["help"]))
-    cls.__annotations__ = annotations
-    return cls
-
-
-def parse_env_value(name: str, text: str, kind: Any) -> Any:
-    """``text`` of environment variable ``name`` as a value of the field type ``kind``.
-
-    bool: true/false/1/0/yes/no; ``X | None``: "none" → None, else X; a bad value raises a
-    ``ValueError`` naming the variable, its value and the rule.
-    """
-    value = text.strip()
-    members = typing.get_args(kind)
-    optional = type(None) in members
-    if optional:
-        if value.lower() == "none":
-            return None
-        (kind,) = [member for member in members if member is not type(None)]
-    if kind is bool:
-        require(value.lower() in _TRUE + _FALSE, name, text, f"be one of {'/'.join(_TRUE + _FALSE)}")
-        return value.lower() in _TRUE
-    if kind in (int, float):
-        rule = ("be an int" if kind is int else "be a number") + (" or 'none'" if optional else "")
-        try:
-            return kind(value)
-        except ValueError:
-            require(False, name, text, rule)
-    return value
-
 
 @dataclass
-@_env_backed
+@env_backed
 class MeshPlugin(MeshArguments):
     """The mesh knobs for ``MeshAccelerator``: ``MeshArguments``' fields, defaults from the environment.
 
@@ -135,18 +80,29 @@ class MeshPlugin(MeshArguments):
         >>> accelerator = MeshAccelerator(mesh_plugin=plugin)          # doctest: +SKIP
     """
 
-    anchor_seed: int = _env_field(0, "Seed of the anchor's own sampler (AnchorBatches), independent of the training loader's.")
+    anchor_seed: int = env_field(
+        0, "Seed of the anchor's own sampler (AnchorBatches), independent of the training loader's."
+    )
     anchor_loss_fn: Callable[[nn.Module, Mapping[str, torch.Tensor]], torch.Tensor] | None = field(
-        default=None, metadata={"help": "(model, batch) → loss of the anchor's dense pass; None = model(**batch).loss."})
+        default=None, metadata={"help": "(model, batch) → loss of the anchor's dense pass; None = model(**batch).loss."}
+    )
 
     def __post_init__(self) -> None:
         from_env = self._resolve_defaults()
         try:
             super().__post_init__()
-            require(isinstance(self.anchor_seed, int) and not isinstance(self.anchor_seed, bool),
-                    "anchor_seed", self.anchor_seed, "be an int")
-            require(self.anchor_loss_fn is None or callable(self.anchor_loss_fn), "anchor_loss_fn",
-                    self.anchor_loss_fn, "be None or a callable (model, batch) → loss")
+            require(
+                isinstance(self.anchor_seed, int) and not isinstance(self.anchor_seed, bool),
+                "anchor_seed",
+                self.anchor_seed,
+                "be an int",
+            )
+            require(
+                self.anchor_loss_fn is None or callable(self.anchor_loss_fn),
+                "anchor_loss_fn",
+                self.anchor_loss_fn,
+                "be None or a callable (model, batch) → loss",
+            )
         except ValueError as error:
             knob = str(error).split("=", 1)[0]
             if knob not in from_env:
@@ -186,21 +142,39 @@ def spectral_adamw_like(optimizer: torch.optim.Optimizer, plugin: MeshPlugin) ->
     """A ``SpectralAdamW`` over ``optimizer``'s param groups, same lr/betas/eps/weight_decay per group,
     with the plugin's α, τ_p, β_anc, rank and relative τ. ``optimizer`` is a fresh torch Adam/AdamW."""
     name = type(optimizer).__name__
-    require(not optimizer.state, "optimizer", name,
-            "have taken no step yet when MeshAccelerator replaces it by SpectralAdamW (its moments would be lost)")
+    require(
+        not optimizer.state,
+        "optimizer",
+        name,
+        "have taken no step yet when MeshAccelerator replaces it by SpectralAdamW (its moments would be lost)",
+    )
     groups = []
     for group in optimizer.param_groups:
         require(not group.get("amsgrad", False), "amsgrad", True, "be False (SpectralAdamW is AdamW without amsgrad)")
         require(not group.get("maximize", False), "maximize", True, "be False (SpectralAdamW minimises)")
         decoupled = group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW))
-        require(decoupled or group["weight_decay"] == 0, "weight_decay", group["weight_decay"],
-                f"be 0 for {name} without decoupled_weight_decay (its L2 penalty is not AdamW's decoupled decay); use AdamW")
+        require(
+            decoupled or group["weight_decay"] == 0,
+            "weight_decay",
+            group["weight_decay"],
+            f"be 0 for {name} without decoupled_weight_decay (its L2 penalty is not AdamW's decoupled decay); use "
+            f"AdamW",
+        )
         groups.append({key: value for key, value in group.items() if key not in _ADAM_ONLY_KEYS})
     defaults = optimizer.defaults
     return SpectralAdamW(
-        groups, lr=defaults["lr"], betas=defaults["betas"], eps=defaults["eps"], weight_decay=defaults["weight_decay"],
-        alpha=plugin.spectral_alpha, tau=plugin.spectral_tau, anchor_beta=plugin.anchor_beta, rank=plugin.spectral_rank,
-        relative_tau=plugin.spectral_relative_tau, seed=plugin.mask_seed, max_staleness=plugin.anchor_max_staleness,
+        groups,
+        lr=defaults["lr"],
+        betas=defaults["betas"],
+        eps=defaults["eps"],
+        weight_decay=defaults["weight_decay"],
+        alpha=plugin.spectral_alpha,
+        tau=plugin.spectral_tau,
+        anchor_beta=plugin.anchor_beta,
+        rank=plugin.spectral_rank,
+        relative_tau=plugin.spectral_relative_tau,
+        seed=plugin.mask_seed,
+        max_staleness=plugin.anchor_max_staleness,
     )
 
 
@@ -261,7 +235,8 @@ class MeshAccelerator(Accelerator):
     Example:
         >>> from hf_meshtune.accelerate import MeshAccelerator as Accelerator, MeshPlugin
         >>> accelerator = Accelerator(mesh_plugin=MeshPlugin(mask_ratio=0.95, num_stages=4))   # doctest: +SKIP
-        >>> model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)  # doctest: +SKIP
+        >>> model, optimizer, loader, scheduler = accelerator.prepare(
+        ...     model, optimizer, loader, scheduler)                                                # doctest: +SKIP
         >>> for batch in loader:                                                                # doctest: +SKIP
         ...     with accelerator.accumulate(model):
         ...         accelerator.backward(model(**batch).loss)
@@ -269,17 +244,24 @@ class MeshAccelerator(Accelerator):
     """
 
     def __init__(self, *args, mesh_plugin: MeshPlugin | None = None, **kwargs) -> None:
-        plugin = MeshPlugin() if mesh_plugin is None else mesh_plugin  # a bad environment fails before accelerate starts
+        plugin = (
+            MeshPlugin() if mesh_plugin is None else mesh_plugin
+        )  # a bad environment fails before accelerate starts
         require(isinstance(plugin, MeshPlugin), "mesh_plugin", type(plugin).__name__, "be a MeshPlugin (or None)")
         super().__init__(*args, **kwargs)
         self.mesh_plugin = plugin
-        self.mesh_boundaries: BoundaryHandle | None = None
-        self.mesh_anchor: AnchorCircuit | None = None
+        self.mesh_engine: MeshEngine | None = None
         self.spectral_optimizer: SpectralAdamW | None = None
         self.mesh_step = 0
-        self._mesh_model: nn.Module | None = None
-        self._mesh_steps_logged = 0
         self._mesh_hooks: list = []
+
+    @property
+    def mesh_boundaries(self) -> BoundaryHandle | None:
+        return None if self.mesh_engine is None else self.mesh_engine.boundaries
+
+    @property
+    def mesh_anchor(self) -> AnchorCircuit | None:
+        return None if self.mesh_engine is None else self.mesh_engine.anchor
 
     # --- set-up -------------------------------------------------------------------------------
     def prepare(self, *args, device_placement=None):
@@ -288,120 +270,153 @@ class MeshAccelerator(Accelerator):
         Returns the objects in the order given, the optimizer being accelerate's wrapper around the
         ``SpectralAdamW`` that replaced a torch AdamW/Adam.
         """
-        if self._mesh_model is not None or not any(isinstance(obj, nn.Module) for obj in args):
+        if self.mesh_engine is not None or not any(isinstance(obj, nn.Module) for obj in args):
             return super().prepare(*args, device_placement=device_placement)
         model, optimizer, loader = self._training_objects(args)
         mesh_optimizer = self._mesh_optimizer(optimizer)
-        boundaries = self._attach(model)
+        engine = MeshEngine(model, self.mesh_plugin)
         try:
-            anchor = self._build_anchor(model, mesh_optimizer, boundaries, loader) if self.mesh_plugin.anchor else None
+            if self.mesh_plugin.anchor:
+                self._build_anchor(engine, mesh_optimizer, loader)
             if mesh_optimizer is not optimizer:
                 _move_schedulers(args, optimizer, mesh_optimizer)
                 args = tuple(mesh_optimizer if obj is optimizer else obj for obj in args)
             result = super().prepare(*args, device_placement=device_placement)
         except BaseException:
-            boundaries.remove()
+            engine.remove()
             raise
         if mesh_optimizer is not optimizer:
             # a scheduler left out of prepare() still holds the old optimizer: hand it the SpectralAdamW's
             # groups (as placed by accelerate, which rebuilds them) so its lr changes reach the real optimizer
             optimizer.param_groups = mesh_optimizer.param_groups
-        self._mesh_model, self.mesh_boundaries, self.mesh_anchor = model, boundaries, anchor
+        self.mesh_engine = engine
         self.spectral_optimizer = mesh_optimizer if isinstance(mesh_optimizer, SpectralAdamW) else None
         self._wire_clock(mesh_optimizer)
-        self._prepare_masks(model, loader)
+        engine.set_up_masks(lambda: self._anchor_batches(loader, microbatches=1)(0)[0])
         self.register_for_checkpointing(_MeshState(self))
         return result
 
     def _training_objects(self, args: Sequence[Any]) -> tuple[nn.Module, torch.optim.Optimizer, DataLoader | None]:
         """(model, its optimizer, the first DataLoader or None), validated before anything changes."""
-        require(self.distributed_type not in (DistributedType.DEEPSPEED, DistributedType.FSDP, DistributedType.MEGATRON_LM),
-                "distributed_type", str(self.distributed_type),
-                "be a single device or DDP for MeshAccelerator (the spectral filter needs whole matrices); "
-                "the distributed mesh runs through MeshTrainer")
+        require(
+            self.distributed_type not in (DistributedType.DEEPSPEED, DistributedType.FSDP, DistributedType.MEGATRON_LM),
+            "distributed_type",
+            str(self.distributed_type),
+            "be a single device or DDP for MeshAccelerator (the spectral filter needs whole matrices); "
+            "the distributed mesh runs through MeshTrainer",
+        )
         modules = _unique(args, nn.Module)
         optimizers = _unique(args, torch.optim.Optimizer)
         loaders = _unique(args, DataLoader)
-        require(len(optimizers) == 1, "optimizers passed with the model", len(optimizers),
-                "be exactly 1 in the first prepare() call that holds the model (its steps drive the mask clock and the anchor)")
+        require(
+            len(optimizers) == 1,
+            "optimizers passed with the model",
+            len(optimizers),
+            "be exactly 1 in the first prepare() call that holds the model (its steps drive the mask clock and the "
+            "anchor)",
+        )
         optimizer = optimizers[0]
         model = modules[0] if len(modules) == 1 else self._model_of(modules, optimizer)
         find_decoder_layers(model)  # a model without a decoder-layer list fails here, naming its class
         plugin = self.mesh_plugin
-        needs = [why for why, wanted in (("anchor=True", plugin.anchor), ("mask_protect_dims > 0", plugin.mask_protect_dims > 0),
-                                         ("mask_fill='gaussian'", plugin.mask_fill == "gaussian")) if wanted]
+        needs = [
+            why
+            for why, wanted in (
+                ("anchor=True", plugin.anchor),
+                ("mask_protect_dims > 0", plugin.mask_protect_dims > 0),
+                ("mask_fill='gaussian'", plugin.mask_fill == "gaussian"),
+            )
+            if wanted
+        ]
         if needs:
-            require(bool(loaders), "DataLoader", None,
-                    f"be passed to the same prepare() call as the model when {needs[0]} (the mesh draws its own "
-                    "batches from the training loader's dataset); pass the training DataLoader there")
+            require(
+                bool(loaders),
+                "DataLoader",
+                None,
+                f"be passed to the same prepare() call as the model when {needs[0]} (the mesh draws its own "
+                "batches from the training loader's dataset); pass the training DataLoader there",
+            )
         return model, optimizer, (loaders[0] if loaders else None)
 
     @staticmethod
     def _model_of(modules: Sequence[nn.Module], optimizer: torch.optim.Optimizer) -> nn.Module:
         trained = {id(p) for group in optimizer.param_groups for p in group["params"]}
         owners = [m for m in modules if any(id(p) in trained for p in m.parameters())]
-        require(len(owners) == 1, "models holding the optimizer's parameters", len(owners),
-                "be exactly 1 (the model that trains on the mesh)")
+        require(
+            len(owners) == 1,
+            "models holding the optimizer's parameters",
+            len(owners),
+            "be exactly 1 (the model that trains on the mesh)",
+        )
         return owners[0]
-
-    def _attach(self, model: nn.Module) -> BoundaryHandle:
-        plugin = self.mesh_plugin
-        return attach_boundaries(model, plugin.num_stages, plugin.mask_ratio, plugin.mask_seed,
-                                 plugin.mask_rescale, plugin.mask_fill)
 
     def _mesh_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """The optimizer to prepare: the user's, or a SpectralAdamW in place of a torch Adam/AdamW."""
         if not self.mesh_plugin.anchor or isinstance(optimizer, SpectralAdamW):
             return optimizer
-        require(isinstance(optimizer, (torch.optim.AdamW, torch.optim.Adam)), "optimizer", type(optimizer).__name__,
-                "be torch.optim.AdamW or Adam (replaced by SpectralAdamW) or a SpectralAdamW when anchor=True "
-                "(the anchor's gradients feed SpectralAdamW's spectral filter); set anchor=False to keep another optimizer")
+        require(
+            isinstance(optimizer, (torch.optim.AdamW, torch.optim.Adam)),
+            "optimizer",
+            type(optimizer).__name__,
+            "be torch.optim.AdamW or Adam (replaced by SpectralAdamW) or a SpectralAdamW when anchor=True "
+            "(the anchor's gradients feed SpectralAdamW's spectral filter); set anchor=False to keep another optimizer",
+        )
         return spectral_adamw_like(optimizer, self.mesh_plugin)
 
     def _anchor_batches(self, loader: DataLoader | None, microbatches: int) -> AnchorBatches:
         """The anchor's own batches: same dataset, collate_fn and batch size as the training loader
         (``_training_objects`` has made sure there is one whenever these are needed)."""
         dataset = loader.dataset
-        require(not isinstance(dataset, IterableDataset) and hasattr(dataset, "__getitem__"), "train DataLoader dataset",
-                type(dataset).__name__, "be map-style (__len__ and __getitem__) so the anchor can draw its own batches; "
-                "use anchor=False with an iterable dataset")
+        require(
+            not isinstance(dataset, IterableDataset) and hasattr(dataset, "__getitem__"),
+            "train DataLoader dataset",
+            type(dataset).__name__,
+            "be map-style (__len__ and __getitem__) so the anchor can draw its own batches; "
+            "use anchor=False with an iterable dataset",
+        )
         batch_size = loader.batch_size or getattr(loader.batch_sampler, "batch_size", None)
-        require(isinstance(batch_size, int) and batch_size >= 1, "train DataLoader batch_size", batch_size,
-                "be a positive int (the anchor draws batches of the same size)")
-        return AnchorBatches(dataset, loader.collate_fn, batch_size, microbatches, self.mesh_plugin.anchor_seed,
-                             prepare=lambda batch: send_to_device(batch, self.device))
+        require(
+            isinstance(batch_size, int) and batch_size >= 1,
+            "train DataLoader batch_size",
+            batch_size,
+            "be a positive int (the anchor draws batches of the same size)",
+        )
+        return AnchorBatches(
+            dataset,
+            loader.collate_fn,
+            batch_size,
+            microbatches,
+            self.mesh_plugin.anchor_seed,
+            prepare=lambda batch: send_to_device(batch, self.device),
+        )
 
-    def _build_anchor(self, model: nn.Module, optimizer: torch.optim.Optimizer, boundaries: BoundaryHandle,
-                      loader: DataLoader | None) -> AnchorCircuit:
+    def _build_anchor(
+        self, engine: MeshEngine, optimizer: torch.optim.Optimizer, loader: DataLoader | None
+    ) -> AnchorCircuit:
         """The anchor on the trainable matrices the optimizer holds (the ones its filter acts on)."""
         plugin = self.mesh_plugin
         held = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        params = {name: p for name, p in model.named_parameters() if p.requires_grad and p.ndim == 2 and id(p) in held}
+        params = {
+            name: p for name, p in engine.model.named_parameters() if p.requires_grad and p.ndim == 2 and id(p) in held
+        }
         batches = self._anchor_batches(loader, plugin.anchor_microbatches or self.gradient_accumulation_steps)
-        return AnchorCircuit(model, params, boundaries, plugin.anchor_every, plugin.anchor_delay, batches,
-                             plugin.anchor_loss_fn or _model_loss)
-
-    def _prepare_masks(self, model: nn.Module, loader: DataLoader | None) -> None:
-        """Protected dims and a first Gaussian-fill estimate, on the anchor sampler's first batch (as MeshTrainer)."""
-        plugin = self.mesh_plugin
-        self.mesh_boundaries.set_up_masks(model, lambda: self._anchor_batches(loader, microbatches=1)(0)[0],
-                                          plugin.mask_protect_dims, plugin.mask_fill)
+        return engine.build_anchor(params, batches, plugin.anchor_loss_fn or _model_loss)
 
     # --- the clock: optimizer step hooks ------------------------------------------------------
     def _wire_clock(self, optimizer: torch.optim.Optimizer) -> None:
         """Anchor before, clock after every real optimizer step; the loop calls nothing of ours."""
-        self._mesh_hooks = [optimizer.register_step_pre_hook(self._before_optimizer_step),
-                            optimizer.register_step_post_hook(self._after_optimizer_step)]
-        self.mesh_boundaries.set_step(self.mesh_step)
+        self._mesh_hooks = [
+            optimizer.register_step_pre_hook(self._before_optimizer_step),
+            optimizer.register_step_post_hook(self._after_optimizer_step),
+        ]
+        self.mesh_engine.begin_step(self.mesh_step)
 
     def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-        if self.mesh_anchor is not None:
-            with torch.enable_grad():  # the dense snapshot gradient, even if step() runs under no_grad
-                self.mesh_anchor.on_step(self.mesh_step, optimizer)
+        self.mesh_engine.before_optimizer_step(self.mesh_step, optimizer)
 
     def _after_optimizer_step(self, optimizer: torch.optim.Optimizer, args, kwargs) -> None:
         self.mesh_step += 1
-        self.mesh_boundaries.set_step(self.mesh_step)
+        self.mesh_engine.begin_step(self.mesh_step)
 
     # --- logs ---------------------------------------------------------------------------------
     def log(self, values: dict, step: int | None = None, log_kwargs: dict | None = None) -> None:
@@ -414,15 +429,13 @@ class MeshAccelerator(Accelerator):
         """``MeshTrainer``'s log keys since the last call: ``comm/*`` (analytic ledger of the whole
         mesh at this run's tokens per step, and what this process's boundaries produced),
         ``spectral/*`` (cosines of G and G_proj with M_anc, mean d) and ``anchor/staleness_steps``."""
-        if self.mesh_boundaries is None:
+        if self.mesh_engine is None:
             return {}
-        steps = max(self.mesh_step - self._mesh_steps_logged, 1)
-        self._mesh_steps_logged = self.mesh_step
-        return mesh_log_entries(self.mesh_boundaries, self.mesh_anchor, self.spectral_optimizer, steps, self.mesh_ledger)
+        return self.mesh_engine.log_entries(self.mesh_step, self.spectral_optimizer)
 
     def mesh_ledger(self, tokens_per_step: int) -> Ledger:
         """The analytic ledger of this model and the plugin's mesh at ``tokens_per_step`` tokens per fast replica."""
-        return mesh_ledger(self._mesh_model, self.mesh_boundaries.hidden_size, self.mesh_plugin, tokens_per_step)
+        return self.mesh_engine.ledger(tokens_per_step)
 
 
 class _MeshState:
@@ -434,17 +447,9 @@ class _MeshState:
 
     def state_dict(self) -> dict:
         acc = self.accelerator
-        return {
-            "config": dataclasses.asdict(acc.mesh_plugin.mesh_config),
-            "step": acc.mesh_step,
-            "boundaries": acc.mesh_boundaries.state_dict(),
-            "anchor": None if acc.mesh_anchor is None else acc.mesh_anchor.state_dict(),
-        }
+        return {"step": acc.mesh_step, **acc.mesh_engine.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         acc = self.accelerator
-        require_resume_knobs(state["config"], acc.mesh_plugin.mesh_config)
-        acc.mesh_step = acc._mesh_steps_logged = state["step"]
-        acc.mesh_boundaries.load_state_dict(state["boundaries"])
-        if acc.mesh_anchor is not None and state["anchor"] is not None:
-            acc.mesh_anchor.load_state_dict(state["anchor"])
+        acc.mesh_engine.load_state_dict(state, state["step"])
+        acc.mesh_step = state["step"]

@@ -14,6 +14,7 @@ import os
 import re
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import fields
 
 from hf_meshtune._validation import require
 
@@ -41,14 +42,15 @@ def _as_flag(parser: argparse.ArgumentParser, command: str, message: str) -> str
     for action in subparsers.choices[command]._actions:
         longs = [o for o in action.option_strings if o.startswith("--")]
         if longs and message.startswith(f"{action.dest}="):
-            return longs[0] + message[len(action.dest):]
+            return longs[0] + message[len(action.dest) :]
     return message
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with one subparser per subcommand."""
     parser = argparse.ArgumentParser(
-        prog="meshtune", description="Communication-efficient fine-tuning over X×Y GPU meshes.")
+        prog="meshtune", description="Communication-efficient fine-tuning over X×Y GPU meshes."
+    )
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in _SUBCOMMANDS:
         add(subparsers)
@@ -59,22 +61,25 @@ def build_parser() -> argparse.ArgumentParser:
 # meshtune ledger
 # ---------------------------------------------------------------------------------------------------
 
+
 def _add_ledger_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "ledger", help="print bytes/token by circuit for the standard configurations",
+        "ledger",
+        help="print bytes/token by circuit for the standard configurations",
         description="Exact bytes per fast-circuit token (pp_fwd, pp_bwd, dp, anchor) from the model's "
-                    "real parameter shapes; no weights are loaded.")
+        "real parameter shapes; no weights are loaded.",
+    )
     source = p.add_mutually_exclusive_group()
     source.add_argument("--preset", default=None, help=f"built-in model config (default {_DEFAULT_PRESET})")
     source.add_argument("--config", default=None, help="a config.json or a model directory")
     p.add_argument("--mesh", default="8x4", help="X replicas x Y stages, anchor included (default 8x4)")
     p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default 2048)")
-    p.add_argument("--batch-size", type=int, default=32,
-                   help="global batch in sequences over the fast replicas (default 32)")
+    p.add_argument(
+        "--batch-size", type=int, default=32, help="global batch in sequences over the fast replicas (default 32)"
+    )
     p.add_argument("--dtype", default="bfloat16", help="activation, gradient and parameter dtype")
     p.add_argument("--sync-every", type=int, default=20, help="DiLoCo outer period S (default 20)")
-    p.add_argument("--powersgd-rank", type=rank_or_none, default=4,
-                   help="PowerSGD rank r, or 'none' (default 4)")
+    p.add_argument("--powersgd-rank", type=rank_or_none, default=4, help="PowerSGD rank r, or 'none' (default 4)")
     p.add_argument("--anchor-every", type=int, default=20, help="fast steps per anchor round A (default 20)")
     p.add_argument("--anchor-payload", default="gradient", help="gradient | factors (default gradient)")
     p.add_argument("--anchor-rank", type=int, default=8, help="rank of the anchor's factors (default 8)")
@@ -90,13 +95,24 @@ def run_ledger(args: argparse.Namespace) -> int:
     config, preset = _ledger_config(args, L.PRESETS)
     num_replicas, num_stages = _parse_mesh(args.mesh)
     layers = getattr(config.get_text_config(), "num_hidden_layers", None)
-    require(layers is None or num_stages <= layers, "mesh", args.mesh,
-            f"have Y <= the model's {layers} decoder layers (each stage holds at least one)")
+    require(
+        layers is None or num_stages <= layers,
+        "mesh",
+        args.mesh,
+        f"have Y <= the model's {layers} decoder layers (each stage holds at least one)",
+    )
     knobs = dict(
-        num_replicas=num_replicas, num_stages=num_stages, activation_dtype=args.dtype,
-        grad_dtype=args.dtype, param_dtype=args.dtype, sync_every=args.sync_every,
-        powersgd_rank=args.powersgd_rank, anchor_every=args.anchor_every,
-        anchor_payload=args.anchor_payload, anchor_rank=args.anchor_rank)
+        num_replicas=num_replicas,
+        num_stages=num_stages,
+        activation_dtype=args.dtype,
+        grad_dtype=args.dtype,
+        param_dtype=args.dtype,
+        sync_every=args.sync_every,
+        powersgd_rank=args.powersgd_rank,
+        anchor_every=args.anchor_every,
+        anchor_payload=args.anchor_payload,
+        anchor_rank=args.anchor_rank,
+    )
     rows = [row.strip() for row in args.rows.split(",") if row.strip()]
     require(len(rows) > 0, "rows", args.rows, f"name at least one of {list(L.STANDARD_ROWS)}")
     ledgers = {}
@@ -113,14 +129,17 @@ def run_ledger(args: argparse.Namespace) -> int:
 
 def _ledger_config(args: argparse.Namespace, presets: dict) -> tuple[object, str | None]:
     if args.config is not None:
-        require(os.path.exists(args.config), "config", args.config,
-                "be an existing config.json file or model directory")
+        require(
+            os.path.exists(args.config), "config", args.config, "be an existing config.json file or model directory"
+        )
         from transformers import AutoConfig
 
         try:
             return AutoConfig.from_pretrained(args.config), None
         except OSError as err:  # e.g. a config.json that is not JSON
-            raise ValueError(f"config={args.config!r} is invalid: it must be a readable transformers config ({err})") from err
+            raise ValueError(
+                f"config={args.config!r} is invalid: it must be a readable transformers config ({err})"
+            ) from err
     preset = args.preset or _DEFAULT_PRESET
     require(preset in presets, "preset", preset, f"be one of {sorted(presets)}")
     return presets[preset], preset
@@ -128,8 +147,12 @@ def _ledger_config(args: argparse.Namespace, presets: dict) -> tuple[object, str
 
 def _parse_mesh(text: str) -> tuple[int, int]:
     match = re.fullmatch(r"\s*(\d+)\s*[xX×]\s*(\d+)\s*", text)
-    require(match is not None and int(match[1]) >= 1 and int(match[2]) >= 1, "mesh", text,
-            "be XxY with X >= 1 replicas and Y >= 1 stages, e.g. 8x4")
+    require(
+        match is not None and int(match[1]) >= 1 and int(match[2]) >= 1,
+        "mesh",
+        text,
+        "be XxY with X >= 1 replicas and Y >= 1 stages, e.g. 8x4",
+    )
     return int(match[1]), int(match[2])
 
 
@@ -141,15 +164,16 @@ def rank_or_none(text: str) -> int | None:
 # meshtune demo
 # ---------------------------------------------------------------------------------------------------
 
-def _add_demo_parser(subparsers: argparse._SubParsersAction) -> None:
-    from dataclasses import fields
 
-    from hf_meshtune.demo import DemoSettings
+def _add_demo_parser(subparsers: argparse._SubParsersAction) -> None:
+    from hf_meshtune.apps.demo import DemoSettings
 
     p = subparsers.add_parser(
-        "demo", help="fine-tune the embedded SmolLM2-135M on GSM8K with M95 + anchor prior",
+        "demo",
+        help="fine-tune the embedded SmolLM2-135M on GSM8K with M95 + anchor prior",
         description="The main job on the embedded default (no hub access): prints the dense eval loss "
-                    "before/after, the masked training loss and the byte ledger; writes summary.json.")
+        "before/after, the masked training loss and the byte ledger; writes summary.json.",
+    )
     for f in fields(DemoSettings):
         flag = "--" + f.name.replace("_", "-")
         if f.type in ("bool", bool):
@@ -162,9 +186,8 @@ def _add_demo_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run_demo(args: argparse.Namespace) -> int:
     """Handler of ``meshtune demo``."""
-    from dataclasses import fields
-
-    from hf_meshtune.demo import DemoSettings, run_demo as run
+    from hf_meshtune.apps.demo import DemoSettings
+    from hf_meshtune.apps.demo import run_demo as run
 
     run(DemoSettings(**{f.name: getattr(args, f.name) for f in fields(DemoSettings)}))
     return 0
@@ -174,32 +197,54 @@ def run_demo(args: argparse.Namespace) -> int:
 # meshtune launch
 # ---------------------------------------------------------------------------------------------------
 
+
 def _add_launch_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "launch", help="start a local X×Y mesh of processes running one script",
+        "launch",
+        help="start a local X×Y mesh of processes running one script",
         usage="meshtune launch --mesh XxY [--cpu] [--master-port P] [--lighthouse ADDR] "
-              "[--log-dir DIR] [--max-restarts N] [--optional-replica R] -- SCRIPT [ARGS...]",
+        "[--log-dir DIR] [--max-restarts N] [--optional-replica R] -- SCRIPT [ARGS...]",
         description="Start X·Y processes `python SCRIPT ARGS` (or `python -m MOD ARGS`) with the torchrun "
-                    "environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), "
-                    "MESHTUNE_MESH=XxY and TORCHFT_LIGHTHOUSE. Rank r is replica r // Y, stage r % Y; its "
-                    "output lines are prefixed [r<replica>s<stage>]. The first child to fail stops the "
-                    "others and sets the exit code; with --max-restarts N every replica is a job of its own "
-                    "and a failed one is restarted (N times at most) and heals from the others.")
+        "environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), "
+        "MESHTUNE_MESH=XxY and TORCHFT_LIGHTHOUSE. Rank r is replica r // Y, stage r % Y; its "
+        "output lines are prefixed [r<replica>s<stage>]. The first child to fail stops the "
+        "others and sets the exit code; with --max-restarts N every replica is a job of its own "
+        "and a failed one is restarted (N times at most) and heals from the others.",
+    )
     p.add_argument("--mesh", required=True, help="X replicas x Y stages, anchor included, e.g. 3x2")
-    p.add_argument("--cpu", action="store_true",
-                   help="CPU only: ACCELERATE_USE_CPU=true, no CUDA device, cores split over processes")
+    p.add_argument(
+        "--cpu",
+        action="store_true",
+        help="CPU only: ACCELERATE_USE_CPU=true, no CUDA device, cores split over processes",
+    )
     p.add_argument("--master-port", type=int, default=None, help="torch.distributed port (default: a free one)")
-    p.add_argument("--lighthouse", default=None,
-                   help="host:port of a running torchft lighthouse (default: start one on loopback)")
+    p.add_argument(
+        "--lighthouse", default=None, help="host:port of a running torchft lighthouse (default: start one on loopback)"
+    )
     p.add_argument("--log-dir", default=None, help="also write each rank's output to DIR/rank<N>.log")
-    p.add_argument("--max-restarts", type=int, default=0,
-                   help="restarts per replica; > 0 runs every replica as its own job (needs --no-anchor) so a "
-                        "failed one is restarted and heals from the others (default 0: the first failure stops the mesh)")
-    p.add_argument("--optional-replica", dest="optional_replicas", type=int, action="append", default=[], metavar="R",
-                   help="a replica whose failure does not stop the others, e.g. the anchor replica X-1 "
-                        "(repeatable; its remaining processes are stopped)")
-    p.add_argument("script", nargs=argparse.REMAINDER, metavar="-- SCRIPT [ARGS...]",
-                   help="a Python file or `-m module`, then its arguments")
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="restarts per replica; > 0 runs every replica as its own job (needs --no-anchor) so a "
+        "failed one is restarted and heals from the others (default 0: the first failure stops the mesh)",
+    )
+    p.add_argument(
+        "--optional-replica",
+        dest="optional_replicas",
+        type=int,
+        action="append",
+        default=[],
+        metavar="R",
+        help="a replica whose failure does not stop the others, e.g. the anchor replica X-1 "
+        "(repeatable; its remaining processes are stopped)",
+    )
+    p.add_argument(
+        "script",
+        nargs=argparse.REMAINDER,
+        metavar="-- SCRIPT [ARGS...]",
+        help="a Python file or `-m module`, then its arguments",
+    )
     p.set_defaults(handler=run_launch)
 
 
@@ -208,23 +253,33 @@ def run_launch(args: argparse.Namespace) -> int:
     from hf_meshtune.launch import launch_mesh
 
     command = args.script[1:] if args.script[:1] == ["--"] else args.script  # `args.command` is "launch"
-    return launch_mesh(_parse_mesh(args.mesh), command, cpu=args.cpu, master_port=args.master_port,
-                       lighthouse=args.lighthouse, log_dir=args.log_dir, max_restarts=args.max_restarts,
-                       optional_replicas=args.optional_replicas)
+    return launch_mesh(
+        _parse_mesh(args.mesh),
+        command,
+        cpu=args.cpu,
+        master_port=args.master_port,
+        lighthouse=args.lighthouse,
+        log_dir=args.log_dir,
+        max_restarts=args.max_restarts,
+        optional_replicas=args.optional_replicas,
+    )
 
 
 # ---------------------------------------------------------------------------------------------------
 # meshtune report
 # ---------------------------------------------------------------------------------------------------
 
+
 def _add_report_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "report", help="plot and tabulate the runs in a folder: loss, bytes/token by circuit",
+        "report",
+        help="plot and tabulate the runs in a folder: loss, bytes/token by circuit",
         description="Find every run under RUN_DIR (a folder holding trainer_state.json, a checkpoint-N with one, "
-                    "mesh_summary.json or the demo's summary.json) and write loss.png (training loss vs step), "
-                    "bytes_per_token.png (pp_fwd, pp_bwd, dp, anchor per run: the logged ledger and, from "
-                    "mesh_summary.json, what the mesh measured on the wire) and report.md (a table per run, "
-                    "both plots embedded).")
+        "mesh_summary.json or the demo's summary.json) and write loss.png (training loss vs step), "
+        "bytes_per_token.png (pp_fwd, pp_bwd, dp, anchor per run: the logged ledger and, from "
+        "mesh_summary.json, what the mesh measured on the wire) and report.md (a table per run, "
+        "both plots embedded).",
+    )
     p.add_argument("run_dir", metavar="RUN_DIR", help="a run's output_dir, or a folder of runs at any depth")
     p.add_argument("--out", default=None, metavar="DIR", help="where to write the report (default RUN_DIR)")
     p.set_defaults(handler=run_report)
@@ -241,7 +296,11 @@ def run_report(args: argparse.Namespace) -> int:
 
 
 _SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
-    _add_ledger_parser, _add_demo_parser, _add_launch_parser, _add_report_parser)
+    _add_ledger_parser,
+    _add_demo_parser,
+    _add_launch_parser,
+    _add_report_parser,
+)
 """One registration function per subcommand."""
 
 

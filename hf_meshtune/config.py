@@ -17,10 +17,18 @@ from transformers import TrainingArguments
 from transformers.training_args import OptimizerNames
 
 from ._validation import require
-from .fills import FILLS
-from .mesh import in_replica_zero_job
+from .boundary.fills import FILLS
+from .topology import in_replica_zero_job
 
-__all__ = ["SPECTRAL_ADAMW", "MeshArguments", "MeshConfig", "MeshTrainingArguments", "require_saved_knobs"]
+__all__ = [
+    "ANCHOR_PAYLOADS",
+    "SPECTRAL_ADAMW",
+    "MeshArguments",
+    "MeshConfig",
+    "MeshTrainingArguments",
+    "require_mesh_supported",
+    "require_saved_knobs",
+]
 
 SPECTRAL_ADAMW = "spectral_adamw"
 ANCHOR_PAYLOADS = ("gradient", "factors")
@@ -31,41 +39,101 @@ _STAND_IN_OPTIM = "adamw_torch"
 
 @dataclass
 class MeshArguments:
-    """The mesh knobs (DESIGN.md §2). Paper defaults unless stated."""
+    """The mesh knobs (docs/design.md, "The four mechanisms"). Paper defaults unless stated."""
 
     # --- pipeline boundaries (PP compression) ---
-    mask_ratio: float = field(default=0.95, metadata={"help": "p: fraction of hidden dims dropped per token at every stage boundary; K = round((1-p)·H) are kept."})
-    num_stages: int = field(default=4, metadata={"help": "Y: pipeline stages the decoder layers are split into (Y-1 masked boundaries)."})
-    mask_seed: int = field(default=0, metadata={"help": "Base seed of the shared mask function g(ℓ, step, microbatch, T, H, seed)."})
-    mask_rescale: bool = field(default=False, metadata={"help": "Scale kept values by H/K (dropout-style); off = the paper's plain h ⊙ m."})
-    mask_fill: str = field(default="zeros", metadata={"help": "Receiver-side value of dropped dims: 'zeros' (the paper), 'mean' (running per-dim mean; no extra traffic) or 'gaussian' (conditional mean given the kept dims, from a covariance the anchor estimates on its dense passes)."})
-    mask_protect_dims: int = field(default=0, metadata={"help": "Dims of largest RMS (measured once on a training batch at the start) that every token always keeps at each boundary; 0 = the paper's uniform mask."})
+    mask_ratio: float = field(
+        default=0.95,
+        metadata={
+            "help": "p: fraction of hidden dims dropped per token at every stage boundary; K = round((1-p)·H) are kept."
+        },
+    )
+    num_stages: int = field(
+        default=4, metadata={"help": "Y: pipeline stages the decoder layers are split into (Y-1 masked boundaries)."}
+    )
+    mask_seed: int = field(
+        default=0, metadata={"help": "Base seed of the shared mask function g(ℓ, step, microbatch, T, H, seed)."}
+    )
+    mask_rescale: bool = field(
+        default=False, metadata={"help": "Scale kept values by H/K (dropout-style); off = the paper's plain h ⊙ m."}
+    )
+    mask_fill: str = field(
+        default="zeros",
+        metadata={
+            "help": "Receiver-side value of dropped dims: 'zeros' (the paper), 'mean' (running per-dim mean; no extra "
+            "traffic) or 'gaussian' (conditional mean given the kept dims, from a covariance the anchor "
+            "estimates on its dense passes)."
+        },
+    )
+    mask_protect_dims: int = field(
+        default=0,
+        metadata={
+            "help": "Dims of largest RMS (measured once on a training batch at the start) that every token always "
+            "keeps at each boundary; 0 = the paper's uniform mask."
+        },
+    )
     # --- anchor circuit ---
-    anchor: bool = field(default=True, metadata={"help": "Run the dense anchor circuit that feeds the spectral filter."})
-    anchor_every: int = field(default=20, metadata={"help": "Fast steps between anchor snapshots (one dense gradient per snapshot)."})
-    anchor_delay: int = field(default=20, metadata={"help": "Δ: fast steps between a snapshot and the arrival of its dense gradient."})
+    anchor: bool = field(
+        default=True, metadata={"help": "Run the dense anchor circuit that feeds the spectral filter."}
+    )
+    anchor_every: int = field(
+        default=20, metadata={"help": "Fast steps between anchor snapshots (one dense gradient per snapshot)."}
+    )
+    anchor_delay: int = field(
+        default=20, metadata={"help": "Δ: fast steps between a snapshot and the arrival of its dense gradient."}
+    )
     anchor_beta: float = field(default=0.9, metadata={"help": "β_anc: EMA coefficient of the anchor momentum M_anc."})
-    anchor_microbatches: int | None = field(default=None, metadata={"help": "Microbatches per anchor gradient (default: gradient_accumulation_steps)."})
-    anchor_max_staleness: int | None = field(default=None, metadata={"help": "Fast steps a basis stays trusted without a fresh anchor gradient: older deliveries are rejected, and past it the filter fades to plain AdamW over as many steps again. None = never (the paper)."})
+    anchor_microbatches: int | None = field(
+        default=None, metadata={"help": "Microbatches per anchor gradient (default: gradient_accumulation_steps)."}
+    )
+    anchor_max_staleness: int | None = field(
+        default=None,
+        metadata={
+            "help": "Fast steps a basis stays trusted without a fresh anchor gradient: older deliveries are rejected, "
+            "and past it the filter fades to plain AdamW over as many steps again. None = never (the paper)."
+        },
+    )
     # --- spectral optimizer ---
     spectral_tau: float = field(default=1e-3, metadata={"help": "τ_p: Tikhonov filter d = s/(s+τ)."})
     spectral_relative_tau: bool = field(default=False, metadata={"help": "Use τ·s_max instead of an absolute τ."})
     spectral_alpha: float = field(default=0.3, metadata={"help": "α: G_proj = α·G + (1-α)·G_filt."})
-    spectral_rank: int | None = field(default=None, metadata={"help": "Rank cap of the anchor basis (randomized SVD); None = full SVD."})
+    spectral_rank: int | None = field(
+        default=None, metadata={"help": "Rank cap of the anchor basis (randomized SVD); None = full SVD."}
+    )
     # --- mesh shape and DP sync (used by the byte ledger on one machine) ---
     num_replicas: int = field(default=8, metadata={"help": "X: data-parallel replicas, the anchor replica included."})
     dp_sync_every: int = field(default=20, metadata={"help": "Inner steps between Streaming DiLoCo outer syncs."})
-    dp_powersgd_rank: int | None = field(default=4, metadata={"help": "PowerSGD rank of the DP pseudo-gradient; None (or 0, for command lines) = uncompressed."})
-    dp_fragments: int = field(default=1, metadata={"help": "Streaming DiLoCo fragments per stage, synced at staggered steps (must divide dp_sync_every)."})
-    dp_sync_delay: int = field(default=0, metadata={"help": "Inner steps a fragment's all-reduce overlaps before its outer step is applied (< dp_sync_every / dp_fragments)."})
-    dp_outer_lr: float = field(default=0.7, metadata={"help": "Learning rate of the outer Nesterov SGD applied to the averaged pseudo-gradient."})
+    dp_powersgd_rank: int | None = field(
+        default=4,
+        metadata={"help": "PowerSGD rank of the DP pseudo-gradient; None (or 0, for command lines) = uncompressed."},
+    )
+    dp_fragments: int = field(
+        default=1,
+        metadata={
+            "help": "Streaming DiLoCo fragments per stage, synced at staggered steps (must divide dp_sync_every)."
+        },
+    )
+    dp_sync_delay: int = field(
+        default=0,
+        metadata={
+            "help": "Inner steps a fragment's all-reduce overlaps before its outer step is applied (< dp_sync_every / "
+            "dp_fragments)."
+        },
+    )
+    dp_outer_lr: float = field(
+        default=0.7,
+        metadata={"help": "Learning rate of the outer Nesterov SGD applied to the averaged pseudo-gradient."},
+    )
     dp_outer_momentum: float = field(default=0.9, metadata={"help": "Nesterov momentum of the outer optimizer."})
-    anchor_payload: str = field(default="gradient", metadata={"help": "What the anchor sends: the 'gradient' or its momentum's rank-r 'factors'."})
+    anchor_payload: str = field(
+        default="gradient",
+        metadata={"help": "What the anchor sends: the 'gradient' or its momentum's rank-r 'factors'."},
+    )
 
     @property
     def should_save(self) -> bool:
         """TrainingArguments' rule; and when every replica is a job of its own (``MESHTUNE_REPLICA``, see
-        ``hf_meshtune.mesh``) only replica 0's first process writes, as one process does in one world."""
+        ``hf_meshtune.topology``) only replica 0's first process writes, as one process does in one world."""
         return super().should_save and in_replica_zero_job()  # type: ignore[misc]
 
     def __post_init__(self) -> None:
@@ -76,7 +144,13 @@ class MeshArguments:
             parent()
         self.validate_mesh()
         if isinstance(self, TrainingArguments) and self.anchor:
-            require(self.optim == SPECTRAL_ADAMW, "optim", getattr(self.optim, "value", self.optim), f"be '{SPECTRAL_ADAMW}' when anchor=True (the anchor's gradients feed its spectral filter); set anchor=False for another optimizer")
+            require(
+                self.optim == SPECTRAL_ADAMW,
+                "optim",
+                getattr(self.optim, "value", self.optim),
+                f"be '{SPECTRAL_ADAMW}' when anchor=True (the anchor's gradients feed its spectral filter); set "
+                f"anchor=False for another optimizer",
+            )
 
     def validate_mesh(self) -> None:
         """Raise ``ValueError`` naming the field, its value and the rule for any bad knob."""
@@ -86,8 +160,13 @@ class MeshArguments:
         require(0.0 <= self.mask_ratio < 1.0, "mask_ratio", self.mask_ratio, "lie in [0, 1)")
         require(self.num_stages >= 1, "num_stages", self.num_stages, "be >= 1")
         require(self.mask_fill in FILLS, "mask_fill", self.mask_fill, f"be one of {sorted(FILLS)}")
-        require(not (self.mask_rescale and self.mask_fill != "zeros"), "mask_fill", self.mask_fill,
-                "be 'zeros' when mask_rescale=True (a rescaled payload and a filled estimate would count the dropped dims twice)")
+        require(
+            not (self.mask_rescale and self.mask_fill != "zeros"),
+            "mask_fill",
+            self.mask_fill,
+            "be 'zeros' when mask_rescale=True (a rescaled payload and a filled estimate would count the dropped dims "
+            "twice)",
+        )
         require(self.mask_protect_dims >= 0, "mask_protect_dims", self.mask_protect_dims, "be >= 0")
         require(self.anchor_every >= 1, "anchor_every", self.anchor_every, "be >= 1")
         require(self.anchor_delay >= 0, "anchor_delay", self.anchor_delay, "be >= 0")
@@ -99,18 +178,42 @@ class MeshArguments:
         _require_optional_positive("spectral_rank", self.spectral_rank)
         require(self.num_replicas >= 1, "num_replicas", self.num_replicas, "be >= 1")
         if self.anchor:
-            require(self.num_replicas >= 2, "num_replicas", self.num_replicas, "be >= 2 when anchor=True (one replica is the anchor)")
+            require(
+                self.num_replicas >= 2,
+                "num_replicas",
+                self.num_replicas,
+                "be >= 2 when anchor=True (one replica is the anchor)",
+            )
         require(self.dp_sync_every >= 1, "dp_sync_every", self.dp_sync_every, "be >= 1")
         _require_optional_positive("dp_powersgd_rank", self.dp_powersgd_rank)
-        require(isinstance(self.dp_fragments, int) and self.dp_fragments >= 1, "dp_fragments", self.dp_fragments, "be an int >= 1")
-        require(self.dp_sync_every % self.dp_fragments == 0, "dp_fragments", self.dp_fragments,
-                f"divide dp_sync_every={self.dp_sync_every} (one fragment syncs every dp_sync_every / dp_fragments steps)")
+        require(
+            isinstance(self.dp_fragments, int) and self.dp_fragments >= 1,
+            "dp_fragments",
+            self.dp_fragments,
+            "be an int >= 1",
+        )
+        require(
+            self.dp_sync_every % self.dp_fragments == 0,
+            "dp_fragments",
+            self.dp_fragments,
+            f"divide dp_sync_every={self.dp_sync_every} (one fragment syncs every dp_sync_every / dp_fragments steps)",
+        )
         interval = self.dp_sync_every // self.dp_fragments
-        require(isinstance(self.dp_sync_delay, int) and 0 <= self.dp_sync_delay < interval, "dp_sync_delay", self.dp_sync_delay,
-                f"lie in [0, dp_sync_every / dp_fragments = {interval}) (a fragment's sync must land before the next one starts)")
+        require(
+            isinstance(self.dp_sync_delay, int) and 0 <= self.dp_sync_delay < interval,
+            "dp_sync_delay",
+            self.dp_sync_delay,
+            f"lie in [0, dp_sync_every / dp_fragments = {interval}) (a fragment's sync must land before the next one "
+            f"starts)",
+        )
         require(self.dp_outer_lr > 0, "dp_outer_lr", self.dp_outer_lr, "be > 0")
         require(0.0 <= self.dp_outer_momentum < 1.0, "dp_outer_momentum", self.dp_outer_momentum, "lie in [0, 1)")
-        require(self.anchor_payload in ANCHOR_PAYLOADS, "anchor_payload", self.anchor_payload, f"be one of {list(ANCHOR_PAYLOADS)}")
+        require(
+            self.anchor_payload in ANCHOR_PAYLOADS,
+            "anchor_payload",
+            self.anchor_payload,
+            f"be one of {list(ANCHOR_PAYLOADS)}",
+        )
 
     @property
     def mesh_config(self) -> MeshConfig:
@@ -141,13 +244,41 @@ def _require_field_types(args: MeshArguments) -> None:
 _FIELD_TYPES = {f.name: str(f.type) for f in dataclasses.fields(MeshArguments)}
 
 
-def require_saved_knobs(saved: dict, config: MeshArguments, knobs: Sequence[str] | None = None,
-                        context: str = "to resume exactly") -> None:
+def require_saved_knobs(
+    saved: dict, config: MeshArguments, knobs: Sequence[str] | None = None, context: str = "to resume exactly"
+) -> None:
     """A resumed run uses the knobs it was saved with (``knobs``, default every one): they shape its numerics."""
     current = dataclasses.asdict(config)
     for knob in current if knobs is None else knobs:
-        require(saved.get(knob) == current[knob], knob, current[knob],
-                f"equal the checkpoint's value {saved.get(knob)!r} {context} (start a new run to change it)")
+        require(
+            saved.get(knob) == current[knob],
+            knob,
+            current[knob],
+            f"equal the checkpoint's value {saved.get(knob)!r} {context} (start a new run to change it)",
+        )
+
+
+def require_mesh_supported(cfg) -> None:
+    """The knobs the distributed mesh does not run (yet), refused by every rank before any collective."""
+    require(
+        cfg.mask_fill in ("zeros", "mean"),
+        "mask_fill",
+        cfg.mask_fill,
+        "be 'zeros' or 'mean' on the distributed mesh (the 'gaussian' fill needs the anchor's dense "
+        "activations on every receiving stage, which the mesh does not send)",
+    )
+    require(
+        cfg.mask_protect_dims == 0,
+        "mask_protect_dims",
+        cfg.mask_protect_dims,
+        "be 0 on the distributed mesh (choosing the dims needs a dense forward of the whole model)",
+    )
+    require(
+        cfg.anchor_payload == "gradient",
+        "anchor_payload",
+        cfg.anchor_payload,
+        "be 'gradient' on the distributed mesh (the anchor sends its dense gradient)",
+    )
 
 
 def _require_optional_positive(name: str, value: int | None) -> None:
@@ -172,7 +303,12 @@ def _post_init_with_spectral_optim(args: TrainingArguments, parent_post_init) ->
     """
     optim = getattr(args.optim, "value", args.optim)
     known = {name.value for name in OptimizerNames}
-    require(optim == SPECTRAL_ADAMW or optim in known, "optim", optim, f"be '{SPECTRAL_ADAMW}' or one of transformers' OptimizerNames")
+    require(
+        optim == SPECTRAL_ADAMW or optim in known,
+        "optim",
+        optim,
+        f"be '{SPECTRAL_ADAMW}' or one of transformers' OptimizerNames",
+    )
     if optim != SPECTRAL_ADAMW:
         parent_post_init()
         return
@@ -193,4 +329,9 @@ class MeshTrainingArguments(MeshArguments, TrainingArguments):
         'spectral_adamw'
     """
 
-    optim: str = field(default=SPECTRAL_ADAMW, metadata={"help": f"Optimizer: '{SPECTRAL_ADAMW}' (the anchor-filtered AdamW) or any transformers optimizer name."})
+    optim: str = field(
+        default=SPECTRAL_ADAMW,
+        metadata={
+            "help": f"Optimizer: '{SPECTRAL_ADAMW}' (the anchor-filtered AdamW) or any transformers optimizer name."
+        },
+    )

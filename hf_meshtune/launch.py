@@ -37,19 +37,14 @@ import queue
 import re
 import signal
 import socket
-import subprocess
 import sys
-import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import IO, Any
-
-from tqdm import tqdm
+from typing import Any
 
 from ._validation import require
+from .processes import StepProgress, _Mesh, _SignalTrap
 
-__all__ = ["child_argv", "child_env", "free_port", "launch_mesh", "start_local_lighthouse"]
+__all__ = ["child_argv", "child_env", "free_port", "launch_mesh"]
 
 DEFAULT_GRACE_S = 10.0
 """Seconds between SIGTERM and SIGKILL when the mesh is stopped."""
@@ -61,14 +56,25 @@ _ADDRESS = re.compile(r"(?:https?://)?(\[[0-9A-Fa-f:.]+\]|[^\s/:\[\]]+):(\d{1,5}
 # What each child gets (pure functions)
 # ---------------------------------------------------------------------------------------------------
 
+
 def child_argv(command: Sequence[str]) -> list[str]:
     """``["script.py", *args]`` or ``["-m", "module", *args]`` → the argv run with this interpreter."""
     return [sys.executable, *command]
 
 
-def child_env(mesh: tuple[int, int], rank: int, *, cpu: bool, master_port: int, lighthouse: str | None,
-              base: Mapping[str, str], cpu_count: int | None = None, replica_jobs: bool = False,
-              restart: int = 0, job_store: str | None = None) -> dict[str, str]:
+def child_env(
+    mesh: tuple[int, int],
+    rank: int,
+    *,
+    cpu: bool,
+    master_port: int,
+    lighthouse: str | None,
+    base: Mapping[str, str],
+    cpu_count: int | None = None,
+    replica_jobs: bool = False,
+    restart: int = 0,
+    job_store: str | None = None,
+) -> dict[str, str]:
     """The environment of global rank ``rank`` in a local mesh of X·Y processes.
 
     ``base`` (usually ``os.environ``) is copied first; the torchrun variables, MESHTUNE_MESH and
@@ -81,12 +87,23 @@ def child_env(mesh: tuple[int, int], rank: int, *, cpu: bool, master_port: int, 
     """
     world_size = mesh[0] * mesh[1]
     env = dict(base)
-    env.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-               LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port),
-               MESHTUNE_MESH=f"{mesh[0]}x{mesh[1]}", PYTHONUNBUFFERED="1")
+    env.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(master_port),
+        MESHTUNE_MESH=f"{mesh[0]}x{mesh[1]}",
+        PYTHONUNBUFFERED="1",
+    )
     if replica_jobs:
-        env.update(RANK=str(rank % mesh[1]), WORLD_SIZE=str(mesh[1]), MESHTUNE_REPLICA=str(rank // mesh[1]),
-                   MESHTUNE_RESTART=str(restart))
+        env.update(
+            RANK=str(rank % mesh[1]),
+            WORLD_SIZE=str(mesh[1]),
+            MESHTUNE_REPLICA=str(rank // mesh[1]),
+            MESHTUNE_RESTART=str(restart),
+        )
         if job_store is not None:
             env["MESHTUNE_JOB_STORE"] = job_store
     if lighthouse is not None:
@@ -120,25 +137,46 @@ def _rank_tag(mesh: tuple[int, int], rank: int) -> str:
 # Validation
 # ---------------------------------------------------------------------------------------------------
 
+
 def _validate(mesh: Any, command: Sequence[str], master_port: int | None, lighthouse: str | None) -> None:
-    ok = (isinstance(mesh, tuple) and len(mesh) == 2
-          and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in mesh))
+    ok = (
+        isinstance(mesh, tuple)
+        and len(mesh) == 2
+        and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in mesh)
+    )
     require(ok, "mesh", mesh, "be a pair (X, Y) of integers >= 1 (X replicas, Y stages)")
-    require(len(command) > 0, "script", "",
-            "be given after `--`: a Python file or `-m module`, followed by its arguments")
+    require(
+        len(command) > 0, "script", "", "be given after `--`: a Python file or `-m module`, followed by its arguments"
+    )
     if command[0] == "-m":
-        require(len(command) > 1 and not command[1].startswith("-"), "script", " ".join(command),
-                "name a module after -m, e.g. `-m recipes.sft`")
+        require(
+            len(command) > 1 and not command[1].startswith("-"),
+            "script",
+            " ".join(command),
+            "name a module after -m, e.g. `-m recipes.sft`",
+        )
     else:
-        require(not command[0].startswith("-"), "script", command[0],
-                "be a Python file or `-m module` (other interpreter flags are not supported)")
+        require(
+            not command[0].startswith("-"),
+            "script",
+            command[0],
+            "be a Python file or `-m module` (other interpreter flags are not supported)",
+        )
         require(os.path.isfile(command[0]), "script", command[0], "be an existing Python file")
     if master_port is not None:
-        require(isinstance(master_port, int) and 1 <= master_port <= 65535, "master_port", master_port,
-                "be an integer in [1, 65535]")
+        require(
+            isinstance(master_port, int) and 1 <= master_port <= 65535,
+            "master_port",
+            master_port,
+            "be an integer in [1, 65535]",
+        )
     if lighthouse is not None:
-        require(_ADDRESS.fullmatch(lighthouse) is not None, "lighthouse", lighthouse,
-                "be host:port or http://host:port of a running torchft lighthouse")
+        require(
+            _ADDRESS.fullmatch(lighthouse) is not None,
+            "lighthouse",
+            lighthouse,
+            "be host:port or http://host:port of a running torchft lighthouse",
+        )
 
 
 def _normalize_lighthouse(address: str) -> str:
@@ -149,207 +187,18 @@ def _normalize_lighthouse(address: str) -> str:
 # The lighthouse
 # ---------------------------------------------------------------------------------------------------
 
-def start_local_lighthouse(min_replicas: int = 1, host: str = "127.0.0.1") -> tuple[Any, str]:
-    """Start a torchft lighthouse on a free port of ``host``; return ``(server, "http://HOST:PORT")``.
-
-    torchft advertises the machine's hostname (``http://vm:PORT``), which may not resolve, or resolve
-    to another interface; the server only listens on ``host`` (loopback by default), so that address
-    is the one that works. Stop it with ``server.shutdown()``.
-    """
-    from torchft.coordination import LighthouseServer  # lazy: torchft is optional for the library
-
-    from .dp_sync import JOIN_TIMEOUT_MS
-
-    server = LighthouseServer(bind=f"{host}:0", min_replicas=min_replicas, join_timeout_ms=JOIN_TIMEOUT_MS)
-    port = server.address().rsplit(":", 1)[1].rstrip("/")
-    return server, f"http://{host}:{port}"
-
 
 def _maybe_start_lighthouse(lighthouse: str | None, host: str) -> tuple[Any, str | None]:
+    """The lighthouse given, or one started on ``host`` (listening there only, so that address works)."""
     if lighthouse is not None:
         return None, _normalize_lighthouse(lighthouse)
-    try:
-        return start_local_lighthouse(host=host)
-    except ImportError:
-        _say("torchft is not installed: no lighthouse, TORCHFT_LIGHTHOUSE is left unset")
-        return None, None
+    from .dp.ft import start_lighthouse  # lazy: a launch given --lighthouse (and `meshtune --help`) imports no torch
+
+    return start_lighthouse(host=host)
 
 
 def _say(message: str) -> None:
     print(f"meshtune launch: {message}", file=sys.stderr, flush=True)
-
-
-# ---------------------------------------------------------------------------------------------------
-# The running mesh
-# ---------------------------------------------------------------------------------------------------
-
-class StepProgress:
-    """A progress bar over the mesh's optimizer steps, fed by the step lines the loss-computing rank
-    (replica 0's last stage) prints, ``{"mesh": ..., "step": N, ...}``. It shows on a terminal only
-    (tqdm's ``disable=None``); the total is the command's ``--max_steps`` when it has one."""
-
-    _STEP = re.compile(r'^\{"mesh": "[^"]*", "step": (\d+)')
-
-    def __init__(self, command: Sequence[str], tag: str, file: IO[str] | None = None, disable: bool | None = None) -> None:
-        self.tag = tag
-        total = None
-        for flag, value in zip(command, command[1:]):
-            if flag == "--max_steps" and value.isdigit():
-                total = int(value)
-        self.bar = tqdm(total=total, desc="mesh steps", unit="step", file=file or sys.stderr, disable=disable, leave=True)
-
-    def feed(self, tag: str, text: str) -> None:
-        """Move the bar to step N when ``text`` is the loss rank's step line."""
-        match = self._STEP.match(text) if tag == self.tag else None
-        if match and int(match[1]) > self.bar.n:
-            self.bar.update(int(match[1]) - self.bar.n)
-
-    def close(self) -> None:
-        self.bar.close()
-
-
-@dataclass
-class _Child:
-    rank: int
-    tag: str
-    proc: subprocess.Popen
-    log: IO[str] | None
-    readers: list[threading.Thread] = field(default_factory=list)
-    retired: bool = False  # stopped on purpose (its replica restarts): its exit is not a failure
-
-
-class _Mesh:
-    """X·Y child processes, their output forwarding, and the one way to stop them all."""
-
-    def __init__(self, grace_s: float, progress: StepProgress | None = None) -> None:
-        self.children: list[_Child] = []
-        self.grace_s, self.progress = grace_s, progress
-        self.exits: queue.Queue[tuple[_Child, int]] = queue.Queue()  # (child, exit code) in exit order
-        self._lock = threading.Lock()  # one line at a time on the launcher's stdout/stderr/log files
-
-    def start(self, rank: int, tag: str, argv: list[str], env: dict[str, str], log_dir: str | None,
-              append: bool = False) -> None:
-        log = open(os.path.join(log_dir, f"rank{rank}.log"), "a" if append else "w", encoding="utf-8") if log_dir else None
-        proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, start_new_session=True)
-        child = _Child(rank, tag, proc, log)
-        self.children.append(child)
-        for pipe, is_err in ((proc.stdout, False), (proc.stderr, True)):
-            reader = threading.Thread(target=self._forward, args=(child, pipe, is_err), daemon=True)
-            reader.start()
-            child.readers.append(reader)
-        # One waiter per child: the queue then holds exits in the order they happened, so the rank
-        # that failed first is not confused with the ones that crashed because of it.
-        threading.Thread(target=self._await_exit, args=(child,), daemon=True).start()
-
-    def _await_exit(self, child: _Child) -> None:
-        code = child.proc.wait()
-        self.exits.put((child, 128 - code if code < 0 else code))  # killed by signal s → 128 + s
-
-    def _forward(self, child: _Child, pipe: IO[bytes], is_err: bool) -> None:
-        prefix = f"[{child.tag}] "
-        for raw in iter(pipe.readline, b""):
-            text = raw.decode("utf-8", errors="replace").rstrip("\r\n")
-            line = prefix + text + "\n"
-            with self._lock:
-                try:
-                    out = sys.stderr if is_err else sys.stdout
-                    with tqdm.external_write_mode(file=out):  # lift the progress bar while the line goes by
-                        out.write(line)
-                        out.flush()
-                except (OSError, ValueError):  # closed or unencodable terminal: keep draining the pipe
-                    pass
-                if self.progress is not None:
-                    self.progress.feed(child.tag, text)
-                if child.log is not None:
-                    child.log.write(line)
-                    child.log.flush()
-        pipe.close()
-
-    def stop(self, children: Sequence[_Child] | None = None) -> None:
-        """SIGTERM the process groups of ``children`` (default: all), SIGKILL whatever is left after
-        ``grace_s``, reap, close their logs."""
-        children = list(self.children if children is None else children)
-        self._signal_groups(signal.SIGTERM, children)
-        deadline = time.monotonic() + self.grace_s
-        while time.monotonic() < deadline and self._any_group_alive(children):
-            time.sleep(0.05)
-        self._signal_groups(signal.SIGKILL, children)
-        for child in children:
-            child.proc.wait()
-        self.close(children)
-
-    def close(self, children: Sequence[_Child] | None = None) -> None:
-        """Let the readers drain what the children wrote, then close the log files."""
-        for child in self.children if children is None else children:
-            for reader in child.readers:
-                reader.join(timeout=2.0)  # a grandchild that escaped its group may hold the pipe
-            if child.log is not None and not child.log.closed:
-                child.log.close()
-
-    @staticmethod
-    def _signal_groups(sig: signal.Signals, children: Sequence[_Child]) -> None:
-        for child in children:
-            try:
-                os.killpg(child.proc.pid, sig)
-            except (ProcessLookupError, PermissionError):
-                pass  # the whole group is gone already
-
-    @staticmethod
-    def _any_group_alive(children: Sequence[_Child]) -> bool:
-        for child in children:
-            child.proc.poll()  # reap the leaders, so their zombies do not count
-        return bool(_live_groups({child.proc.pid for child in children}))
-
-
-def _live_groups(pgids: set[int]) -> set[int]:
-    """The process groups in ``pgids`` that still have a running (non-zombie) member.
-
-    Orphaned grandchildren that have died stay zombies until init reaps them, which some
-    containers' init does late or never; ``killpg(pgid, 0)`` counts them, /proc does not.
-    """
-    if not os.path.isdir("/proc/self"):  # not Linux: zombies count, the grace may run out in full
-        return {pgid for pgid in pgids if _signal_ok(pgid)}
-    live = set()
-    for entry in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                fields = f.read().rsplit(b")", 1)[1].split()  # after "pid (comm)": state ppid pgrp ...
-        except (OSError, IndexError):
-            continue  # not a process, or it vanished meanwhile
-        if fields[0] != b"Z" and int(fields[2]) in pgids:
-            live.add(int(fields[2]))
-    return live
-
-
-def _signal_ok(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except (ProcessLookupError, PermissionError):
-        return False
-
-
-class _SignalTrap:
-    """Record SIGINT/SIGTERM instead of dying, so the launcher can stop the mesh first."""
-
-    def __init__(self) -> None:
-        self.signum: int | None = None
-        self._previous: dict[int, Any] = {}
-
-    def __enter__(self) -> _SignalTrap:
-        if threading.current_thread() is threading.main_thread():  # signal.signal is main-thread only
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                self._previous[sig] = signal.signal(sig, self._record)
-        return self
-
-    def _record(self, signum: int, frame: Any) -> None:
-        if self.signum is None:
-            self.signum = signum
-
-    def __exit__(self, *exc: Any) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -360,11 +209,21 @@ RankHook = Callable[[int], "tuple[list[str], dict[str, str]]"]
 """rank → (argv prefix, extra environment) of that rank's process."""
 
 
-def launch_mesh(mesh: tuple[int, int], command: list[str], *, cpu: bool, master_port: int | None = None,
-                lighthouse: str | None = None, log_dir: str | None = None,
-                env: dict[str, str] | None = None, grace_s: float = DEFAULT_GRACE_S, max_restarts: int = 0,
-                host: str = "127.0.0.1", rank_hook: RankHook | None = None,
-                optional_replicas: Sequence[int] = ()) -> int:
+def launch_mesh(
+    mesh: tuple[int, int],
+    command: list[str],
+    *,
+    cpu: bool,
+    master_port: int | None = None,
+    lighthouse: str | None = None,
+    log_dir: str | None = None,
+    env: dict[str, str] | None = None,
+    grace_s: float = DEFAULT_GRACE_S,
+    max_restarts: int = 0,
+    host: str = "127.0.0.1",
+    rank_hook: RankHook | None = None,
+    optional_replicas: Sequence[int] = (),
+) -> int:
     """Run ``python *command`` as every rank of a local X × Y mesh; return the mesh's exit code.
 
     ``mesh`` is (X replicas, Y stages) → X·Y processes; rank r is replica r // Y, stage r % Y.
@@ -388,13 +247,25 @@ def launch_mesh(mesh: tuple[int, int], command: list[str], *, cpu: bool, master_
         >>> launch_mesh((3, 2), ["recipes/sft.py", "--max_steps", "10"], cpu=True)  # doctest: +SKIP
     """
     _validate(mesh, command, master_port, lighthouse)
-    require(isinstance(max_restarts, int) and not isinstance(max_restarts, bool) and max_restarts >= 0,
-            "max_restarts", max_restarts, "be an integer >= 0 (restarts per replica)")
+    require(
+        isinstance(max_restarts, int) and not isinstance(max_restarts, bool) and max_restarts >= 0,
+        "max_restarts",
+        max_restarts,
+        "be an integer >= 0 (restarts per replica)",
+    )
     optional = list(optional_replicas)
-    require(all(isinstance(r, int) and 0 <= r < mesh[0] for r in optional), "optional_replicas", optional,
-            f"name replicas in [0, {mesh[0]}) of the {mesh[0]}x{mesh[1]} mesh")
-    require(max_restarts == 0 or master_port is None, "master_port", master_port,
-            "be unset with max_restarts > 0 (every replica, and every restart of one, gets a free port of its own)")
+    require(
+        all(isinstance(r, int) and 0 <= r < mesh[0] for r in optional),
+        "optional_replicas",
+        optional,
+        f"name replicas in [0, {mesh[0]}) of the {mesh[0]}x{mesh[1]} mesh",
+    )
+    require(
+        max_restarts == 0 or master_port is None,
+        "master_port",
+        master_port,
+        "be unset with max_restarts > 0 (every replica, and every restart of one, gets a free port of its own)",
+    )
     if log_dir is not None:
         os.makedirs(log_dir, exist_ok=True)
     port = master_port if master_port is not None else free_port()
@@ -404,28 +275,46 @@ def launch_mesh(mesh: tuple[int, int], command: list[str], *, cpu: bool, master_
 
     def start(rank: int, ranked_env: dict[str, str], append: bool = False) -> None:
         prefix, extra = rank_hook(rank) if rank_hook is not None else ([], {})
-        running.start(rank, _rank_tag(mesh, rank), [*prefix, *child_argv(command)], ranked_env | dict(extra), log_dir,
-                      append=append)
+        running.start(
+            rank,
+            _rank_tag(mesh, rank),
+            [*prefix, *child_argv(command)],
+            ranked_env | dict(extra),
+            log_dir,
+            append=append,
+        )
 
-    _say(f"mesh {mesh[0]}x{mesh[1]} = {world_size} processes, "
-         + (f"one job per replica, up to {max_restarts} restart(s) each" if jobs else f"master 127.0.0.1:{port}")
-         + f", lighthouse {address}")
+    _say(
+        f"mesh {mesh[0]}x{mesh[1]} = {world_size} processes, "
+        + (f"one job per replica, up to {max_restarts} restart(s) each" if jobs else f"master 127.0.0.1:{port}")
+        + f", lighthouse {address}"
+    )
     progress = StepProgress(command, _rank_tag(mesh, mesh[1] - 1))
     running = _Mesh(grace_s, progress)
 
     def start_replica(replica: int, restart: int) -> None:
         replica_port = free_port()
         for rank in range(replica * mesh[1], (replica + 1) * mesh[1]):
-            ranked_env = child_env(mesh, rank, cpu=cpu, master_port=replica_port, lighthouse=address, base=os.environ,
-                                   replica_jobs=True, restart=restart, job_store=jobs.address) | dict(env or {})
+            ranked_env = child_env(
+                mesh,
+                rank,
+                cpu=cpu,
+                master_port=replica_port,
+                lighthouse=address,
+                base=os.environ,
+                replica_jobs=True,
+                restart=restart,
+                job_store=jobs.address,
+            ) | dict(env or {})
             start(rank, ranked_env, append=restart > 0)
 
     with _SignalTrap() as trap:  # also covers the stop: a second Ctrl-C must not cut it short
         try:
             if jobs is None:
                 for rank in range(world_size):
-                    ranked_env = child_env(mesh, rank, cpu=cpu, master_port=port, lighthouse=address,
-                                           base=os.environ) | dict(env or {})
+                    ranked_env = child_env(
+                        mesh, rank, cpu=cpu, master_port=port, lighthouse=address, base=os.environ
+                    ) | dict(env or {})
                     start(rank, ranked_env)
             else:
                 for replica in range(mesh[0]):
@@ -455,8 +344,14 @@ class _ReplicaJobs:
         del self.store
 
 
-def _supervise(running: _Mesh, trap: _SignalTrap, mesh: tuple[int, int], jobs: _ReplicaJobs | None = None,
-               start_replica: Callable[[int, int], None] | None = None, optional: Sequence[int] = ()) -> int:
+def _supervise(
+    running: _Mesh,
+    trap: _SignalTrap,
+    mesh: tuple[int, int],
+    jobs: _ReplicaJobs | None = None,
+    start_replica: Callable[[int, int], None] | None = None,
+    optional: Sequence[int] = (),
+) -> int:
     """Wait until every child is done, a child fails (past its replica's restarts, outside the
     optional replicas) or a signal arrives; the mesh's exit code."""
     done: set[int] = set()  # id() of the children whose exit 0 was seen

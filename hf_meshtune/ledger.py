@@ -27,11 +27,18 @@ import torch
 import transformers
 
 from ._validation import require
-from .masking import keep_count
+from .boundary.masking import keep_count
 
 DTYPE_BYTES: dict[str, int] = {
-    "float64": 8, "float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2,
-    "float8_e4m3fn": 1, "float8_e5m2": 1,
+    "float64": 8,
+    "float32": 4,
+    "fp32": 4,
+    "float16": 2,
+    "fp16": 2,
+    "bfloat16": 2,
+    "bf16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
 }
 """Bytes per element of every dtype name the ledger accepts (torch names plus short aliases)."""
 
@@ -75,12 +82,12 @@ class LedgerSettings:
     def __post_init__(self) -> None:
         _require_int("num_replicas", self.num_replicas, 1)
         if self.anchor:
-            _require_int("num_replicas", self.num_replicas, 2,
-                         "be >= 2 when anchor=True (replica X-1 is the anchor)")
+            _require_int("num_replicas", self.num_replicas, 2, "be >= 2 when anchor=True (replica X-1 is the anchor)")
         _require_int("num_stages", self.num_stages, 1)
         p = self.mask_ratio
-        require(isinstance(p, (int, float)) and not isinstance(p, bool) and 0.0 <= p < 1.0,
-                "mask_ratio", p, "lie in [0, 1)")
+        require(
+            isinstance(p, (int, float)) and not isinstance(p, bool) and 0.0 <= p < 1.0, "mask_ratio", p, "lie in [0, 1)"
+        )
         _require_int("tokens_per_step", self.tokens_per_step, 1)
         for field in ("activation_dtype", "grad_dtype", "param_dtype"):
             value = getattr(self, field)
@@ -90,12 +97,15 @@ class LedgerSettings:
             _require_int("powersgd_rank", self.powersgd_rank, 1, "be None or an integer >= 1")
         require(isinstance(self.anchor, bool), "anchor", self.anchor, "be True or False")
         _require_int("anchor_every", self.anchor_every, 1)
-        require(self.anchor_payload in ANCHOR_PAYLOADS, "anchor_payload", self.anchor_payload,
-                f"be one of {list(ANCHOR_PAYLOADS)}")
+        require(
+            self.anchor_payload in ANCHOR_PAYLOADS,
+            "anchor_payload",
+            self.anchor_payload,
+            f"be one of {list(ANCHOR_PAYLOADS)}",
+        )
         _require_int("anchor_rank", self.anchor_rank, 1)
         if self.anchor_tokens_per_round is not None:
-            _require_int("anchor_tokens_per_round", self.anchor_tokens_per_round, 1,
-                         "be None or an integer >= 1")
+            _require_int("anchor_tokens_per_round", self.anchor_tokens_per_round, 1, "be None or an integer >= 1")
 
     @property
     def fast_replicas(self) -> int:
@@ -190,8 +200,9 @@ def anchor_payload_numel(shape: Sequence[int], payload: str, rank: int) -> int:
     return m * n
 
 
-def _anchor_bytes_per_token(shapes: Sequence[tuple[int, ...]], hidden_size: int,
-                            s: LedgerSettings, dp_payload: int) -> float:
+def _anchor_bytes_per_token(
+    shapes: Sequence[tuple[int, ...]], hidden_size: int, s: LedgerSettings, dp_payload: int
+) -> float:
     """(i) anchor's dense pipeline + (ii) keeping its params current + (iii) gradient delivery."""
     fast, T = s.fast_replicas, s.tokens_per_step
     round_tokens = fast * T * s.anchor_every  # fast tokens processed per anchor round
@@ -205,8 +216,9 @@ def _anchor_bytes_per_token(shapes: Sequence[tuple[int, ...]], hidden_size: int,
     return pipeline / round_tokens + params + delivery / round_tokens
 
 
-def _circuits(shapes: Sequence[tuple[int, ...]], hidden_size: int,
-              s: LedgerSettings) -> tuple[float, float, float, float, int]:
+def _circuits(
+    shapes: Sequence[tuple[int, ...]], hidden_size: int, s: LedgerSettings
+) -> tuple[float, float, float, float, int]:
     keep = keep_count(hidden_size, s.mask_ratio)  # the wire's own K; raises naming mask_ratio if 0
     boundary = (s.num_stages - 1) * keep * DTYPE_BYTES[s.activation_dtype]
     fast = s.fast_replicas
@@ -225,12 +237,12 @@ def dense_reference(settings: LedgerSettings) -> LedgerSettings:
     column (8 dense replicas vs 7 fast + 1 anchor, both at batch 32).
     """
     tokens = max(1, round(settings.fast_replicas * settings.tokens_per_step / settings.num_replicas))
-    return dataclasses.replace(settings, mask_ratio=0.0, anchor=False, sync_every=1,
-                               powersgd_rank=None, tokens_per_step=tokens)
+    return dataclasses.replace(
+        settings, mask_ratio=0.0, anchor=False, sync_every=1, powersgd_rank=None, tokens_per_step=tokens
+    )
 
 
-def compute_ledger(param_shapes: Sequence[tuple[int, ...]], hidden_size: int,
-                   settings: LedgerSettings) -> Ledger:
+def compute_ledger(param_shapes: Sequence[tuple[int, ...]], hidden_size: int, settings: LedgerSettings) -> Ledger:
     """Bytes per fast token by circuit for trainable params of ``param_shapes`` and hidden_size (H).
 
     Raises ``ValueError`` naming ``mask_ratio`` when K = round((1-p)·H) would be 0.
@@ -257,17 +269,35 @@ def ledger_for_config(config: transformers.PretrainedConfig, settings: LedgerSet
 
 PRESETS: dict[str, transformers.PretrainedConfig] = {
     "llama-3.2-1b": transformers.LlamaConfig(
-        hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
-        intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True, rms_norm_eps=1e-5,
+        hidden_size=2048,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        intermediate_size=8192,
+        vocab_size=128256,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-5,
         max_position_embeddings=131072,
-        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
-                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                         "original_max_position_embeddings": 8192},
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
     ),
     "smollm2-135m": transformers.LlamaConfig(
-        hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-        intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True, rms_norm_eps=1e-5,
-        max_position_embeddings=8192, rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+        hidden_size=576,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        intermediate_size=1536,
+        vocab_size=49152,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=8192,
+        rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
     ),
 }
 """Offline model configs (shapes only; no weights) by name."""
@@ -288,13 +318,16 @@ STANDARD_ROWS: dict[str, dict[str, Any]] = {
 """The paper's table columns as ``LedgerSettings`` overrides (mask_ratio (p), anchor, S, r)."""
 
 PAPER_BYTES_PER_TOKEN: dict[str, float] = {
-    "Dense": 22_900, "+DP": 6_900, "M95": 370, "M90+AP": 790, "M95+AP": 446,
+    "Dense": 22_900,
+    "+DP": 6_900,
+    "M95": 370,
+    "M90+AP": 790,
+    "M95+AP": 446,
 }
 """Bytes/token the paper reports for Llama-3.2-1B, 8 nodes (7 fast + 1 anchor), batch 32 × 2k."""
 
 
-def settings_for_row(row: str, *, global_batch: int = 32, seq_len: int = 2048,
-                     **knobs: Any) -> LedgerSettings:
+def settings_for_row(row: str, *, global_batch: int = 32, seq_len: int = 2048, **knobs: Any) -> LedgerSettings:
     """``LedgerSettings`` for a ``STANDARD_ROWS`` entry on a mesh given by ``knobs``.
 
     ``knobs`` are ``LedgerSettings`` fields (mesh, dtypes, anchor knobs, and the ``sync_every`` /
@@ -306,8 +339,12 @@ def settings_for_row(row: str, *, global_batch: int = 32, seq_len: int = 2048,
     _require_int("seq_len", seq_len, 1)
     overrides = dict(STANDARD_ROWS[row])
     for key in ("mask_ratio", "anchor"):  # what defines the row; silently overriding it would mislead
-        require(key not in knobs, key, knobs.get(key),
-                f"be left to the row {row!r}; change it with dataclasses.replace on the result")
+        require(
+            key not in knobs,
+            key,
+            knobs.get(key),
+            f"be left to the row {row!r}; change it with dataclasses.replace on the result",
+        )
     if overrides["sync_every"] > 1 or overrides["powersgd_rank"] is not None:
         for key in ("sync_every", "powersgd_rank"):
             if key in knobs:
@@ -336,8 +373,13 @@ def format_table(ledgers: Mapping[str, Ledger], reference: Mapping[str, float] |
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|"]
     for name, led in ledgers.items():
         ratio = first.total / led.total if led.total > 0 else math.inf
-        cells = [name, f"{led.keep}/{led.hidden_size}",
-                 *(_fmt(getattr(led, c)) for c in _CIRCUITS), _fmt(led.total), f"{ratio:,.2f}×"]
+        cells = [
+            name,
+            f"{led.keep}/{led.hidden_size}",
+            *(_fmt(getattr(led, c)) for c in _CIRCUITS),
+            _fmt(led.total),
+            f"{ratio:,.2f}×",
+        ]
         if reference is not None:
             cells.append(_fmt(reference[name]) if name in reference else "—")
         lines.append("| " + " | ".join(cells) + " |")

@@ -15,8 +15,8 @@ import re
 
 from huggingface_hub import ModelCard, ModelCardData
 
+from .boundary.masking import keep_count
 from .config import MeshConfig
-from .masking import keep_count
 
 __all__ = ["CARD_TAG", "mesh_card_section", "write_mesh_card"]
 
@@ -29,19 +29,32 @@ def mesh_card_section(config: MeshConfig, hidden_size: int | None, trainer: str,
     """The Markdown section (between markers, so a later save replaces it)."""
     from . import __version__
 
-    kept = f"K = {keep_count(hidden_size, config.mask_ratio)} of H = {hidden_size}" if hidden_size else "K = round((1−p)·H)"
+    kept = (
+        f"K = {keep_count(hidden_size, config.mask_ratio)} of H = {hidden_size}"
+        if hidden_size
+        else "K = round((1−p)·H)"
+    )
     lines = [
-        _BEGIN, "## Trained with hf_meshtune", "",
+        _BEGIN,
+        "## Trained with hf_meshtune",
+        "",
         f"`{trainer}` (hf_meshtune {__version__}): the model was split into Y = {config.num_stages} pipeline stages "
         f"and every stage boundary carried {kept} hidden values per token (p = {config.mask_ratio}), chosen by "
         "shared-seed random masks. Evaluation, generation and these weights are the dense model: load them with "
-        "plain transformers (or PEFT for an adapter).", "",
-        "| setting | value |", "|---|---|",
+        "plain transformers (or PEFT for an adapter).",
+        "",
+        "| setting | value |",
+        "|---|---|",
     ]
     lines += [f"| `{f.name}` | {getattr(config, f.name)!r} |" for f in dataclasses.fields(config)]
     if ledger:
-        lines += ["", "Bytes per token by circuit (analytic ledger of this mesh):", "",
-                  "| circuit | bytes/token |", "|---|---:|"]
+        lines += [
+            "",
+            "Bytes per token by circuit (analytic ledger of this mesh):",
+            "",
+            "| circuit | bytes/token |",
+            "|---|---:|",
+        ]
         lines += [f"| {name} | {value:,.1f} |" for name, value in ledger.items()]
     lines.append(_END)
     return "\n".join(lines)
@@ -53,8 +66,10 @@ def write_mesh_card(output_dir: str, section: str, base_model: str | None = None
     if os.path.isfile(path):
         card = ModelCard.load(path)
     else:
-        card = ModelCard.from_template(ModelCardData(library_name="transformers", base_model=base_model),
-                                       template_str="---\n{{ card_data }}\n---\n\n# Model card\n")
+        card = ModelCard.from_template(
+            ModelCardData(library_name="transformers", base_model=base_model),
+            template_str="---\n{{ card_data }}\n---\n\n# Model card\n",
+        )
     card.data.tags = sorted({*(card.data.tags or []), CARD_TAG})
     text = _SECTION.sub("", card.text).rstrip()
     card.text = f"{text}\n\n{section}\n"

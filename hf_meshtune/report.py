@@ -6,7 +6,7 @@ A *run* is any folder (the folder given or one below it, at any depth) that hold
   history, whose training lines carry the analytic byte ledger (``comm/*_bytes_per_token``), the
   compression against dense and the anchor staleness. The run's own file wins; without one the
   newest checkpoint's is read, and a checkpoint folder is never a run of its own below its parent;
-- ``mesh_summary.json`` (the distributed mesh, ``mesh_job.summarize``): the bytes each circuit really
+- ``mesh_summary.json`` (the distributed mesh, ``runtime.results.summarize``): the bytes each circuit really
   put on the wire, next to the analytic ledger, DP syncs, anchor rounds and staleness;
 - ``summary.json`` (``meshtune demo``): first/last training loss, dense eval loss, the last log line.
 
@@ -30,19 +30,30 @@ from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ._validation import require
-from .mesh_job import SUMMARY_NAME as MESH_SUMMARY_NAME
+from .runtime.job import SUMMARY_NAME as MESH_SUMMARY_NAME
 
 __all__ = [
-    "BYTES_PLOT_NAME", "CIRCUITS", "DEMO_SUMMARY_NAME", "LOSS_PLOT_NAME", "MESH_SUMMARY_NAME", "REPORT_NAME",
-    "RunFiles", "find_runs", "load_run", "run_row", "write_report",
+    "BYTES_PLOT_NAME",
+    "CIRCUITS",
+    "DEMO_SUMMARY_NAME",
+    "LOSS_PLOT_NAME",
+    "MESH_SUMMARY_NAME",
+    "REPORT_NAME",
+    "RunFiles",
+    "find_runs",
+    "load_run",
+    "run_row",
+    "write_report",
 ]
 
 CIRCUITS = ("pp_fwd", "pp_bwd", "dp", "anchor")
 DEMO_SUMMARY_NAME = "summary.json"  # what ``demo.run_demo`` writes (it names no constant)
 REPORT_NAME, LOSS_PLOT_NAME, BYTES_PLOT_NAME = "report.md", "loss.png", "bytes_per_token.png"
 _RUN_FILES = frozenset({TRAINER_STATE_NAME, MESH_SUMMARY_NAME, DEMO_SUMMARY_NAME})
-_RUN_RULE = (f"contain at least one run: a folder with {TRAINER_STATE_NAME} (or {PREFIX_CHECKPOINT_DIR}-N/"
-             f"{TRAINER_STATE_NAME}), {MESH_SUMMARY_NAME} or {DEMO_SUMMARY_NAME}")
+_RUN_RULE = (
+    f"contain at least one run: a folder with {TRAINER_STATE_NAME} (or {PREFIX_CHECKPOINT_DIR}-N/"
+    f"{TRAINER_STATE_NAME}), {MESH_SUMMARY_NAME} or {DEMO_SUMMARY_NAME}"
+)
 _CHECKPOINT = re.compile(rf"{re.escape(PREFIX_CHECKPOINT_DIR)}-(\d+)")
 
 
@@ -91,6 +102,7 @@ def write_report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None =
 # Finding and reading runs
 # ---------------------------------------------------------------------------------------------------
 
+
 def find_runs(root: Path) -> list[Path]:
     """Every run folder under ``root`` (``root`` included), parents before children, names sorted.
 
@@ -115,12 +127,20 @@ def load_run(root: Path, folder: Path) -> RunFiles:
     state = _read_json(state_file) if state_file is not None else None
     if state is not None:
         history = state.get("log_history")
-        require(isinstance(history, list) and all(isinstance(entry, dict) for entry in history), "file",
-                str(state_file), "hold a log_history list of log dicts, as Trainer.save_state() writes it")
+        require(
+            isinstance(history, list) and all(isinstance(entry, dict) for entry in history),
+            "file",
+            str(state_file),
+            "hold a log_history list of log dicts, as Trainer.save_state() writes it",
+        )
     return RunFiles(
-        name=_run_name(root, folder), folder=folder, sources=[path.relative_to(folder).as_posix() for path in present],
-        state=state, mesh=_read_json(mesh_file) if mesh_file.is_file() else None,
-        demo=_read_json(demo_file) if demo_file.is_file() else None)
+        name=_run_name(root, folder),
+        folder=folder,
+        sources=[path.relative_to(folder).as_posix() for path in present],
+        state=state,
+        mesh=_read_json(mesh_file) if mesh_file.is_file() else None,
+        demo=_read_json(demo_file) if demo_file.is_file() else None,
+    )
 
 
 def _state_file(folder: Path) -> Path | None:
@@ -129,8 +149,11 @@ def _state_file(folder: Path) -> Path | None:
     if own.is_file():
         return own
     # numeric order: checkpoint-10 is newer than checkpoint-9, though it sorts before it as text
-    numbered = [(int(match[1]), path) for path in folder.iterdir()
-                if (match := _CHECKPOINT.fullmatch(path.name)) and (path / TRAINER_STATE_NAME).is_file()]
+    numbered = [
+        (int(match[1]), path)
+        for path in folder.iterdir()
+        if (match := _CHECKPOINT.fullmatch(path.name)) and (path / TRAINER_STATE_NAME).is_file()
+    ]
     return max(numbered)[1] / TRAINER_STATE_NAME if numbered else None
 
 
@@ -153,6 +176,7 @@ def _run_name(root: Path, folder: Path) -> str:
 # One row per run
 # ---------------------------------------------------------------------------------------------------
 
+
 def run_row(run: RunFiles) -> dict[str, Any]:
     """The numbers a report shows for one run; ``None`` where the run's files do not say.
 
@@ -165,18 +189,30 @@ def run_row(run: RunFiles) -> dict[str, Any]:
     train = [entry for entry in history if "loss" in entry]
     evals = [entry for entry in history if "eval_loss" in entry]
     return {
-        "run": run.name, "path": str(run.folder), "sources": run.sources,
+        "run": run.name,
+        "path": str(run.folder),
+        "sources": run.sources,
         "steps": _first(run.state and run.state.get("global_step"), mesh.get("steps"), demo_log.get("step")),
         "first_train_loss": _first(train and train[0]["loss"], demo.get("masked_train_loss_first_log")),
-        "last_train_loss": _first(train and train[-1]["loss"], mesh.get("final_loss"), demo.get("masked_train_loss_last_log")),
-        "last_eval_loss": _first(evals and evals[-1]["eval_loss"], mesh.get("eval_loss"), demo.get("dense_eval_loss_after")),
-        "bytes_per_token": _first(_logged_ledger(history), _logged_ledger([demo_log]),
-                                  _circuit_dict(mesh.get("analytic_bytes_per_token"))),
+        "last_train_loss": _first(
+            train and train[-1]["loss"], mesh.get("final_loss"), demo.get("masked_train_loss_last_log")
+        ),
+        "last_eval_loss": _first(
+            evals and evals[-1]["eval_loss"], mesh.get("eval_loss"), demo.get("dense_eval_loss_after")
+        ),
+        "bytes_per_token": _first(
+            _logged_ledger(history), _logged_ledger([demo_log]), _circuit_dict(mesh.get("analytic_bytes_per_token"))
+        ),
         "measured_bytes_per_token": _circuit_dict(mesh.get("measured_bytes_per_token")),
-        "compression_vs_dense": _first(_last_logged(history, "comm/compression_vs_dense_ratio"),
-                                       _last_logged([demo_log], "comm/compression_vs_dense_ratio")),
-        "anchor_staleness_steps": _first(_last_logged(history, "anchor/staleness_steps"),
-                                         _last_logged([demo_log], "anchor/staleness_steps"), mesh.get("anchor_staleness_mean")),
+        "compression_vs_dense": _first(
+            _last_logged(history, "comm/compression_vs_dense_ratio"),
+            _last_logged([demo_log], "comm/compression_vs_dense_ratio"),
+        ),
+        "anchor_staleness_steps": _first(
+            _last_logged(history, "anchor/staleness_steps"),
+            _last_logged([demo_log], "anchor/staleness_steps"),
+            mesh.get("anchor_staleness_mean"),
+        ),
         # RL runs (TRL's GRPO/GSPO log the mean reward of each step's rollouts)
         "first_reward": _first_logged(history, "reward"),
         "last_reward": _last_logged(history, "reward"),
@@ -212,6 +248,7 @@ def _circuit_dict(values: Any) -> dict[str, float | None] | None:
 # ---------------------------------------------------------------------------------------------------
 # Plots
 # ---------------------------------------------------------------------------------------------------
+
 
 def bar_series(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     """``{"<run> analytic" | "<run> measured": {circuit: bytes per token}}``: the bars to draw."""
@@ -279,9 +316,16 @@ def draw_bytes(series: dict[str, dict[str, float]], path: Path) -> None:
     for index, (label, values) in enumerate(series.items()):
         xs = [c + (index - (len(series) - 1) / 2) * width for c in range(len(CIRCUITS))]
         heights = [values.get(c, math.nan) for c in CIRCUITS]
-        ax.bar(xs, [h if h > 0 else math.nan for h in heights], width, label=label,
-               color=f"C{runs.index(label.rsplit(' ', 1)[0]) % 10}", edgecolor="black", linewidth=0.5,
-               hatch="//" if label.endswith(" measured") else None)
+        ax.bar(
+            xs,
+            [h if h > 0 else math.nan for h in heights],
+            width,
+            label=label,
+            color=f"C{runs.index(label.rsplit(' ', 1)[0]) % 10}",
+            edgecolor="black",
+            linewidth=0.5,
+            hatch="//" if label.endswith(" measured") else None,
+        )
         for x, height in zip(xs, heights):
             if height == 0:
                 ax.annotate("0", (x, 0), xycoords=("data", "axes fraction"), ha="center", va="bottom", fontsize="small")
@@ -314,64 +358,132 @@ def _save(fig: Any, path: Path) -> None:
 # report.md
 # ---------------------------------------------------------------------------------------------------
 
+
 def format_report(root: Path, rows: list[dict[str, Any]]) -> str:
     """The Markdown report: a table of runs, the mesh's measured bytes if any, both plots."""
     lines = [
-        f"# Training report: `{root}`", "",
+        f"# Training report: `{root}`",
+        "",
         f"{len(rows)} run{'s' if len(rows) != 1 else ''}. Bytes per token are per fast-circuit token, summed "
         "over every link of the mesh: *analytic* is the byte ledger of the last training log "
         "(`comm/*_bytes_per_token`), *measured* is what the distributed mesh put on the wire "
-        f"(`{MESH_SUMMARY_NAME}`).", "",
-        "## Runs", "", *_runs_table(rows), "",
+        f"(`{MESH_SUMMARY_NAME}`).",
+        "",
+        "## Runs",
+        "",
+        *_runs_table(rows),
+        "",
     ]
     meshes = [row for row in rows if row["mesh"] is not None]
     if meshes:
-        lines += ["## Distributed mesh: measured on the wire", "", *_mesh_bytes_table(meshes), "",
-                  *_mesh_numbers_table(meshes), ""]
-    lines += ["## Plots", "", f"![training loss (and reward) vs step]({LOSS_PLOT_NAME})", "",
-              f"![bytes per token by circuit]({BYTES_PLOT_NAME})", ""]
+        lines += [
+            "## Distributed mesh: measured on the wire",
+            "",
+            *_mesh_bytes_table(meshes),
+            "",
+            *_mesh_numbers_table(meshes),
+            "",
+        ]
+    lines += [
+        "## Plots",
+        "",
+        f"![training loss (and reward) vs step]({LOSS_PLOT_NAME})",
+        "",
+        f"![bytes per token by circuit]({BYTES_PLOT_NAME})",
+        "",
+    ]
     return "\n".join(lines)
 
 
 def _runs_table(rows: list[dict[str, Any]]) -> list[str]:
     rl = any(row["last_reward"] is not None for row in rows)
-    header = ["run", "steps", "first train loss", "last train loss", "last eval loss", *(["first reward", "last reward"] if rl else []),
-              *(f"{c} B/token" for c in CIRCUITS), "total B/token", "vs dense", "anchor staleness (steps)", "from"]
+    header = [
+        "run",
+        "steps",
+        "first train loss",
+        "last train loss",
+        "last eval loss",
+        *(["first reward", "last reward"] if rl else []),
+        *(f"{c} B/token" for c in CIRCUITS),
+        "total B/token",
+        "vs dense",
+        "anchor staleness (steps)",
+        "from",
+    ]
     table = [_table_row(header), _table_row(["---", *["---:"] * (len(header) - 2), "---"])]
     for row in rows:
         ledger = row["bytes_per_token"] or {}
         compression = row["compression_vs_dense"]
-        table.append(_table_row([
-            row["run"], _fmt(row["steps"], "d"), *(_fmt(row[k], ".4f") for k in ("first_train_loss", "last_train_loss", "last_eval_loss")),
-            *((_fmt(row["first_reward"], ".3f"), _fmt(row["last_reward"], ".3f")) if rl else ()),
-            *(_fmt(ledger.get(c), ",.1f") for c in (*CIRCUITS, "total")),
-            "–" if compression is None else f"{compression:.2f}×", _fmt(row["anchor_staleness_steps"], ".3g"),
-            ", ".join(row["sources"])]))
+        table.append(
+            _table_row(
+                [
+                    row["run"],
+                    _fmt(row["steps"], "d"),
+                    *(_fmt(row[k], ".4f") for k in ("first_train_loss", "last_train_loss", "last_eval_loss")),
+                    *((_fmt(row["first_reward"], ".3f"), _fmt(row["last_reward"], ".3f")) if rl else ()),
+                    *(_fmt(ledger.get(c), ",.1f") for c in (*CIRCUITS, "total")),
+                    "–" if compression is None else f"{compression:.2f}×",
+                    _fmt(row["anchor_staleness_steps"], ".3g"),
+                    ", ".join(row["sources"]),
+                ]
+            )
+        )
     return table
 
 
 def _mesh_bytes_table(rows: list[dict[str, Any]]) -> list[str]:
     table = [_table_row(["run", "mesh", "circuit", "measured B/token", "analytic B/token"]), "|---|---|---|---:|---:|"]
     for row in rows:
-        measured, analytic = row["measured_bytes_per_token"] or {}, _circuit_dict(row["mesh"].get("analytic_bytes_per_token")) or {}
+        measured, analytic = (
+            row["measured_bytes_per_token"] or {},
+            _circuit_dict(row["mesh"].get("analytic_bytes_per_token")) or {},
+        )
         for circuit in (*CIRCUITS, "total"):
-            table.append(_table_row([row["run"], str(row["mesh"].get("mesh", "–")), circuit,
-                                     _fmt(measured.get(circuit), ",.1f"), _fmt(analytic.get(circuit), ",.1f")]))
+            table.append(
+                _table_row(
+                    [
+                        row["run"],
+                        str(row["mesh"].get("mesh", "–")),
+                        circuit,
+                        _fmt(measured.get(circuit), ",.1f"),
+                        _fmt(analytic.get(circuit), ",.1f"),
+                    ]
+                )
+            )
     return table
 
 
 def _mesh_numbers_table(rows: list[dict[str, Any]]) -> list[str]:
-    header = ["run", "steps", "fast tokens", "DP bytes per sync per rank", "syncs per rank", "anchor rounds",
-              "staleness mean / max", "step s", "final loss"]
+    header = [
+        "run",
+        "steps",
+        "fast tokens",
+        "DP bytes per sync per rank",
+        "syncs per rank",
+        "anchor rounds",
+        "staleness mean / max",
+        "step s",
+        "final loss",
+    ]
     table = [_table_row(header), _table_row(["---", *["---:"] * (len(header) - 1)])]
     for row in rows:
         mesh = row["mesh"]
         staleness = f"{_fmt(mesh.get('anchor_staleness_mean'), '.2f')} / {_fmt(mesh.get('anchor_staleness_max'), 'g')}"
-        table.append(_table_row([
-            row["run"], _fmt(mesh.get("steps"), "d"), _fmt(mesh.get("fast_tokens"), ",d"),
-            _fmt(mesh.get("dp_bytes_per_sync_per_rank"), ",.0f"), _fmt(mesh.get("dp_syncs_per_rank"), "g"),
-            _fmt(mesh.get("anchor_rounds"), "d"), staleness, _fmt(mesh.get("step_seconds_mean"), ".1f"),
-            _fmt(mesh.get("final_loss"), ".4f")]))
+        table.append(
+            _table_row(
+                [
+                    row["run"],
+                    _fmt(mesh.get("steps"), "d"),
+                    _fmt(mesh.get("fast_tokens"), ",d"),
+                    _fmt(mesh.get("dp_bytes_per_sync_per_rank"), ",.0f"),
+                    _fmt(mesh.get("dp_syncs_per_rank"), "g"),
+                    _fmt(mesh.get("anchor_rounds"), "d"),
+                    staleness,
+                    _fmt(mesh.get("step_seconds_mean"), ".1f"),
+                    _fmt(mesh.get("final_loss"), ".4f"),
+                ]
+            )
+        )
     return table
 
 

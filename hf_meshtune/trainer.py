@@ -11,36 +11,33 @@ The mesh logic lives in ``MeshTrainerMixin`` so that TRL trainers can reuse it u
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import shutil
 
 import torch
 from torch import nn
 from transformers import Trainer, TrainerCallback
+from transformers.trainer_utils import rotate_checkpoints
 
 from ._validation import require
-from .anchor import AnchorBatches, AnchorCircuit
-from .boundaries import BoundaryHandle, attach_boundaries
-from .config import SPECTRAL_ADAMW, MeshArguments, MeshConfig, require_saved_knobs
-from .ledger import LedgerSettings, compute_ledger, param_shapes_of
-from .mesh_job import is_distributed_job, train_on_mesh, validate_mesh_job
-from .mesh import in_replica_zero_job
-from .mesh_checkpoint import atomic_torch_save, load_torch_file
+from .anchor.batches import AnchorBatches
+from .anchor.circuit import AnchorCircuit
+from .boundary.hooks import BoundaryHandle
+from .config import SPECTRAL_ADAMW, MeshArguments, MeshConfig
+from .engine import MeshEngine
+from .ledger import Ledger
+from .model_card import mesh_card_section, write_mesh_card
 from .optim.spectral import SpectralAdamW
+from .runtime.checkpoint import atomic_torch_save, load_torch_file
+from .runtime.job import is_distributed_job, train_on_mesh, validate_mesh_job
+from .topology import in_replica_zero_job
 
-__all__ = ["CHECKPOINT_STAGING", "MESH_STATE_NAME", "MeshCallback", "MeshTrainer", "MeshTrainerMixin", "mesh_ledger", "mesh_log_entries", "require_resume_knobs"]
+__all__ = ["CHECKPOINT_STAGING", "MESH_STATE_NAME", "MeshCallback", "MeshTrainer", "MeshTrainerMixin"]
 
 MESH_STATE_NAME = "mesh_state.pt"
 # Checkpoints are written here, then renamed to checkpoint-N: a process killed mid-save leaves the
 # previous checkpoints intact and no half-written checkpoint-N for resume_from_checkpoint=True to pick.
 CHECKPOINT_STAGING = ".meshtune-staging"
-# Knobs that change the numerics of a run: a resumed run must use the values it was saved with.
-_RESUME_KNOBS = (
-    "mask_ratio", "num_stages", "mask_seed", "mask_rescale", "mask_fill", "mask_protect_dims", "anchor", "anchor_every",
-    "anchor_delay", "anchor_beta", "anchor_microbatches", "anchor_max_staleness", "spectral_tau", "spectral_relative_tau",
-    "spectral_alpha", "spectral_rank",
-)
 
 
 class MeshCallback(TrainerCallback):
@@ -53,19 +50,25 @@ class MeshCallback(TrainerCallback):
         self.trainer._set_up_masks()
 
     def on_step_begin(self, args, state, control, **kwargs):
-        self.trainer.mesh_boundaries.set_step(state.global_step)
+        self.trainer.mesh_engine.begin_step(state.global_step)
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        anchor = self.trainer.mesh_anchor
-        if anchor is not None:
-            anchor.on_step(state.global_step, self.trainer.spectral_optimizer)
+        self.trainer.mesh_engine.before_optimizer_step(state.global_step, self.trainer.spectral_optimizer)
 
 
 class MeshTrainerMixin:
-    """Mesh behaviour for any ``transformers.Trainer`` subclass whose args are ``MeshArguments``."""
+    """Mesh behaviour for any ``transformers.Trainer`` subclass whose args are ``MeshArguments``: a
+    ``MeshEngine`` driven by ``MeshCallback``, the optimizer name, logs, checkpoints and the mesh run."""
 
-    mesh_boundaries: BoundaryHandle
-    mesh_anchor: AnchorCircuit | None
+    mesh_engine: MeshEngine
+
+    @property
+    def mesh_boundaries(self) -> BoundaryHandle:
+        return self.mesh_engine.boundaries
+
+    @property
+    def mesh_anchor(self) -> AnchorCircuit | None:
+        return self.mesh_engine.anchor
 
     def is_world_process_zero(self) -> bool:
         """The Trainer's rule; in replica jobs (``MESHTUNE_REPLICA``) only replica 0's first process."""
@@ -79,22 +82,25 @@ class MeshTrainerMixin:
         """Before the Trainer's own set-up: an impossible launched job fails on every rank, before any rendezvous."""
         if not is_distributed_job() or model is None or not isinstance(args, MeshArguments):
             return
-        require(self._mesh_runs_distributed, "WORLD_SIZE", os.environ.get("WORLD_SIZE"),
-                f"be 1 for {type(self).__name__}: it trains on one process (the distributed X×Y mesh runs "
-                "supervised objectives: MeshTrainer, MeshSFTTrainer)")
+        require(
+            self._mesh_runs_distributed,
+            "WORLD_SIZE",
+            os.environ.get("WORLD_SIZE"),
+            f"be 1 for {type(self).__name__}: it trains on one process (the distributed X×Y mesh runs "
+            "supervised objectives: MeshTrainer, MeshSFTTrainer)",
+        )
         if not isinstance(model, str):
             validate_mesh_job(model, args)
 
     def _setup_mesh(self) -> None:
-        require(isinstance(self.args, MeshArguments), "args", type(self.args).__name__,
-                "be a MeshTrainingArguments (or another MeshArguments config) for a Mesh trainer")
-        _check_peft_for_spectral(self.model, self.args)
-        cfg = self.mesh_config
-        self.mesh_boundaries = attach_boundaries(
-            self.model, cfg.num_stages, cfg.mask_ratio, cfg.mask_seed, cfg.mask_rescale, cfg.mask_fill
+        require(
+            isinstance(self.args, MeshArguments),
+            "args",
+            type(self.args).__name__,
+            "be a MeshTrainingArguments (or another MeshArguments config) for a Mesh trainer",
         )
-        self.mesh_anchor = None
-        self._mesh_steps_logged = 0
+        _check_peft_for_spectral(self.model, self.args)
+        self.mesh_engine = MeshEngine(self.model, self.args)
         self.add_callback(MeshCallback(self))
 
     @property
@@ -127,20 +133,26 @@ class MeshTrainerMixin:
     def create_optimizer(self, model=None):
         optimizer = super().create_optimizer(model)
         if self.mesh_config.anchor and self.mesh_anchor is None:
-            self.mesh_anchor = self._build_anchor()
+            self._build_anchor()
         return optimizer
 
     def _build_anchor(self) -> AnchorCircuit:
         if self.spectral_optimizer is None and self.args.optim == SPECTRAL_ADAMW:  # optimizers=(opt, sched) given
-            require(False, "optimizers[0]", type(getattr(self.optimizer, "optimizer", self.optimizer)).__name__,
-                    "be a SpectralAdamW when anchor=True (the anchor's gradients feed its spectral filter); "
-                    "pass none (optim='spectral_adamw' builds one) or set anchor=False")
-        require(self.spectral_optimizer is not None, "optim", self.args.optim,
-                f"be '{SPECTRAL_ADAMW}' when anchor=True (the anchor's gradients feed its spectral filter)")
-        cfg = self.mesh_config
+            require(
+                False,
+                "optimizers[0]",
+                type(getattr(self.optimizer, "optimizer", self.optimizer)).__name__,
+                "be a SpectralAdamW when anchor=True (the anchor's gradients feed its spectral filter); "
+                "pass none (optim='spectral_adamw' builds one) or set anchor=False",
+            )
+        require(
+            self.spectral_optimizer is not None,
+            "optim",
+            self.args.optim,
+            f"be '{SPECTRAL_ADAMW}' when anchor=True (the anchor's gradients feed its spectral filter)",
+        )
         params = {name: p for name, p in self.model.named_parameters() if p.requires_grad and p.ndim == 2}
-        return AnchorCircuit(self.model, params, self.mesh_boundaries, cfg.anchor_every, cfg.anchor_delay,
-                             self._anchor_batches(), self._anchor_loss)
+        return self.mesh_engine.build_anchor(params, self._anchor_batches(), self._anchor_loss)
 
     def _anchor_batches(self, microbatches: int | None = None) -> AnchorBatches:
         dataset, collate = self.train_dataset, self.data_collator
@@ -149,15 +161,18 @@ class MeshTrainerMixin:
         else:
             collate = self._get_collator_with_removed_columns(collate, description="anchor")
         microbatches = microbatches or self.mesh_config.anchor_microbatches or self.args.gradient_accumulation_steps
-        return AnchorBatches(dataset, collate, self.args.per_device_train_batch_size, microbatches,
-                             self.args.data_seed if self.args.data_seed is not None else self.args.seed,
-                             self._prepare_inputs)
+        return AnchorBatches(
+            dataset,
+            collate,
+            self.args.per_device_train_batch_size,
+            microbatches,
+            self.args.data_seed if self.args.data_seed is not None else self.args.seed,
+            self._prepare_inputs,
+        )
 
     def _set_up_masks(self) -> None:
         """Protected dims and a first Gaussian-fill estimate on a fixed training batch, unless restored."""
-        cfg = self.mesh_config
-        self.mesh_boundaries.set_up_masks(self.model, lambda: self._anchor_batches(microbatches=1)(0)[0],
-                                          cfg.mask_protect_dims, cfg.mask_fill)
+        self.mesh_engine.set_up_masks(lambda: self._anchor_batches(microbatches=1)(0)[0])
 
     def _anchor_loss(self, model: nn.Module, batch) -> torch.Tensor:
         return self.compute_loss(model, batch)
@@ -177,13 +192,11 @@ class MeshTrainerMixin:
 
     def mesh_log_entries(self) -> dict[str, float]:
         """Byte ledger, spectral diagnostics and anchor staleness since the last training log."""
-        steps = max(self.state.global_step - self._mesh_steps_logged, 1)
-        self._mesh_steps_logged = self.state.global_step
-        return mesh_log_entries(self.mesh_boundaries, self.mesh_anchor, self.spectral_optimizer, steps, self.mesh_ledger)
+        return self.mesh_engine.log_entries(self.state.global_step, self.spectral_optimizer)
 
-    def mesh_ledger(self, tokens_per_step: int):
+    def mesh_ledger(self, tokens_per_step: int) -> Ledger:
         """The analytic ledger of this model and mesh at ``tokens_per_step`` tokens per fast replica."""
-        return mesh_ledger(self.model, self.mesh_boundaries.hidden_size, self.mesh_config, tokens_per_step)
+        return self.mesh_engine.ledger(tokens_per_step)
 
     # --- checkpoints --------------------------------------------------------------------------
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
@@ -194,13 +207,19 @@ class MeshTrainerMixin:
 
     def write_model_card(self, output_dir: str) -> str:
         """Add the "Trained with hf_meshtune" section to ``output_dir/README.md``."""
-        from .model_card import mesh_card_section, write_mesh_card
-
-        hidden = self.mesh_boundaries.hidden_size if getattr(self, "mesh_boundaries", None) is not None else None
+        engine = getattr(self, "mesh_engine", None)
+        hidden = engine.boundaries.hidden_size if engine is not None else None
         # the ledger at the run's own tokens per step, as last logged
         logged = [e for e in self.state.log_history if "comm/total_bytes_per_token" in e]
-        ledger = {k.removeprefix("comm/").removesuffix("_bytes_per_token"): v for k, v in logged[-1].items()
-                  if k.startswith("comm/") and k.endswith("bytes_per_token") and "measured" not in k} if logged else None
+        ledger = (
+            {
+                k.removeprefix("comm/").removesuffix("_bytes_per_token"): v
+                for k, v in logged[-1].items()
+                if k.startswith("comm/") and k.endswith("bytes_per_token") and "measured" not in k
+            }
+            if logged
+            else None
+        )
         config = getattr(self.model, "config", None)
         base = getattr(config, "_name_or_path", None) or None
         section = mesh_card_section(self.mesh_config, hidden, type(self).__name__, ledger)
@@ -222,8 +241,6 @@ class MeshTrainerMixin:
             self._publish_checkpoint(run_dir, staging, name)
 
     def _publish_checkpoint(self, run_dir: str, staging: str, name: str) -> None:
-        from transformers.trainer_utils import rotate_checkpoints
-
         final = os.path.join(run_dir, name)
         if os.path.isdir(final):  # the same step saved again
             shutil.rmtree(final)
@@ -233,8 +250,12 @@ class MeshTrainerMixin:
         if best and best.startswith(staging):  # the Trainer saw the staged path: point at the real one
             self.state.best_model_checkpoint = os.path.join(run_dir, os.path.basename(best))
             self.state.save_to_json(os.path.join(final, "trainer_state.json"))
-        rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
-                           best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
+        rotate_checkpoints(
+            output_dir=run_dir,
+            save_total_limit=self.args.save_total_limit,
+            best_model_checkpoint=self.state.best_model_checkpoint,
+            use_mtime=True,
+        )
 
     def _get_output_dir(self, trial) -> str:
         return getattr(self, "_mesh_staging_dir", None) or super()._get_output_dir(trial)
@@ -249,60 +270,20 @@ class MeshTrainerMixin:
         if checkpoint is None:
             return
         path = os.path.join(checkpoint, MESH_STATE_NAME)
-        require(os.path.isfile(path), "resume_from_checkpoint", checkpoint,
-                f"contain {MESH_STATE_NAME} (written by a Mesh trainer) to resume a mesh run exactly")
+        require(
+            os.path.isfile(path),
+            "resume_from_checkpoint",
+            checkpoint,
+            f"contain {MESH_STATE_NAME} (written by a Mesh trainer) to resume a mesh run exactly",
+        )
         self.load_mesh_state_dict(_read_mesh_state(path))
 
     def mesh_state_dict(self) -> dict:
-        return {
-            "config": dataclasses.asdict(self.mesh_config),
-            "boundaries": self.mesh_boundaries.state_dict(),
-            "anchor": None if self.mesh_anchor is None else self.mesh_anchor.state_dict(),
-        }
+        """``mesh_state.pt``: the engine's state (knobs, boundary fills, anchor gradients in flight)."""
+        return self.mesh_engine.state_dict()
 
     def load_mesh_state_dict(self, state: dict) -> None:
-        require_resume_knobs(state["config"], self.mesh_config)
-        self.mesh_boundaries.load_state_dict(state["boundaries"])
-        if self.mesh_anchor is not None and state["anchor"] is not None:
-            self.mesh_anchor.load_state_dict(state["anchor"])
-
-
-def mesh_log_entries(handle: BoundaryHandle, anchor: AnchorCircuit | None, optimizer: SpectralAdamW | None,
-                     steps: int, ledger) -> dict[str, float]:
-    """The mesh's log keys over the last ``steps`` optimizer steps: ``comm/*`` (the analytic ledger of
-    the whole mesh at this run's tokens per step, ``ledger(tokens) → Ledger``, and what this process's
-    boundaries produced), ``spectral/*`` and ``anchor/staleness_steps``."""
-    entries: dict[str, float] = {}
-    counter = handle.counter
-    if counter.tokens:
-        # Measured: frozen layers below a boundary mean no backward payload there, so pp_bwd can be lower.
-        entries.update(ledger(max(counter.tokens // steps, 1)).log_dict())
-        if handle.masks:
-            entries["comm/measured_pp_fwd_bytes_per_token"] = counter.fwd_bytes / counter.tokens
-            entries["comm/measured_pp_bwd_bytes_per_token"] = counter.bwd_bytes / counter.tokens
-        counter.reset()
-    if optimizer is not None:
-        entries.update(getattr(optimizer, "last_diagnostics", {}) or {})
-    if anchor is not None and anchor.last_staleness is not None:
-        entries["anchor/staleness_steps"] = float(anchor.last_staleness)
-    return entries
-
-
-def mesh_ledger(model: nn.Module, hidden_size: int, cfg: MeshArguments, tokens_per_step: int):
-    """The analytic ledger of ``model`` on the mesh ``cfg`` describes, at ``tokens_per_step`` per fast replica."""
-    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-    settings = LedgerSettings(
-        num_replicas=cfg.num_replicas, num_stages=cfg.num_stages, mask_ratio=cfg.mask_ratio,
-        tokens_per_step=tokens_per_step, activation_dtype=dtype, grad_dtype=dtype, param_dtype=dtype,
-        sync_every=cfg.dp_sync_every, powersgd_rank=cfg.dp_powersgd_rank, anchor=cfg.anchor,
-        anchor_every=cfg.anchor_every, anchor_payload=cfg.anchor_payload, anchor_rank=cfg.spectral_rank or 8,
-    )
-    return compute_ledger(param_shapes_of(model), hidden_size, settings)
-
-
-def require_resume_knobs(saved: dict, config: MeshArguments) -> None:
-    """A resumed run must use the knobs it was saved with (they change its numerics)."""
-    require_saved_knobs(saved, config, _RESUME_KNOBS)
+        self.mesh_engine.load_state_dict(state, self.state.global_step)
 
 
 # PEFT methods whose trainable weights are matrices [out, r] / [r, in] that the spectral filter can
@@ -317,17 +298,25 @@ def _check_peft_for_spectral(model, args) -> None:
         return
     for name, config in configs.items():
         kind = str(getattr(config.peft_type, "value", config.peft_type))
-        require(kind in SPECTRAL_PEFT_TYPES, f"peft_config[{name!r}].peft_type", kind,
-                f"be one of {list(SPECTRAL_PEFT_TYPES)} with optim='{SPECTRAL_ADAMW}' (the spectral filter acts on "
-                "weight matrices such as lora_A [r, in] and lora_B [out, r]); use another optim with anchor=False")
+        require(
+            kind in SPECTRAL_PEFT_TYPES,
+            f"peft_config[{name!r}].peft_type",
+            kind,
+            f"be one of {list(SPECTRAL_PEFT_TYPES)} with optim='{SPECTRAL_ADAMW}' (the spectral filter acts on "
+            "weight matrices such as lora_A [r, in] and lora_B [out, r]); use another optim with anchor=False",
+        )
 
 
 def _read_mesh_state(path: str) -> dict:
     """``mesh_state.pt``, or a ValueError naming the file when it is truncated, empty or foreign."""
     state = load_torch_file(path, MESH_STATE_NAME, "a Mesh trainer")
     keys = {"config", "boundaries", "anchor"}
-    require(isinstance(state, dict) and keys <= set(state), MESH_STATE_NAME, path,
-            f"hold a dict with keys {sorted(keys)} as a Mesh trainer writes it")
+    require(
+        isinstance(state, dict) and keys <= set(state),
+        MESH_STATE_NAME,
+        path,
+        f"hold a dict with keys {sorted(keys)} as a Mesh trainer writes it",
+    )
     return state
 
 
@@ -335,8 +324,9 @@ class MeshTrainer(MeshTrainerMixin, Trainer):
     """``transformers.Trainer`` with masked pipeline boundaries, the anchor circuit and SpectralAdamW.
 
     Swap ``Trainer`` for ``MeshTrainer`` and ``TrainingArguments`` for ``MeshTrainingArguments``;
-    ``peft_config=`` wraps the model in a PEFT adapter as TRL's trainers do; everything else (gradient accumulation, evaluation, callbacks, ``report_to``, checkpoints and
-    resume) is the Trainer's own. Evaluation and generation run the dense model.
+    ``peft_config=`` wraps the model in a PEFT adapter as TRL's trainers do; everything else (gradient
+    accumulation, evaluation, callbacks, ``report_to``, checkpoints and resume) is the Trainer's own.
+    Evaluation and generation run the dense model.
 
     Example:
         >>> from hf_meshtune import MeshTrainer, MeshTrainingArguments
@@ -348,9 +338,13 @@ class MeshTrainer(MeshTrainerMixin, Trainer):
 
     def __init__(self, model=None, args=None, *positional, peft_config=None, **kwargs) -> None:
         if peft_config is not None:  # as TRL's trainers do: wrap the model in the adapter first
-            require(model is not None and not isinstance(model, str), "model", type(model).__name__,
-                    "be a loaded PreTrainedModel when peft_config is given")
-            from peft import get_peft_model
+            require(
+                model is not None and not isinstance(model, str),
+                "model",
+                type(model).__name__,
+                "be a loaded PreTrainedModel when peft_config is given",
+            )
+            from peft import get_peft_model  # optional dependency (the [trl] extra)
 
             model = get_peft_model(model, peft_config)
         self._validate_mesh_job_early(model, args)

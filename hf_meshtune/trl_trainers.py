@@ -27,6 +27,7 @@ import copy
 import os
 from dataclasses import dataclass, field
 
+import torch
 from trl import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
 
 from ._validation import require
@@ -41,8 +42,6 @@ _OPTIM_HELP = f"Optimizer: '{SPECTRAL_ADAMW}' (the anchor-filtered AdamW) or any
 def _default_bf16(args) -> None:
     """TRL turns bf16 on unless told otherwise, which transformers refuses on a machine without a GPU
     unless ``use_cpu`` is set; there the default is fp32 (an explicit ``bf16=True`` is kept)."""
-    import torch
-
     if args.bf16 is None and not args.fp16 and not torch.cuda.is_available():
         args.bf16 = False
 
@@ -80,23 +79,40 @@ class MeshGRPOConfig(MeshArguments, GRPOConfig):
 
     def __post_init__(self) -> None:
         world = os.environ.get("WORLD_SIZE", "1")
-        require(world == "1", "WORLD_SIZE", world,
-                f"be 1 for {type(self).__name__}: GRPO/GSPO trains on one process (the distributed X×Y mesh runs supervised "
-                "objectives: MeshTrainer, MeshSFTTrainer)")
+        require(
+            world == "1",
+            "WORLD_SIZE",
+            world,
+            f"be 1 for {type(self).__name__}: GRPO/GSPO trains on one process (the distributed X×Y mesh runs "
+            f"supervised "
+            "objectives: MeshTrainer, MeshSFTTrainer)",
+        )
         _default_bf16(self)
         super().__post_init__()
         # both are set up from a tokenized training batch before the first step; RL has only prompts then
-        require(self.mask_protect_dims == 0, "mask_protect_dims", self.mask_protect_dims,
-                "be 0 for GRPO/GSPO (protected dims are chosen on a training batch before the first rollout exists)")
-        require(self.mask_fill != "gaussian", "mask_fill", self.mask_fill,
-                "be 'zeros' or 'mean' for GRPO/GSPO (the Gaussian fill is calibrated on a training batch before the first rollout exists)")
+        require(
+            self.mask_protect_dims == 0,
+            "mask_protect_dims",
+            self.mask_protect_dims,
+            "be 0 for GRPO/GSPO (protected dims are chosen on a training batch before the first rollout exists)",
+        )
+        require(
+            self.mask_fill != "gaussian",
+            "mask_fill",
+            self.mask_fill,
+            "be 'zeros' or 'mean' for GRPO/GSPO (the Gaussian fill is calibrated on a training batch before the first "
+            "rollout exists)",
+        )
         if self.mask_ratio > 0:
             every = self.steps_per_generation * self.num_iterations
-            require(self.gradient_accumulation_steps % every == 0, "gradient_accumulation_steps",
-                    self.gradient_accumulation_steps,
-                    f"be a multiple of steps_per_generation·num_iterations = {every} when mask_ratio > 0 "
-                    "(otherwise TRL computes π_old in a separate dense forward and the importance ratio "
-                    "compares the dense model with the masked one)")
+            require(
+                self.gradient_accumulation_steps % every == 0,
+                "gradient_accumulation_steps",
+                self.gradient_accumulation_steps,
+                f"be a multiple of steps_per_generation·num_iterations = {every} when mask_ratio > 0 "
+                "(otherwise TRL computes π_old in a separate dense forward and the importance ratio "
+                "compares the dense model with the masked one)",
+            )
 
 
 @dataclass
@@ -108,7 +124,9 @@ class MeshGSPOConfig(MeshGRPOConfig):
         >>> args = MeshGSPOConfig("out", num_generations=8, max_completion_length=32)  # doctest: +SKIP
     """
 
-    importance_sampling_level: str = field(default="sequence", metadata={"help": "GSPO: 'sequence' (one ratio per completion)."})
+    importance_sampling_level: str = field(
+        default="sequence", metadata={"help": "GSPO: 'sequence' (one ratio per completion)."}
+    )
     loss_type: str = field(default="grpo", metadata={"help": "GSPO uses the GRPO loss."})
 
 
@@ -117,9 +135,13 @@ def _mesh_args(trainer_cls: type, config_cls: type, args, model, suffix: str):
     if args is None:
         name = model if isinstance(model, str) else model.config._name_or_path or type(model).__name__
         return config_cls(f"{str(name).rstrip('/').split('/')[-1]}-{suffix}")
-    require(isinstance(args, config_cls), "args", type(args).__name__,
-            f"be a {config_cls.__name__} for {trainer_cls.__name__} (its mesh knobs and optim='{SPECTRAL_ADAMW}' "
-            f"live there; TRL's own config does not accept optim='{SPECTRAL_ADAMW}')")
+    require(
+        isinstance(args, config_cls),
+        "args",
+        type(args).__name__,
+        f"be a {config_cls.__name__} for {trainer_cls.__name__} (its mesh knobs and optim='{SPECTRAL_ADAMW}' "
+        f"live there; TRL's own config does not accept optim='{SPECTRAL_ADAMW}')",
+    )
     return args
 
 
@@ -170,7 +192,7 @@ class MeshGRPOTrainer(_QuietAnchorLossMixin, MeshTrainerMixin, GRPOTrainer):
 
     Example:
         >>> from hf_meshtune import MeshGRPOConfig, MeshGRPOTrainer
-        >>> from hf_meshtune.arithmetic import exact_answer_reward
+        >>> from hf_meshtune.apps.arithmetic import exact_answer_reward
         >>> args = MeshGSPOConfig("out", num_generations=8, max_completion_length=32)  # doctest: +SKIP
         >>> trainer = MeshGRPOTrainer(model=model, reward_funcs=exact_answer_reward, args=args,
         ...                           train_dataset=prompts)                               # doctest: +SKIP
@@ -190,8 +212,12 @@ class MeshGRPOTrainer(_QuietAnchorLossMixin, MeshTrainerMixin, GRPOTrainer):
         accumulation step); the anchor differentiates the same loss on them, densely."""
 
         def rollouts(round_index: int) -> list:
-            require(self._buffered_inputs is not None, "anchor rollouts", None,
-                    "exist before the first optimizer step (the anchor reads the generation batch being trained on)")
+            require(
+                self._buffered_inputs is not None,
+                "anchor rollouts",
+                None,
+                "exist before the first optimizer step (the anchor reads the generation batch being trained on)",
+            )
             return list(self._buffered_inputs)
 
         return rollouts

@@ -34,8 +34,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, HfArgu
 
 from hf_meshtune import MeshTrainer, MeshTrainingArguments
 from hf_meshtune._validation import require
-from hf_meshtune.assets import gsm8k_items, smollm2_checkpoint
-from hf_meshtune.demo import freeze_all_but_last
+from hf_meshtune.apps.assets import gsm8k_items, smollm2_checkpoint
+from hf_meshtune.apps.demo import freeze_all_but_last
 
 
 @dataclass

@@ -8,7 +8,7 @@ model/LoRA flags and the mesh knobs.
 The policy (default: the embedded SmolLM2-135M-Instruct; `--model_name_or_path` takes any local
 causal LM folder, or a PEFT adapter folder such as `recipes/sft.py --use_peft` writes, which is
 merged into its base first) answers generated problems "What is a ± b?"; the reward is 1 for the
-exact integer (`hf_meshtune.arithmetic.exact_answer_reward`). Defaults are GSPO's:
+exact integer (`hf_meshtune.apps.arithmetic.exact_answer_reward`). Defaults are GSPO's:
 importance_sampling_level="sequence", loss_type="grpo". Only the policy's training forward/backward
 crosses the masked boundaries; generation, the reference model and the reward are dense.
 
@@ -28,8 +28,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser
 from trl import ModelConfig, get_peft_config
 
 from hf_meshtune import MeshGRPOTrainer, MeshGSPOConfig
-from hf_meshtune import arithmetic
-from hf_meshtune.assets import smollm2_checkpoint
+from hf_meshtune.apps import arithmetic
+from hf_meshtune.apps.assets import smollm2_checkpoint
 
 
 @dataclass

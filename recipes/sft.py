@@ -24,10 +24,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser
 from trl import ModelConfig, get_peft_config
 
 from hf_meshtune import MeshSFTConfig, MeshSFTTrainer
-from hf_meshtune import arithmetic
 from hf_meshtune._validation import require
-from hf_meshtune.assets import gsm8k_items, smollm2_checkpoint
-from hf_meshtune.demo import freeze_all_but_last
+from hf_meshtune.apps import arithmetic
+from hf_meshtune.apps.assets import gsm8k_items, smollm2_checkpoint
+from hf_meshtune.apps.demo import freeze_all_but_last
 
 DATASETS = ("gsm8k", "arithmetic")
 

@@ -46,11 +46,11 @@ from hf_meshtune import (
     keep_count,
     keep_indices,
 )
-from hf_meshtune.dp_baselines import GradientSync
+from hf_meshtune.boundary.masking import BoundaryMask
+from hf_meshtune.comm.wire import Wire
+from hf_meshtune.dp.baselines import GradientSync
 from hf_meshtune.ledger import format_table, settings_for_row
-from hf_meshtune.masking import BoundaryMask
-from hf_meshtune.mesh import MeshTopology
-from hf_meshtune.wire import Wire
+from hf_meshtune.topology import MeshTopology
 from tests.tiny import make_tiny_causal_lm, pattern_dataset, tiny_llama
 
 # ---------------------------------------------------------------------------------------------------
@@ -350,7 +350,8 @@ def _ranks_with_different_knobs() -> None:
 
     import torch.distributed as dist
 
-    from hf_meshtune.mesh_runtime import RunSettings, _require_same_settings, _settings_of
+    from hf_meshtune.runtime.bootstrap import _require_same_settings, _settings_of
+    from hf_meshtune.runtime.settings import RunSettings
 
     def settings(ratio: float) -> RunSettings:
         return RunSettings(config=MeshConfig(anchor=False, num_stages=2, mask_ratio=ratio), microbatch_size=1,
@@ -363,22 +364,25 @@ def _ranks_with_different_knobs() -> None:
 
 
 def _allreduce_in_replica_job() -> None:
-    from hf_meshtune.mesh_runtime import RunSettings, run_worker
+    from hf_meshtune.runtime.bootstrap import run_worker
+    from hf_meshtune.runtime.settings import RunSettings
+    from hf_meshtune.topology import MeshGroups
 
     settings = RunSettings(config=MeshConfig(anchor=False, num_stages=2), microbatch_size=1, microbatches=1, seq_len=8,
                            max_steps=1, dp_mode="allreduce")
-    run_worker(tiny_llama(), MeshTopology(3, 2, anchor=False, job_replica=0), None, None, settings, lambda step: None)
+    groups = MeshGroups(MeshTopology(3, 2, anchor=False, job_replica=0), rank=0, replica=0, stage=0, pp_group=None)
+    run_worker(tiny_llama(), groups, settings, lambda step: None)
 
 
 def _replica_job_without_lighthouse() -> None:
-    from hf_meshtune.mesh_job import _lighthouse
+    from hf_meshtune.runtime.job import _lighthouse
 
     with environ(TORCHFT_LIGHTHOUSE=None):
         _lighthouse(0, MeshTopology(3, 2, anchor=False, job_replica=0))
 
 
 def _job_store_without_port() -> None:
-    from hf_meshtune.mesh_runtime import job_store
+    from hf_meshtune.runtime.bootstrap import job_store
 
     with environ(MESHTUNE_JOB_STORE="nowhere"):
         job_store(1.0)
@@ -386,7 +390,7 @@ def _job_store_without_port() -> None:
 
 def _mesh_checkpoint(tmp: Path, step: int, ranks=(0, 1, 2, 3), **state) -> str:
     """A 3x2 (anchor on) mesh checkpoint of fake states under ``tmp``; returns its folder."""
-    from hf_meshtune.mesh_checkpoint import save_rank_state
+    from hf_meshtune.runtime.checkpoint import save_rank_state
 
     for rank in ranks:
         save_rank_state(str(tmp), step, rank, dict(state), MeshTopology(3, 2), None)
@@ -399,13 +403,13 @@ def _incomplete_mesh_checkpoint(tmp: Path) -> None:
 
 
 def _checkpoint_of_another_mesh(tmp: Path) -> None:
-    from hf_meshtune.mesh_checkpoint import read_rank_state
+    from hf_meshtune.runtime.checkpoint import read_rank_state
 
     read_rank_state(_mesh_checkpoint(tmp, 4), 0, MeshTopology(2, 2, anchor=False))
 
 
 def _damaged_rank_file(tmp: Path) -> None:
-    from hf_meshtune.mesh_checkpoint import read_rank_state
+    from hf_meshtune.runtime.checkpoint import read_rank_state
 
     checkpoint = _mesh_checkpoint(tmp, 4)
     Path(checkpoint, "mesh", "rank0.pt").write_bytes(b"")
@@ -440,7 +444,7 @@ def llama_without_head() -> nn.Module:
 
 def run_settings(config: MeshConfig | None = None, **sizes: object) -> Callable[[], object]:
     """A trigger: the settings every rank of the mesh builds from the knobs after the rendezvous."""
-    from hf_meshtune.mesh_runtime import RunSettings
+    from hf_meshtune.runtime.settings import RunSettings
 
     full = {"microbatch_size": 1, "microbatches": 1, "seq_len": 8, "max_steps": 1, **sizes}
     return lambda: RunSettings(config=config or MeshConfig(), **full)
@@ -619,7 +623,7 @@ def sft_trainer_with_trl_config(tmp: Path) -> None:
 
 def grpo_trainer_with_trl_config(tmp: Path) -> None:
     from hf_meshtune import MeshGRPOTrainer
-    from hf_meshtune.arithmetic import exact_answer_reward
+    from hf_meshtune.apps.arithmetic import exact_answer_reward
 
     config = trl_config("GRPOConfig", tmp, per_device_train_batch_size=8, num_generations=8)
     MeshGRPOTrainer(model=tiny_llama(), reward_funcs=exact_answer_reward, args=config)
@@ -627,7 +631,7 @@ def grpo_trainer_with_trl_config(tmp: Path) -> None:
 
 def grpo_trainer_on_mesh(tmp: Path) -> None:
     from hf_meshtune import MeshGRPOConfig, MeshGRPOTrainer
-    from hf_meshtune.arithmetic import exact_answer_reward
+    from hf_meshtune.apps.arithmetic import exact_answer_reward
 
     config = MeshGRPOConfig(output_dir=str(tmp / "out"))
     with launched(6, None):
@@ -658,7 +662,7 @@ def peft_trainer(config_name: str, model: object = "tiny", **config: object) -> 
 # --- recipes ------------------------------------------------------------------------------------------
 
 def arithmetic_problems(**kwargs: object) -> Callable[[], object]:
-    from hf_meshtune.arithmetic import problems
+    from hf_meshtune.apps.arithmetic import problems
 
     return lambda: problems(**{"count": 4, **kwargs})
 
@@ -680,7 +684,7 @@ def protect_negative_dims() -> None:
 
 
 def fill(name: str, **kwargs: object) -> Callable[[], object]:
-    from hf_meshtune import fills
+    from hf_meshtune.boundary import fills
 
     return lambda: getattr(fills, name)(**kwargs)
 
@@ -688,13 +692,13 @@ def fill(name: str, **kwargs: object) -> Callable[[], object]:
 # --- codecs -------------------------------------------------------------------------------------------
 
 def codec(name: str, *args: object, **kwargs: object) -> Callable[[], object]:
-    from hf_meshtune import codecs
+    from hf_meshtune.boundary import codecs
 
     return lambda: getattr(codecs, name)(*args, **kwargs)
 
 
 def attach_codec_twice() -> None:
-    from hf_meshtune.codecs import attach_codec
+    from hf_meshtune.boundary.codecs import attach_codec
 
     model = tiny_llama()
     attach_codec(model, 2, "quant4")
@@ -702,37 +706,37 @@ def attach_codec_twice() -> None:
 
 
 def attach_unknown_codec() -> None:
-    from hf_meshtune.codecs import attach_codec
+    from hf_meshtune.boundary.codecs import attach_codec
 
     attach_codec(tiny_llama(), 2, "zip")
 
 
 def pca_forward_unfitted() -> None:
-    from hf_meshtune.codecs import PCACodec
+    from hf_meshtune.boundary.codecs import PCACodec
 
     PCACodec(64, rank=4)(torch.zeros(1, 2, 64))
 
 
 def pca_fit_on_too_few_tokens() -> None:
-    from hf_meshtune.codecs import PCACodec
+    from hf_meshtune.boundary.codecs import PCACodec
 
     PCACodec(64, rank=4).fit(torch.zeros(1, 2, 64))
 
 
 def delta_quant_without_keys() -> None:
-    from hf_meshtune.codecs import DeltaQuantCodec
+    from hf_meshtune.boundary.codecs import DeltaQuantCodec
 
     DeltaQuantCodec(64)(torch.zeros(2, 3, 64))
 
 
 def codec_on_wrong_width() -> None:
-    from hf_meshtune.codecs import QuantCodec
+    from hf_meshtune.boundary.codecs import QuantCodec
 
     QuantCodec(64)(torch.zeros(1, 2, 32))
 
 
 def codec_state_of_other_mesh() -> None:
-    from hf_meshtune.codecs import attach_codec
+    from hf_meshtune.boundary.codecs import attach_codec
 
     attach_codec(tiny_llama(), 2, "quant4").load_state_dict({"codecs": []})
 
@@ -740,37 +744,38 @@ def codec_state_of_other_mesh() -> None:
 # --- mesh internals -----------------------------------------------------------------------------------
 
 def wire_send(circuit: str) -> Callable[[], None]:
-    from hf_meshtune.wire import Wire
+    from hf_meshtune.comm.wire import Wire
 
     return lambda: Wire().record_send(circuit, torch.zeros(1))
 
 
 def wire_all_reduce_over_nobody() -> None:
-    from hf_meshtune.wire import Wire
+    from hf_meshtune.comm.wire import Wire
 
     Wire().record_all_reduce("dp", torch.zeros(1), participants=0)
 
 
 def powersgd(*args: object, **kwargs: object) -> Callable[[], object]:
-    from hf_meshtune.dp_sync import PowerSGD
+    from hf_meshtune.dp.powersgd import PowerSGD
 
     return lambda: PowerSGD(*args, **kwargs)
 
 
 def update_with_missing_shapes() -> None:
-    from hf_meshtune.dp_sync import OuterUpdate
+    from hf_meshtune.dp.outer import OuterUpdate
 
     OuterUpdate(fragment=0, step=1, tensors=[torch.zeros(3)]).pseudo_gradients([])
 
 
 def outer_follower(fragments: list[nn.Module] | None = None, lr: float = 0.7, momentum: float = 0.9) -> Callable[[], object]:
-    from hf_meshtune.dp_sync import OuterFollower
+    from hf_meshtune.anchor.follower import OuterFollower
 
     return lambda: OuterFollower(fragments if fragments is not None else [nn.Linear(2, 2)], outer_lr=lr, outer_momentum=momentum)
 
 
 def follower_given_unknown_fragment() -> None:
-    from hf_meshtune.dp_sync import OuterFollower, OuterUpdate
+    from hf_meshtune.anchor.follower import OuterFollower
+    from hf_meshtune.dp.outer import OuterUpdate
 
     follower = OuterFollower([nn.Linear(2, 2)], outer_lr=0.7, outer_momentum=0.9)
     follower.apply(OuterUpdate(fragment=3, step=1, tensors=[]))
@@ -778,7 +783,7 @@ def follower_given_unknown_fragment() -> None:
 
 def diloco(fragments: object = None, **kwargs: object) -> Callable[[], object]:
     """A trigger: ``StreamingDiLoCo(manager, fragments, inner, ...)``; every check runs before the manager is used."""
-    from hf_meshtune.dp_sync import StreamingDiLoCo
+    from hf_meshtune.dp.diloco import StreamingDiLoCo
 
     def trigger() -> object:
         parts = [nn.Linear(2, 2), nn.Linear(2, 2)] if fragments is None else fragments
@@ -788,13 +793,13 @@ def diloco(fragments: object = None, **kwargs: object) -> Callable[[], object]:
 
 
 def lighthouse_for(min_replicas: int) -> Callable[[], object]:
-    from hf_meshtune.dp_sync import start_lighthouse
+    from hf_meshtune.dp.ft import start_lighthouse
 
     return lambda: start_lighthouse(min_replicas)
 
 
 def manager(**kwargs: object) -> Callable[[], object]:
-    from hf_meshtune.dp_sync import make_manager
+    from hf_meshtune.dp.ft import make_manager
 
     full = {"replica": 0, "stage": 0, "num_stages": 2, "lighthouse_addr": "http://localhost:1",
             "store_addr": "localhost", "store_port": 1, **kwargs}
@@ -802,14 +807,14 @@ def manager(**kwargs: object) -> Callable[[], object]:
 
 
 def stage_split_into(count: int) -> None:
-    from hf_meshtune.mesh_runtime import stage_fragments
-    from hf_meshtune.pipeline import StageModule
+    from hf_meshtune.dp.fragments import stage_fragments
+    from hf_meshtune.pipeline.stage import StageModule
 
     stage_fragments(StageModule(tiny_llama(), 0, 2, None, None), count)
 
 
 def schedule_without_microbatches() -> None:
-    from hf_meshtune.pipeline import build_schedule
+    from hf_meshtune.pipeline.schedule import build_schedule
 
     build_schedule(None, 0, lambda logits, labels: logits.sum())
 
@@ -832,8 +837,8 @@ RECIPES = "recipes"
 ANCHOR = "anchor / AnchorBatches"
 MASKS = "masks and boundaries (attach_boundaries, keep_indices, fills)"
 LEDGER = "byte ledger API (LedgerSettings, settings_for_row)"
-CODECS = "boundary codecs (hf_meshtune.codecs)"
-INTERNALS = "mesh internals (dp_sync, wire, pipeline)"
+CODECS = "boundary codecs (hf_meshtune.boundary.codecs)"
+INTERNALS = "mesh internals (dp, comm, pipeline)"
 
 GROUP_NOTES: dict[str, str] = {
     KNOBS: "The same `validate_mesh()` runs in `MeshConfig`, `MeshTrainingArguments`, `MeshSFTConfig`, `MeshGRPOConfig`, "
@@ -1036,10 +1041,10 @@ def _cases() -> list[Case]:
         Case(MESH, "dp_mode='allreduce' with the anchor on", "`RunSettings(...)`", run_settings(dp_mode="allreduce"),
              ValueError, "dp_mode='allreduce' is invalid: it must be 'streaming_diloco' when anchor=True (the anchor "
              "replica follows θ by replaying DiLoCo's outer updates)"),
-        Case(MESH, "GradientSync('streaming_diloco', ...)", "`dp_baselines.GradientSync`",
+        Case(MESH, "GradientSync('streaming_diloco', ...)", "`dp.baselines.GradientSync`",
              lambda: GradientSync("streaming_diloco", [nn.Parameter(torch.zeros(2))], None, 2, Wire()), ValueError,
              "dp_mode='streaming_diloco' is invalid: it must be one of ['allreduce', 'powersgd_hook'] for a per-step sync"),
-        Case(MESH, "GradientSync('powersgd_hook', powersgd_rank=0)", "`dp_baselines.GradientSync`",
+        Case(MESH, "GradientSync('powersgd_hook', powersgd_rank=0)", "`dp.baselines.GradientSync`",
              lambda: GradientSync("powersgd_hook", [nn.Parameter(torch.zeros(2, 2))], None, 2, Wire(), powersgd_rank=0),
              ValueError, "dp_powersgd_rank=0 is invalid: it must be an integer >= 1 with dp_mode='powersgd_hook'"),
         Case(MESH, "MeshTopology(replicas=0, stages=2)", "`MeshTopology(...)`", lambda: MeshTopology(0, 2), ValueError,
@@ -1062,7 +1067,7 @@ def _cases() -> list[Case]:
         Case(RANKS, "a rank given MESHTUNE_MESH=2x2 in a job of 3 processes", "`MeshTopology.from_environment` (every rank)",
              from_environment(3, 2, "2x2"), ValueError,
              "world_size=3 is invalid: it must equal X·Y = 2·2 = 4 (one process per replica and stage)"),
-        Case(RANKS, "a rank given MESHTUNE_MESH=2x2 in a job of 6 processes", "`mesh_job.validate_mesh_job(model, args)`",
+        Case(RANKS, "a rank given MESHTUNE_MESH=2x2 in a job of 6 processes", "`runtime.job.validate_mesh_job(model, args)`",
              _validate_job_on_other_mesh, ValueError,
              "world_size=6 is invalid: it must equal X·Y = 2·2 = 4 (one process per replica and stage)"),
         Case(RANKS, "a rank started with --num_stages 4 under MESHTUNE_MESH=3x2", "`MeshTrainer(...)` on a launched rank",
@@ -1072,7 +1077,7 @@ def _cases() -> list[Case]:
              "`MeshTopology.from_environment` (every rank)", from_environment(6, 4, None), ValueError,
              "num_stages=4 is invalid: it must divide the world size 6 (X = world size / Y replicas of Y stages)"),
 
-        Case(RANKS, "rank 1 started with mask_ratio=0.95, the others with 0.9", "`mesh_runtime.run_worker` (every rank)",
+        Case(RANKS, "rank 1 started with mask_ratio=0.95, the others with 0.9", "`runtime.bootstrap.run_worker` (every rank)",
              _ranks_with_different_knobs, ValueError,
              "config.mask_ratio (rank 1)=0.95 is invalid: it must equal rank 0's 0.9: every process of the mesh runs with "
              "the same settings (check that rank's command line and environment)"),
@@ -1093,7 +1098,7 @@ def _cases() -> list[Case]:
              "`MeshTopology.from_environment` (every rank)", replica_job(2, 2, "3x2", "0", anchor=True), ValueError,
              "anchor=True is invalid: it must be False when every replica is a job of its own (replica restarts: the "
              "anchor link is one static group over the whole mesh, which a restarted replica cannot rejoin)"),
-        Case(RANKS, "dp_mode='allreduce' in a replica job", "`mesh_runtime.run_worker` (every rank)",
+        Case(RANKS, "dp_mode='allreduce' in a replica job", "`runtime.bootstrap.run_worker` (every rank)",
              _allreduce_in_replica_job, ValueError,
              "dp_mode='allreduce' is invalid: it must be 'streaming_diloco' when every replica is a job of its own "
              "(the per-step peers need one world)"),
@@ -1101,7 +1106,7 @@ def _cases() -> list[Case]:
              _replica_job_without_lighthouse, ValueError,
              "TORCHFT_LIGHTHOUSE=None is invalid: it must be set when every replica is a job of its own (the replicas "
              "meet only at a shared lighthouse; `meshtune launch` starts one)"),
-        Case(RANKS, "MESHTUNE_JOB_STORE=nowhere", "`mesh_runtime.run_worker` (every rank of a replica job)",
+        Case(RANKS, "MESHTUNE_JOB_STORE=nowhere", "`runtime.bootstrap.run_worker` (every rank of a replica job)",
              _job_store_without_port, ValueError,
              "MESHTUNE_JOB_STORE='nowhere' is invalid: it must be host:port of the launcher's TCPStore"),
 
@@ -1229,7 +1234,7 @@ def _cases() -> list[Case]:
              note="every mesh knob is checked before the model loads"),
         _cli("meshtune demo --spectral-rank -1",
              "meshtune demo: error: --spectral-rank=-1 is invalid: it must be >= 0 (0 = full rank)"),
-        Case(CLI, "meshtune demo --seq-len 1 (no answer token left)", "`hf_meshtune.demo.gsm8k_splits` (after the model loads)",
+        Case(CLI, "meshtune demo --seq-len 1 (no answer token left)", "`hf_meshtune.apps.demo.gsm8k_splits` (after the model loads)",
              _gsm8k_splits_of_one_token, ValueError,
              "seq_len=1 is invalid: it must leave answer tokens in more than eval_items=32 GSM8K examples"),
 
@@ -1293,14 +1298,14 @@ def _cases() -> list[Case]:
              "on a launched rank (every rank)", _incomplete_mesh_checkpoint, ValueError,
              f"resume_from_checkpoint='{TMP}/checkpoint-8' is invalid: it must hold the state of every fast rank (missing "
              "mesh/rank{r}.pt for r in [2]: a save that did not complete; resume from an older checkpoint)"),
-        Case(CHECKPOINTS, "a 3x2 mesh checkpoint resumed on a 2x2 mesh", "`mesh_runtime.run_worker` (every rank, resuming)",
+        Case(CHECKPOINTS, "a 3x2 mesh checkpoint resumed on a 2x2 mesh", "`runtime.bootstrap.run_worker` (every rank, resuming)",
              _checkpoint_of_another_mesh, ValueError,
              f"mesh='2x2' is invalid: it must equal the checkpoint's mesh 3x2 (anchor=True) to resume from {TMP}/checkpoint-4"),
-        Case(CHECKPOINTS, "a damaged rank file in a mesh checkpoint", "`mesh_runtime.run_worker` (every rank, resuming)",
+        Case(CHECKPOINTS, "a damaged rank file in a mesh checkpoint", "`runtime.bootstrap.run_worker` (every rank, resuming)",
              _damaged_rank_file, ValueError,
              f"mesh checkpoint file='{TMP}/checkpoint-4/mesh/rank0.pt' is invalid: it must be a readable file written by a "
              "mesh process (", prefix=True, note="the rest is torch's own message"),
-        Case(CHECKPOINTS, "a mesh checkpoint resumed with mask_ratio=0.5 (saved with 0.9)", "`mesh_runtime.run_worker` "
+        Case(CHECKPOINTS, "a mesh checkpoint resumed with mask_ratio=0.5 (saved with 0.9)", "`runtime.bootstrap.run_worker` "
              "(every rank, resuming)", _mesh_resume_with_changed_knob, ValueError,
              "mask_ratio=0.5 is invalid: it must equal the checkpoint's value 0.9 to resume from checkpoint-4 (start a new "
              "run to change it)"),
@@ -1479,11 +1484,11 @@ def _cases() -> list[Case]:
         Case(RECIPES, "recipes/sft.py --eval_items 5000 (GSM8K)", "`recipes/sft.py`",
              lambda tmp: sft(tmp, "--eval_items", "5000"), ValueError,
              "eval_items=5000 is invalid: it must be < 1319 GSM8K problems", note="checked before the model loads"),
-        Case(RECIPES, "arithmetic.problems(0)", "`hf_meshtune.arithmetic.problems`", arithmetic_problems(count=0), ValueError,
+        Case(RECIPES, "arithmetic.problems(0)", "`hf_meshtune.apps.arithmetic.problems`", arithmetic_problems(count=0), ValueError,
              "count=0 is invalid: it must be >= 1"),
-        Case(RECIPES, "arithmetic.problems(4, max_operand=0)", "`hf_meshtune.arithmetic.problems`",
+        Case(RECIPES, "arithmetic.problems(4, max_operand=0)", "`hf_meshtune.apps.arithmetic.problems`",
              arithmetic_problems(max_operand=0), ValueError, "max_operand=0 is invalid: it must be >= 1"),
-        Case(RECIPES, "arithmetic.problems(4, operators='/')", "`hf_meshtune.arithmetic.problems`",
+        Case(RECIPES, "arithmetic.problems(4, operators='/')", "`hf_meshtune.apps.arithmetic.problems`",
              arithmetic_problems(operators="/"), ValueError, "operators='/' is invalid: it must be a non-empty string of +-*"),
 
         # --- anchor / AnchorBatches ----------------------------------------------------------------------
@@ -1648,7 +1653,7 @@ def _cases() -> list[Case]:
              "timeout_s=0 is invalid: it must be > 0"),
         Case(INTERNALS, "make_manager(min_replica_size=0, ...)", "`make_manager(...)`", manager(min_replica_size=0), ValueError,
              "min_replica_size=0 is invalid: it must be an integer >= 1"),
-        Case(INTERNALS, "stage_fragments(stage 0 of 2, 999)", "`mesh_runtime.stage_fragments`",
+        Case(INTERNALS, "stage_fragments(stage 0 of 2, 999)", "`dp.fragments.stage_fragments`",
              lambda: stage_split_into(999), ValueError,
              "dp_fragments=999 is invalid: it must be <= the 19 trainable parameter tensors of stage 0"),
         Case(INTERNALS, "build_schedule(stage, microbatches=0, loss)", "`pipeline.build_schedule`", schedule_without_microbatches,
@@ -1658,7 +1663,7 @@ def _cases() -> list[Case]:
 
 def _validate_job_on_other_mesh(tmp: Path) -> None:
     """What every Mesh trainer runs first on a launched rank: the job's topology from its environment."""
-    from hf_meshtune.mesh_job import validate_mesh_job
+    from hf_meshtune.runtime.job import validate_mesh_job
 
     args = mesh_args(tmp)
     with launched(6, "2x2"):
@@ -1694,7 +1699,7 @@ def _gsm8k_splits_of_one_token() -> None:
     """What ``meshtune demo --seq-len 1`` reaches once SmolLM2 is loaded (here with the tiny tokenizer)."""
     from transformers import AutoTokenizer
 
-    from hf_meshtune.demo import gsm8k_splits
+    from hf_meshtune.apps.demo import gsm8k_splits
 
     gsm8k_splits(AutoTokenizer.from_pretrained(tiny_model_folder()), 1, 32)
 

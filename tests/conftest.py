@@ -7,12 +7,10 @@ from collections.abc import Callable
 import pytest
 import torch
 
-
 # =============================================================================================
 # Tiny Hugging Face causal LMs (used by test_boundaries.py; reusable by any test that needs a
 # real transformers model). Built with ``AutoModelForCausalLM.from_config``: no hub, no network.
 # =============================================================================================
-
 from tests.tiny import make_tiny_causal_lm  # noqa: E402  (the factory lives beside its siblings)
 
 

@@ -108,3 +108,35 @@ def launch(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0,
             parts.append(f"ranks {missing} did not finish within {timeout:.0f} s (killed)")
         raise DistributedFailure("\n".join(parts))
     return [pickle.loads(outcomes[r][1]) for r in range(world_size)]
+
+
+class ParameterRecorder:
+    """A ``StageCallback`` that keeps the stage's final parameters and θ_global (what tests compare).
+
+    ``record(result)`` → ``RankRecord``: the process's ``MeshResult`` with ``params`` and
+    ``global_params`` beside it, picklable for the launcher."""
+
+    def __init__(self) -> None:
+        self.params: dict | None = None
+        self.global_params: list | None = None
+
+    def on_step_end(self, view) -> None:
+        pass
+
+    def on_train_end(self, view) -> None:
+        self.params, self.global_params = view.parameters(), view.global_parameters()
+
+    def record(self, result) -> RankRecord:
+        return RankRecord(result, self.params, self.global_params)
+
+
+class RankRecord:
+    """A ``MeshResult`` (its fields read through) plus the final ``params`` and ``global_params``."""
+
+    def __init__(self, result, params, global_params) -> None:
+        self.result, self.params, self.global_params = result, params, global_params
+
+    def __getattr__(self, name: str):
+        if name == "result":
+            raise AttributeError(name)
+        return getattr(self.result, name)

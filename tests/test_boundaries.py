@@ -1,5 +1,5 @@
-"""Tests of hook-based pipeline boundaries on unmodified HF causal LMs (hf_meshtune.boundaries,
-DESIGN.md §2.1/§3): layer discovery, stage split, equivalence with a hand-masked reference, dense
+"""Tests of hook-based pipeline boundaries on unmodified HF causal LMs (hf_meshtune.boundary.hooks,
+docs/design.md): layer discovery, stage split, equivalence with a hand-masked reference, dense
 eval/generate/save, payload counting and validation."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from hf_meshtune.boundaries import attach_boundaries, find_decoder_layers, split_stages
-from hf_meshtune.masking import keep_indices
+from hf_meshtune.boundary.hooks import attach_boundaries, find_decoder_layers, split_stages
+from hf_meshtune.boundary.masking import keep_indices
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 

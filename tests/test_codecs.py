@@ -1,4 +1,4 @@
-"""Tests of the baseline boundary codecs (hf_meshtune.codecs): each codec against a plain float64
+"""Tests of the baseline boundary codecs (hf_meshtune.boundary.codecs): each codec against a plain float64
 reference of its forward and backward, the dense model outside training forwards, wire-byte
 formulas against the handle's measured counter, and argument validation."""
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from hf_meshtune.codecs import (
+from hf_meshtune.boundary.codecs import (
     CODECS,
     CODECS_ATTR,
     BottleneckCodec,

@@ -11,8 +11,8 @@ import sys
 import pytest
 import transformers
 
-from hf_meshtune.assets import smollm2_checkpoint
-from hf_meshtune.masking import keep_count
+from hf_meshtune.apps.assets import smollm2_checkpoint
+from hf_meshtune.boundary.masking import keep_count
 from tests.test_recipes import ROOT, load_script
 
 FAST = ["--use_cpu", "--report_to", "none", "--save_strategy", "no", "--per_device_train_batch_size", "2",

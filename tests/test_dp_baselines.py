@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from hf_meshtune.dp_baselines import GradientSync
-from hf_meshtune.wire import Wire
+from hf_meshtune.comm.wire import Wire
+from hf_meshtune.dp.baselines import GradientSync
 
 STEPS = 5
 

@@ -16,10 +16,13 @@ import pytest
 import torch
 from torch import nn
 
-from hf_meshtune.dp_sync import (OuterFollower, OuterUpdate, PowerSGD, StreamingDiLoCo, decode, host_replica_store,
-                                 make_manager, power_iteration, start_lighthouse)
+from hf_meshtune.anchor.follower import OuterFollower
+from hf_meshtune.comm.wire import Wire
+from hf_meshtune.dp.diloco import StreamingDiLoCo
+from hf_meshtune.dp.ft import host_replica_store, make_manager, start_lighthouse
+from hf_meshtune.dp.outer import OuterUpdate
+from hf_meshtune.dp.powersgd import PowerSGD, decode, power_iteration
 from hf_meshtune.ledger import dp_payload_numel
-from hf_meshtune.wire import Wire
 from tests.distributed import launch  # the shared launcher; module fixtures cannot take `launcher`
 
 LR, MU = 0.7, 0.9
@@ -285,7 +288,7 @@ def test_the_advertised_host_is_meshtune_host_when_set(monkeypatch):
     """Peers in other network namespaces or machines reach the lighthouse and stores at MESHTUNE_HOST."""
     import socket
 
-    from hf_meshtune.dp_sync import advertised_host, start_lighthouse
+    from hf_meshtune.dp.ft import advertised_host, start_lighthouse
 
     monkeypatch.delenv("MESHTUNE_HOST", raising=False)
     assert advertised_host() == socket.gethostname()
@@ -306,11 +309,11 @@ def test_the_checkpoint_server_a_restarted_replica_heals_from_is_named_by_meshtu
     ("Connection refused" in the heal). The mesh's managers name it by MESHTUNE_HOST, and it serves there."""
     from datetime import timedelta
 
-    from hf_meshtune.dp_sync import _AdvertisedHTTPTransport
+    from hf_meshtune.dp.diloco import AdvertisedHTTPTransport
 
     timeout = timedelta(seconds=10)
-    elsewhere = _AdvertisedHTTPTransport("10.77.0.13", timeout=timeout, num_chunks=0)
-    served = _AdvertisedHTTPTransport("127.0.0.1", timeout=timeout, num_chunks=0)
+    elsewhere = AdvertisedHTTPTransport("10.77.0.13", timeout=timeout, num_chunks=0)
+    served = AdvertisedHTTPTransport("127.0.0.1", timeout=timeout, num_chunks=0)
     try:
         assert elsewhere.metadata().startswith("http://10.77.0.13:") and elsewhere.metadata().endswith("/checkpoint/")
         state = {"mesh_stage": {"step": 7, "w": torch.arange(6.0)}}
@@ -327,7 +330,7 @@ def test_diloco_state_is_refused_mid_sync_and_for_another_fragment_count():
     flight would be lost), and loads only into as many fragments as it was taken from."""
     from types import SimpleNamespace
 
-    from hf_meshtune.dp_sync import StreamingDiLoCo
+    from hf_meshtune.dp.diloco import StreamingDiLoCo
 
     diloco = StreamingDiLoCo.__new__(StreamingDiLoCo)
     diloco.codec = None

@@ -8,7 +8,7 @@ import pytest
 import torch
 import transformers
 
-from hf_meshtune.assets import gsm8k_items, load_smollm2, sft_features, smollm2_checkpoint
+from hf_meshtune.apps.assets import gsm8k_items, load_smollm2, sft_features, smollm2_checkpoint
 from hf_meshtune.cli import main
 
 
@@ -73,7 +73,7 @@ def test_demo_rejects_bad_settings(capsys):
 
 
 def test_freeze_and_settings_reject_bad_values(smollm2):
-    from hf_meshtune.demo import DemoSettings, freeze_all_but_last
+    from hf_meshtune.apps.demo import DemoSettings, freeze_all_but_last
 
     model, _ = smollm2
     with pytest.raises(ValueError, match=r"train_last_layers=31 is invalid: it must lie in \[1, 30\]"):

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from hf_meshtune import MeshTrainer, MeshTrainingArguments, attach_boundaries
-from hf_meshtune.fills import FILLS, GaussianFill
-from hf_meshtune.masking import BoundaryMask, expand, keep_indices
+from hf_meshtune.boundary.fills import FILLS, GaussianFill
+from hf_meshtune.boundary.masking import BoundaryMask, expand, keep_indices
 from tests.tiny import pattern_dataset, tiny_llama
 
 

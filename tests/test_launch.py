@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 
 from hf_meshtune import cli
-from hf_meshtune.launch import child_env, free_port, launch_mesh, start_local_lighthouse
+from hf_meshtune.dp.ft import start_lighthouse
+from hf_meshtune.launch import child_env, free_port, launch_mesh
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -148,7 +149,7 @@ def test_local_lighthouse_answers_a_torchft_client_and_stops() -> None:
 
     from torchft.coordination import LighthouseClient
 
-    server, address = start_local_lighthouse()
+    server, address = start_lighthouse(host="127.0.0.1")
     try:
         assert address.startswith("http://127.0.0.1:")
         LighthouseClient(address, connect_timeout=timedelta(seconds=5)).heartbeat("probe")
@@ -361,7 +362,7 @@ def test_cpu_mesh_yaml_starts_six_gloo_ranks(tmp_path: Path) -> None:
 def test_step_progress_follows_the_loss_rank_step_lines() -> None:
     import io
 
-    from hf_meshtune.launch import StepProgress
+    from hf_meshtune.processes import StepProgress
 
     out = io.StringIO()
     progress = StepProgress(["recipes/sft.py", "--max_steps", "12"], "r0s1", file=out, disable=False)

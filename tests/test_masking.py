@@ -1,4 +1,4 @@
-"""Tests of the shared-seed boundary masks (hf_meshtune.masking, DESIGN.md §2.1): determinism across
+"""Tests of the shared-seed boundary masks (hf_meshtune.boundary.masking, docs/design.md): determinism across
 processes, exact K per token, uniformity of the keep-sets, compact/expand autograd, BoundaryMask
 and the receiver-side fills."""
 
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_meshtune.fills import MeanFill
-from hf_meshtune.masking import BoundaryMask, compact, expand, keep_count, keep_indices
+from hf_meshtune.boundary.fills import MeanFill
+from hf_meshtune.boundary.masking import BoundaryMask, compact, expand, keep_count, keep_indices
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 
@@ -38,14 +38,14 @@ def mask01(idx: torch.Tensor, hidden_size: int, dtype: torch.dtype = torch.float
 # boundary, step, microbatch, T, H, K, seed
 BASE_ARGS = (1, 5, 2, 16, 64, 16, 7)
 
-# The child imports hf_meshtune.masking under a bare package stub: the package __init__ pulls in
+# The child imports hf_meshtune.boundary.masking under a bare package stub: the package __init__ pulls in
 # transformers (seconds per process) and nothing of it is needed to draw indices.
 _CHILD = """
 import json, sys, types, torch
 package = types.ModuleType("hf_meshtune")
 package.__path__ = [sys.argv[2]]
 sys.modules["hf_meshtune"] = package
-from hf_meshtune.masking import keep_indices
+from hf_meshtune.boundary.masking import keep_indices
 torch.manual_seed(int(sys.argv[1]))
 draw = torch.rand(3).tolist()                     # proves the global RNG streams differ
 idx = keep_indices(*map(int, sys.argv[3:]))

@@ -12,11 +12,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from hf_meshtune.anchor.worker import AnchorWorker
+from hf_meshtune.boundary.masking import keep_count
 from hf_meshtune.config import MeshConfig
 from hf_meshtune.ledger import dp_payload_numel
-from hf_meshtune.masking import keep_count
-from hf_meshtune.mesh import MeshTopology, parse_mesh
-from hf_meshtune.mesh_runtime import AnchorWorker, FastWorker, RunSettings
+from hf_meshtune.runtime.settings import RunSettings
+from hf_meshtune.runtime.worker import FastWorker
+from hf_meshtune.topology import MeshTopology, parse_mesh
+from tests.distributed import ParameterRecorder
 from tests.tiny import tiny_llama
 
 SEQ, MICRO, MICROBATCHES, HIDDEN, LAYERS = 16, 2, 2, 64, 4
@@ -64,7 +67,7 @@ def test_a_mismatched_mesh_fails_on_every_rank_without_a_hang(launcher):
 
 def _knob_worker(rank: int, world: int) -> str:
     """Rank 2 was started with mask_ratio 0.95, the others with 0.9."""
-    from hf_meshtune.mesh_runtime import run_worker
+    from hf_meshtune.runtime.bootstrap import run_worker
 
     topology = MeshTopology(2, 2, anchor=False)
     groups = topology.build_groups()
@@ -72,7 +75,7 @@ def _knob_worker(rank: int, world: int) -> str:
     settings = RunSettings(config=cfg, microbatch_size=MICRO, microbatches=MICROBATCHES, seq_len=SEQ, max_steps=1,
                            lighthouse="http://127.0.0.1:1", dp_timeout_s=20.0)
     try:
-        run_worker(tiny_llama(seed=0, layers=LAYERS, hidden=HIDDEN), topology, groups.pp_group, None, settings, _batches(0))
+        run_worker(tiny_llama(seed=0, layers=LAYERS, hidden=HIDDEN), groups, settings, _batches(0))
     except ValueError as error:
         return str(error)
     return "started"
@@ -103,18 +106,17 @@ def _mesh_worker(rank: int, world: int, lighthouse: str, cfg_kwargs: dict, steps
     step 10; ``stall_steps``: instead, until rank 0 has taken that many more steps."""
     topology = MeshTopology(3, 2, anchor=True)
     groups = topology.build_groups()
-    link = dist.new_group(list(range(world)))
     store = dist.distributed_c10d._get_default_store()
     store.set(f"pid{rank}", str(os.getpid()))
     model = tiny_llama(seed=0, layers=LAYERS, hidden=HIDDEN)
     cfg = MeshConfig(num_stages=2, num_replicas=3, **cfg_kwargs)
     settings = RunSettings(config=cfg, microbatch_size=MICRO, microbatches=MICROBATCHES, seq_len=SEQ, max_steps=steps,
                            lr=3e-3, max_grad_norm=1.0, lighthouse=lighthouse, dp_timeout_s=30.0,
-                           record_parameters=True)
+                           callbacks=[recorder := ParameterRecorder()])
     replica, stage = topology.coords(rank)
     record: dict = {"rounds": []}
     if topology.is_anchor(rank):
-        worker = AnchorWorker(model, topology, groups.pp_group, link, settings, _batches(99), rank)
+        worker = AnchorWorker(model, groups, settings, _batches(99))
         original = worker._round
 
         def recording_round(round_index: int, snapshot: int) -> None:
@@ -139,7 +141,7 @@ def _mesh_worker(rank: int, world: int, lighthouse: str, cfg_kwargs: dict, steps
 
         worker._round = recording_round
     else:
-        worker = FastWorker(model, topology, groups.pp_group, link, settings, _batches(replica), rank)
+        worker = FastWorker(model, groups, settings, _batches(replica))
         _record_anchor_use(worker, record)
         if (stall or stall_steps) and replica == 0 and stage == 0:
             def stall_anchor():
@@ -167,8 +169,7 @@ def _mesh_worker(rank: int, world: int, lighthouse: str, cfg_kwargs: dict, steps
 
             worker.schedule.step = timed
             record["starts"] = starts
-    result = worker.run()
-    record["result"] = result
+    record["result"] = recorder.record(worker.run())
     return record
 
 
@@ -193,7 +194,7 @@ def _record_anchor_use(worker, record: dict) -> None:
 
 @pytest.fixture
 def lighthouse():
-    from hf_meshtune.dp_sync import start_lighthouse
+    from hf_meshtune.dp.ft import start_lighthouse
 
     server, address = start_lighthouse(min_replicas=2)
     yield address
@@ -206,7 +207,7 @@ MESH_CFG = dict(mask_ratio=0.9, anchor_every=2, anchor_delay=0, spectral_tau=1e-
 
 @pytest.fixture(scope="module")
 def mesh_run():
-    from hf_meshtune.dp_sync import start_lighthouse
+    from hf_meshtune.dp.ft import start_lighthouse
     from tests.distributed import launch
 
     server, address = start_lighthouse(min_replicas=2)

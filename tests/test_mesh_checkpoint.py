@@ -18,14 +18,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_meshtune.mesh import MeshTopology
-from hf_meshtune.mesh_checkpoint import (
+from hf_meshtune.runtime.checkpoint import (
     complete_checkpoints,
     latest_complete_checkpoint,
     read_rank_state,
     resolve_resume,
     save_rank_state,
 )
+from hf_meshtune.topology import MeshTopology
 
 REPO = Path(__file__).resolve().parents[1]
 MESH = MeshTopology(3, 2, anchor=True)  # fast ranks 0-3, anchor ranks 4-5
@@ -179,7 +179,7 @@ def test_a_rank_file_of_another_format_or_rank_is_refused_by_name(tmp_path):
 ])
 def test_checkpoint_settings_are_validated(sizes, message):
     from hf_meshtune.config import MeshConfig
-    from hf_meshtune.mesh_runtime import RunSettings
+    from hf_meshtune.runtime.settings import RunSettings
 
     with pytest.raises(ValueError, match=message):
         RunSettings(config=MeshConfig(), microbatch_size=1, microbatches=1, seq_len=8, max_steps=1, **sizes)
@@ -188,8 +188,8 @@ def test_checkpoint_settings_are_validated(sizes, message):
 def test_a_state_of_another_stage_split_is_refused_before_it_is_loaded():
     """Healing or resuming copies a peer's parameters by name: a state whose names differ (another
     model or stage split) is refused, naming what it holds, before anything is overwritten."""
-    from hf_meshtune.mesh_runtime import FastWorker
-    from hf_meshtune.pipeline import StageModule
+    from hf_meshtune.pipeline.stage import StageModule
+    from hf_meshtune.runtime.worker import FastWorker
     from tests.tiny import tiny_llama
 
     model = tiny_llama(seed=0, layers=4, hidden=64)

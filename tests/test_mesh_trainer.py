@@ -12,8 +12,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from hf_meshtune.boundary.masking import keep_count
 from hf_meshtune.ledger import dp_payload_numel
-from hf_meshtune.masking import keep_count
 from tests.tiny import tiny_llama
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

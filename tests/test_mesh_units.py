@@ -6,12 +6,14 @@ import pytest
 import torch
 
 from hf_meshtune import MeshTrainer, MeshTrainingArguments
+from hf_meshtune.anchor.follower import update_shapes
+from hf_meshtune.boundary.masking import BoundaryMask
+from hf_meshtune.comm.wire import Wire
 from hf_meshtune.config import MeshConfig
-from hf_meshtune.masking import BoundaryMask
-from hf_meshtune.mesh_job import _fixed_length, _pad_rows
-from hf_meshtune.mesh_runtime import RunSettings, stage_fragments, update_shapes
-from hf_meshtune.pipeline import StageModule, untie_embeddings
-from hf_meshtune.wire import Wire
+from hf_meshtune.dp.fragments import stage_fragments
+from hf_meshtune.pipeline.stage import StageModule, untie_embeddings
+from hf_meshtune.runtime.job import _fixed_length, _pad_rows
+from hf_meshtune.runtime.settings import RunSettings
 from tests.tiny import make_tiny_causal_lm, pattern_dataset, tiny_llama
 
 
@@ -116,7 +118,7 @@ def test_meshtrainer_refuses_a_mesh_launch_it_cannot_run(tmp_path, monkeypatch):
 
 def test_fast_replicas_draw_disjoint_shares_of_each_step_and_differ_from_the_anchor():
     from hf_meshtune.anchor import AnchorBatches
-    from hf_meshtune.mesh_job import _ReplicaBatches
+    from hf_meshtune.runtime.job import _ReplicaBatches
 
     data = pattern_dataset(64, 8)
     collate = lambda rows: {"input_ids": torch.tensor([r["input_ids"] for r in rows])}  # noqa: E731
@@ -128,12 +130,12 @@ def test_fast_replicas_draw_disjoint_shares_of_each_step_and_differ_from_the_anc
 
 
 def test_an_anchor_message_of_the_wrong_size_is_refused():
-    from hf_meshtune.mesh_runtime import _flatten, _unflatten
+    from hf_meshtune.comm.messages import flatten, unflatten
 
-    flat = _flatten([torch.ones(2, 3), torch.ones(4)])
-    assert [t.shape for t in _unflatten(flat, [torch.Size([2, 3]), torch.Size([4])])] == [(2, 3), (4,)]
+    flat = flatten([torch.ones(2, 3), torch.ones(4)])
+    assert [t.shape for t in unflatten(flat, [torch.Size([2, 3]), torch.Size([4])])] == [(2, 3), (4,)]
     with pytest.raises(ValueError, match="anchor message size=10 is invalid: it must equal the expected 6 values"):
-        _unflatten(flat, [torch.Size([2, 3])])
+        unflatten(flat, [torch.Size([2, 3])])
 
 
 def test_a_stage_with_nothing_to_train_is_refused_on_every_rank(tmp_path, monkeypatch):
@@ -153,13 +155,13 @@ def test_a_stage_with_nothing_to_train_is_refused_on_every_rank(tmp_path, monkey
 def test_only_network_failures_are_reported_as_a_lost_pipeline_link():
     import torch.distributed as dist
 
-    from hf_meshtune.mesh_runtime import _is_link_error
+    from hf_meshtune.comm.errors import is_link_error
 
     gloo = "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:129] Timed out waiting 8000ms for send operation to complete"
-    assert _is_link_error(RuntimeError(gloo))
-    assert _is_link_error(dist.DistNetworkError("anything"))
-    assert not _is_link_error(RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x8 and 16x2)"))
-    assert not _is_link_error(ValueError("Timed out waiting"))  # only backend RuntimeErrors
+    assert is_link_error(RuntimeError(gloo))
+    assert is_link_error(dist.DistNetworkError("anything"))
+    assert not is_link_error(RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x8 and 16x2)"))
+    assert not is_link_error(ValueError("Timed out waiting"))  # only backend RuntimeErrors
 
 
 def test_a_link_error_in_the_gradient_norm_all_reduce_names_every_stage_it_waited_on():
@@ -167,21 +169,21 @@ def test_a_link_error_in_the_gradient_norm_all_reduce_names_every_stage_it_waite
     sends) fails with the pipeline-link message naming the other stages and their addresses."""
     from types import SimpleNamespace
 
-    from hf_meshtune.mesh import MeshTopology
-    from hf_meshtune.mesh_runtime import _pipeline_link
+    from hf_meshtune.runtime.stage import StageWorker
+    from hf_meshtune.topology import MeshTopology
 
     topology = MeshTopology(2, 3, anchor=False)
-    worker = SimpleNamespace(topology=topology, replica=1, stage=1, role="fast", module=SimpleNamespace(step=7),
+    worker = SimpleNamespace(topology=topology, rank=4, replica=1, stage=1, role="fast", module=SimpleNamespace(step=7),
                              settings=SimpleNamespace(link_timeout_s=8.0), peer_hosts={3: "10.77.0.13", 5: "10.77.0.15"})
     timeout = "[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 8000ms for recv operation to complete"
     with pytest.raises(RuntimeError) as caught:
-        with _pipeline_link(worker, "the gradient-norm all-reduce with", [3, 5]):
+        with StageWorker.naming_link_failure(worker, "the gradient-norm all-reduce with", [3, 5]):
             raise RuntimeError(timeout)
     assert str(caught.value).startswith(
         "rank 4 (fast replica 1, stage 1) lost its pipeline link at step 7: the gradient-norm all-reduce with rank 3 "
         "(replica 1, stage 0) at 10.77.0.13, rank 5 (replica 1, stage 2) at 10.77.0.15 did not complete (timeout 8.0 s")
     with pytest.raises(ValueError, match="not a link"):  # anything else passes unchanged
-        with _pipeline_link(worker, "x", [3]):
+        with StageWorker.naming_link_failure(worker, "x", [3]):
             raise ValueError("not a link")
 
 
@@ -192,8 +194,8 @@ def test_a_replica_job_that_never_starts_fails_the_first_start_barrier_naming_th
 
     import torch.distributed as dist
 
-    from hf_meshtune.mesh import MeshTopology
-    from hf_meshtune.mesh_runtime import _job_barrier
+    from hf_meshtune.runtime.bootstrap import _job_barrier
+    from hf_meshtune.topology import MeshTopology
 
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
     topology = MeshTopology(2, 1, anchor=False, job_replica=0)

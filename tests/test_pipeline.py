@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_meshtune.boundaries import attach_boundaries
-from hf_meshtune.masking import BoundaryMask, keep_count
-from hf_meshtune.mesh import MeshTopology
-from hf_meshtune.pipeline import MeshStage, StageModule, build_schedule, causal_lm_loss, stage_parameter_names
-from hf_meshtune.wire import Wire
+from hf_meshtune.boundary.hooks import attach_boundaries
+from hf_meshtune.boundary.masking import BoundaryMask, keep_count
+from hf_meshtune.comm.wire import Wire
+from hf_meshtune.pipeline.schedule import MeshStage, build_schedule
+from hf_meshtune.pipeline.stage import StageModule, causal_lm_loss, stage_parameter_names
+from hf_meshtune.topology import MeshTopology
 from tests.tiny import tiny_llama
 
 SEQ, MICRO, BATCH, HIDDEN, LAYERS, P = 12, 2, 8, 64, 4, 0.9
@@ -69,7 +70,7 @@ def _pipeline_worker(rank: int, world: int, steps: int) -> dict:
             schedule.step(target=ids, losses=out)
         else:
             schedule.step()
-        losses.append(float(sum(l.item() for l in out) / len(out)) if out else None)
+        losses.append(float(sum(v.item() for v in out) / len(out)) if out else None)
     grads = {n: p.grad.clone() for n, p in stage_parameter_names(model, module).items() if p.grad is not None}
     return {"losses": losses, "grads": grads, "wire": wire.to_dict()}
 

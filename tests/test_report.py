@@ -18,8 +18,8 @@ from transformers.trainer import TRAINER_STATE_NAME
 
 from hf_meshtune import MeshTrainer, MeshTrainingArguments
 from hf_meshtune.cli import main
-from hf_meshtune.mesh_job import SUMMARY_NAME
 from hf_meshtune.report import CIRCUITS, MESH_SUMMARY_NAME, write_report
+from hf_meshtune.runtime.job import SUMMARY_NAME
 from tests.tiny import pattern_dataset, tiny_llama
 
 BASE = dict(

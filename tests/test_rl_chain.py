@@ -9,7 +9,7 @@ import math
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from hf_meshtune.assets import smollm2_checkpoint
+from hf_meshtune.apps.assets import smollm2_checkpoint
 from tests.test_recipes import load_script
 from tests.tiny import make_tiny_causal_lm
 

@@ -15,7 +15,7 @@ SHAPES = [(6, 4), (3, 5), (5,)]  # two matrices of different aspect, one bias
 
 
 # ---------------------------------------------------------------------------------------------
-# Reference: the formulas of DESIGN.md §2.3 written out plainly in float64 NumPy.
+# Reference: the formulas of docs/design.md ("The four mechanisms") written out plainly in float64 NumPy.
 # ---------------------------------------------------------------------------------------------
 class NumpyReference:
     def __init__(self, params, lr, betas, eps, wd, alpha, tau, anchor_beta, relative_tau):

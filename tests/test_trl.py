@@ -12,10 +12,17 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from hf_meshtune import MeshGRPOTrainer, MeshGSPOConfig, MeshSFTConfig, MeshSFTTrainer, MeshTrainer, MeshTrainingArguments
-from hf_meshtune.arithmetic import exact_answer_reward, extract_answer, problems, prompt_dataset, sft_dataset
-from hf_meshtune.assets import smollm2_checkpoint
-from hf_meshtune.masking import BoundaryMask
+from hf_meshtune import (
+    MeshGRPOTrainer,
+    MeshGSPOConfig,
+    MeshSFTConfig,
+    MeshSFTTrainer,
+    MeshTrainer,
+    MeshTrainingArguments,
+)
+from hf_meshtune.apps.arithmetic import exact_answer_reward, extract_answer, problems, prompt_dataset, sft_dataset
+from hf_meshtune.apps.assets import smollm2_checkpoint
+from hf_meshtune.boundary.masking import BoundaryMask
 from tests.tiny import make_tiny_causal_lm, pattern_dataset
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")

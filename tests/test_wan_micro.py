@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from benchmarks.wan import gpu_check, ledger_1b, micro
+from hf_meshtune.boundary.masking import keep_count
 from hf_meshtune.cli import main as cli_main
-from hf_meshtune.masking import keep_count
 
 _CIRCUIT_KEYS = ("pp_fwd_bytes_per_token", "pp_bwd_bytes_per_token", "dp_bytes_per_token",
                  "anchor_bytes_per_token", "total_bytes_per_token", "compression_vs_dense")

@@ -15,7 +15,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from hf_meshtune.boundaries import find_decoder_layers
+from hf_meshtune.boundary.hooks import find_decoder_layers
 
 from .tasks import Task, choice_accuracy
 

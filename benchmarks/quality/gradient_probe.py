@@ -3,7 +3,7 @@
 For each boundary scheme: the training loss through the scheme and cos(∇θ through the scheme,
 dense ∇θ) on the same batch, at the base model before any fine-tuning (mean over 4 mask draws).
 A weight update can only follow the dense direction if this cosine is well above 0; the anchor's
-filter reweights the masked gradient but cannot add a direction it lacks (DESIGN.md §2.5).
+filter reweights the masked gradient but cannot add a direction it lacks (benchmarks/quality/README.md).
 
     python -m benchmarks.quality.gradient_probe            # tiny Llama + SmolLM2-135M, ~3 min
 
@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from hf_meshtune import attach_boundaries
-from hf_meshtune.codecs import attach_codec
+from hf_meshtune.boundary.codecs import attach_codec
 
 from .evaluate import sft_row
 from .tasks import arithmetic
@@ -97,8 +97,8 @@ def tiny() -> dict:
 
 
 def smollm2() -> dict:
-    from hf_meshtune.assets import gsm8k_items, load_smollm2, sft_features
-    from hf_meshtune.demo import freeze_all_but_last
+    from hf_meshtune.apps.assets import gsm8k_items, load_smollm2, sft_features
+    from hf_meshtune.apps.demo import freeze_all_but_last
 
     model, tokenizer = load_smollm2()
     freeze_all_but_last(model, 8)  # as in the main job

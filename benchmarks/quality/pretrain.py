@@ -1,7 +1,7 @@
 """Base model (b) of the quality benchmark: a small Llama pretrained here, from scratch, on offline text.
 
 SmolLM2-135M is too slow on 2 CPU cores for the full sweeps, so the sweeps fine-tune this model:
-8 decoder layers, H = 256 (K = 13 kept dims per token at p = 0.95, as in DESIGN.md §2.5), 4 heads,
+8 decoder layers, H = 256 (K = 13 kept dims per token at p = 0.95, as in the first prototype), 4 heads,
 byte-level BPE vocabulary of 4,096 trained on the same text, tied embeddings, ~7.4M parameters.
 The text is Python's HTML documentation and the GCIDE dictionary (Debian packages
 ``python3.11-doc`` and ``dict-gcide``), so every fine-tuning task is a new domain for it.
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from hf_meshtune.assets import cache_dir
+from hf_meshtune.apps.assets import cache_dir
 
 from .tasks import pretraining_corpus
 

@@ -10,7 +10,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from hf_meshtune.masking import keep_count
+from hf_meshtune.boundary.masking import keep_count
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TASK_ORDER = ("arithmetic", "sql", "cpt", "choice")

@@ -30,8 +30,8 @@ from transformers import DataCollatorForSeq2Seq, TrainerCallback
 
 from hf_meshtune import MeshTrainer, MeshTrainingArguments
 from hf_meshtune._validation import require
-from hf_meshtune.assets import cache_dir
-from hf_meshtune.codecs import attach_codec
+from hf_meshtune.apps.assets import cache_dir
+from hf_meshtune.boundary.codecs import attach_codec
 
 from . import tasks as task_lib
 from .evaluate import magnitude_pruned, sft_row, task_metric
@@ -70,7 +70,7 @@ TABLE1 = {
     "M90+AP": dict(mask_ratio=0.90),
     "M95+AP": dict(mask_ratio=0.95),
 }
-VARIANTS = {  # no-extra-traffic changes to the literal method (DESIGN.md §2.5), wire still K values per token
+VARIANTS = {  # no-extra-traffic changes to the literal method (benchmarks/quality/README.md), wire still K values per token
     "M95+AP rescale": dict(mask_ratio=0.95, mask_rescale=True),
     "M95 rescale": dict(mask_ratio=0.95, mask_rescale=True, anchor=False),
     "M95+AP protect4 rescale": dict(mask_ratio=0.95, mask_rescale=True, mask_protect_dims=4),

@@ -16,7 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from hf_meshtune.demo import DemoSettings, run_demo
+from hf_meshtune.apps.demo import DemoSettings, run_demo
 
 OUT = Path(__file__).resolve().parent / "smollm2_probe"
 

@@ -13,10 +13,9 @@ import argparse
 import os
 import sys
 
-from hf_meshtune.launch import launch_mesh
-from hf_meshtune.mesh import parse_mesh
-
 from benchmarks.wan import netns
+from hf_meshtune.launch import launch_mesh
+from hf_meshtune.topology import parse_mesh
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -163,8 +163,8 @@ def _sample_steps(phase: Phase, stop: threading.Event, start: float) -> None:
 def _checkpoint_watch(phase: Phase, stop: threading.Event, keep: int) -> None:
     """Every second: which checkpoints are complete; a complete one that disappears while fewer than
     ``keep`` newer complete ones exist was lost (rotation only removes those with ``keep`` newer)."""
-    from hf_meshtune.mesh import MeshTopology
-    from hf_meshtune.mesh_checkpoint import complete_checkpoints
+    from hf_meshtune.runtime.checkpoint import complete_checkpoints
+    from hf_meshtune.topology import MeshTopology
 
     topology = MeshTopology(*MESH, anchor=phase.config.get("anchor", False))
     previous: set[int] = set()
@@ -182,8 +182,8 @@ def _checkpoint_watch(phase: Phase, stop: threading.Event, keep: int) -> None:
 
 def _verify_checkpoints(phase: Phase) -> int:
     """Load every fast rank's file of every complete checkpoint left; count the unreadable ones."""
-    from hf_meshtune.mesh import MeshTopology
-    from hf_meshtune.mesh_checkpoint import complete_checkpoints, read_rank_state
+    from hf_meshtune.runtime.checkpoint import complete_checkpoints, read_rank_state
+    from hf_meshtune.topology import MeshTopology
 
     topology = MeshTopology(*MESH, anchor=phase.config.get("anchor", False))
     bad = 0
@@ -283,8 +283,8 @@ def inject(phase: Phase, fault: Fault, launch: Launch) -> Launch:
         pid = pid_of(phase.out, fault.target)
         os.kill(pid, signal.SIGKILL)
         code = launch.wait(timeout=120)
-        from hf_meshtune.mesh import MeshTopology
-        from hf_meshtune.mesh_checkpoint import latest_complete_checkpoint
+        from hf_meshtune.runtime.checkpoint import latest_complete_checkpoint
+        from hf_meshtune.topology import MeshTopology
 
         crashed_at = _fast_step(phase)
         checkpoint = latest_complete_checkpoint(phase.out, MeshTopology(*MESH, anchor=phase.config.get("anchor", False)))

@@ -33,7 +33,7 @@ import torch
 import transformers
 
 from hf_meshtune import ledger as L
-from hf_meshtune.masking import keep_count
+from hf_meshtune.boundary.masking import keep_count
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 

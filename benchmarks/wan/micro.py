@@ -4,7 +4,7 @@
     python -m benchmarks.wan.micro --smoke    # seconds; tiny shapes, for the tests
 
 (a) Masking as a share of a training step. A real model with Y = 4 stages (3 masked boundaries,
-    p = 0.95) attached through ``hf_meshtune.boundaries`` takes full steps (forward + backward of every
+    p = 0.95) attached through ``hf_meshtune.boundary.hooks`` takes full steps (forward + backward of every
     microbatch, then ``torch.optim.AdamW``); separately, the masking work of the same step alone:
     keep-index generation g(ℓ, step, microbatch, T, H) and compact/expand forward and backward
     (``BoundaryMask.apply``, the same calls the hooks make) for the same boundaries, microbatches and
@@ -38,9 +38,9 @@ import torch
 import transformers
 
 from hf_meshtune import ledger as L
-from hf_meshtune.assets import cache_dir, load_smollm2
-from hf_meshtune.boundaries import attach_boundaries
-from hf_meshtune.masking import BoundaryMask, keep_count, keep_indices
+from hf_meshtune.apps.assets import cache_dir, load_smollm2
+from hf_meshtune.boundary.hooks import attach_boundaries
+from hf_meshtune.boundary.masking import BoundaryMask, keep_count, keep_indices
 from hf_meshtune.optim.spectral import SpectralAdamW
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -341,7 +341,7 @@ def smollm2_if_cached() -> tuple[torch.nn.Module | None, str | None]:
     """(SmolLM2-135M, None) when its converted checkpoint is cached, else (None, the reason)."""
     folder = cache_dir() / "smollm2-135m-instruct"
     if not (folder / "model.safetensors").is_file():
-        return None, f"not cached: {folder}/model.safetensors is missing (hf_meshtune.assets.smollm2_checkpoint converts it)"
+        return None, f"not cached: {folder}/model.safetensors is missing (hf_meshtune.apps.assets.smollm2_checkpoint converts it)"
     model, _ = load_smollm2(torch.float32)
     return model, None
 

@@ -72,7 +72,7 @@ def build_model(shape: Shape, vocab_size: int):
 def prepare_data(shape: Shape, path: str, eval_blocks: int = 64) -> dict:
     """Tokenize the embedded GSM8K (a BPE trained on it), cut blocks, fix the initial weights; save."""
     from benchmarks.quality.pretrain import _token_blocks, _train_tokenizer
-    from hf_meshtune.assets import gsm8k_items
+    from hf_meshtune.apps.assets import gsm8k_items
 
     text = "".join(f"Question: {it['question']}\nAnswer: {it['answer']}<|endoftext|>" for it in gsm8k_items())
     tokenizer = _train_tokenizer(text, shape.vocab)

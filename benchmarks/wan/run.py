@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from hf_meshtune.assets import cache_dir
+from hf_meshtune.apps.assets import cache_dir
 
 from . import netns
 from .mesh import run_row

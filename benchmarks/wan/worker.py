@@ -3,7 +3,7 @@
     RANK=.. WORLD_SIZE=.. MASTER_ADDR=.. MASTER_PORT=.. GLOO_SOCKET_IFNAME=eth0 MESHTUNE_HOST=<node ip> \\
         python -m benchmarks.wan.worker --row m95_ap --data DIR/data.pt --out DIR/m95_ap --steps 60
 
-Runs this rank's part of the X × Y mesh (``hf_meshtune.mesh_runtime.run_worker``, the code
+Runs this rank's part of the X × Y mesh (``hf_meshtune.runtime.bootstrap.run_worker``, the code
 ``MeshTrainer`` runs on a launched mesh) on the row's configuration, and writes ``rank{R}.json``: step
 times, losses, the Wire's bytes per circuit, DP syncs, anchor arrivals and the node's kernel byte
 counter. Fast replica 0 also saves its stage's parameters every ``--save-every`` steps, so ``run.py``
@@ -23,10 +23,10 @@ import torch
 import torch.distributed as dist
 
 from hf_meshtune.config import MeshConfig
-from hf_meshtune.mesh import MeshTopology
-from hf_meshtune.mesh_job import _lighthouse
-from hf_meshtune.mesh_runtime import RunSettings, run_worker
-from hf_meshtune.pipeline import stage_parameter_names
+from hf_meshtune.runtime.bootstrap import run_worker
+from hf_meshtune.runtime.job import _lighthouse
+from hf_meshtune.runtime.settings import RunSettings, StageCallback
+from hf_meshtune.topology import MeshTopology
 
 from .rows import ROWS, Shape, build_model
 
@@ -58,8 +58,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     topology = MeshTopology(row.replicas, shape.stages, anchor=row.anchor)
-    groups = topology.build_groups(timeout_s=args.link_timeout)
-    link = dist.new_group(list(range(topology.world_size)))
+    groups = topology.build_groups(timeout_s=args.link_timeout, dp_peers=row.dp_mode != "streaming_diloco")
     lighthouse, server = _lighthouse(rank, topology)
 
     data = torch.load(args.data)
@@ -82,24 +81,24 @@ def main() -> None:
     replica, stage = topology.coords(rank)
     params_dir = os.path.join(args.out, "params")
 
-    def on_step(step: int, worker) -> None:
-        if args.save_every and replica == 0 and (step % args.save_every == 0 or step == args.steps):
-            os.makedirs(params_dir, exist_ok=True)
-            state = {n: p.detach().clone() for n, p in stage_parameter_names(worker.model, worker.module).items()}
-            torch.save(state, os.path.join(params_dir, f"step{step:05d}_stage{stage}.pt"))
+    class SaveParameters(StageCallback):
+        def on_step_end(self, view) -> None:
+            step = view.step
+            if args.save_every and replica == 0 and (step % args.save_every == 0 or step == args.steps):
+                os.makedirs(params_dir, exist_ok=True)
+                torch.save(view.parameters(), os.path.join(params_dir, f"step{step:05d}_stage{stage}.pt"))
 
     settings = RunSettings(config=cfg, microbatch_size=shape.microbatch_size, microbatches=shape.microbatches,
                            seq_len=shape.seq_len, max_steps=args.steps, lr=shape.lr, weight_decay=0.0,
                            max_grad_norm=1.0, scheduler=scheduler, lighthouse=lighthouse, dp_timeout_s=600.0,
-                           dp_mode=row.dp_mode, on_step=on_step, link_timeout_s=args.link_timeout)
+                           dp_mode=row.dp_mode, callbacks=[SaveParameters()], link_timeout_s=args.link_timeout)
     rows = shape.microbatch_size * shape.microbatches
     fast_index = min(replica, len(topology.fast_replicas) - 1)
     tx0, start = _tx_bytes(), time.perf_counter()
-    result = run_worker(model, topology, groups.pp_group, link, settings, _batches(data["train"], rows, 1 + fast_index),
+    result = run_worker(model, groups, settings, _batches(data["train"], rows, 1 + fast_index),
                         _batches(data["train"], rows, 999))
     wall, tx = time.perf_counter() - start, _tx_bytes() - tx0
     record = asdict(result) | {"wall_seconds": wall, "tx_bytes": tx, "tokens_per_step": rows * shape.seq_len}
-    record.pop("params"), record.pop("global_params")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as fh:
         json.dump(record, fh)

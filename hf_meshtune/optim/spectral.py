@@ -1,4 +1,4 @@
-"""Spectral correction optimizer ("spectral AdamW", paper §2.3 of DESIGN.md).
+"""Spectral correction optimizer ("spectral AdamW"; docs/design.md, "The four mechanisms").
 
 The fast circuit trains on a *masked* gradient G whose direction can be far from the dense one.
 Every so often the anchor delivers a dense gradient G_anc; its momentum M_anc = U S Vᵀ tells which
@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from .._validation import require
-from ..masking import stable_seed
+from ..boundary.masking import stable_seed
 
 __all__ = ["SpectralAdamW"]
 
@@ -46,9 +46,7 @@ def _basis_seed(seed: int, index: int, count: int) -> int:
     return stable_seed(b"meshtune-svd", seed, index, count)
 
 
-def _randomized_svd(
-    matrix: Tensor, rank: int, niter: int, oversample: int, seed: int
-) -> tuple[Tensor, Tensor, Tensor]:
+def _randomized_svd(matrix: Tensor, rank: int, niter: int, oversample: int, seed: int) -> tuple[Tensor, Tensor, Tensor]:
     """Rank-``rank`` truncated SVD (U [m, r], s [r], V [n, r]) after Halko, Martinsson & Tropp (2011).
 
     The Gaussian test matrix is drawn on the CPU from a private generator, so the basis does not
@@ -149,9 +147,7 @@ def _validate_group(group: Mapping[str, Any]) -> None:
     """Reject a bad hyper-parameter in the constructor's defaults or in a dict param group."""
     betas = group["betas"]
     require(group["lr"] >= 0, "lr", group["lr"], "be >= 0")
-    require(
-        len(betas) == 2 and all(0 <= b < 1 for b in betas), "betas", betas, "be two values in [0, 1)"
-    )
+    require(len(betas) == 2 and all(0 <= b < 1 for b in betas), "betas", betas, "be two values in [0, 1)")
     require(group["eps"] >= 0, "eps", group["eps"], "be >= 0")
     require(group["weight_decay"] >= 0, "weight_decay", group["weight_decay"], "be >= 0")
     require(0 <= group["alpha"] <= 1, "alpha", group["alpha"], "lie in [0, 1]")
@@ -284,12 +280,16 @@ class SpectralAdamW(torch.optim.Optimizer):
         """True (counted and logged) for a delivery that must not touch M_anc: too old or non-finite."""
         if staleness is not None and self.max_staleness is not None and staleness > self.max_staleness:
             self.guard_counts["anchor/rejected_stale"] += 1
-            logger.warning("anchor gradient rejected: staleness %d steps > max_staleness %d", staleness, self.max_staleness)
+            logger.warning(
+                "anchor gradient rejected: staleness %d steps > max_staleness %d", staleness, self.max_staleness
+            )
             return True
         bad = [tuple(key.shape) for key, grad in grads.items() if not bool(torch.isfinite(grad).all())]
         if bad:
             self.guard_counts["anchor/rejected_non_finite"] += 1
-            logger.warning("anchor gradient rejected: non-finite values in %d matrices (first of shape %s)", len(bad), bad[0])
+            logger.warning(
+                "anchor gradient rejected: non-finite values in %d matrices (first of shape %s)", len(bad), bad[0]
+            )
             return True
         return False
 
@@ -325,7 +325,9 @@ class SpectralAdamW(torch.optim.Optimizer):
             for key in ("anchor_U", "anchor_d", "anchor_V"):
                 state.pop(key, None)
             self.guard_counts["spectral/svd_fallbacks"] += 1
-            logger.warning("SVD of the anchor momentum %s failed (%s): that matrix steps unfiltered", tuple(param.shape), reason)
+            logger.warning(
+                "SVD of the anchor momentum %s failed (%s): that matrix steps unfiltered", tuple(param.shape), reason
+            )
             return
         state["anchor_U"], state["anchor_V"] = u, v
         state["anchor_d"] = _soft_filter(s, group["tau"], group["relative_tau"])
@@ -370,8 +372,12 @@ class SpectralAdamW(torch.optim.Optimizer):
         if self.max_staleness is None or age <= self.max_staleness:
             return alpha
         if age == self.max_staleness + 1:
-            logger.warning("anchor basis of a %s matrix is %d steps old (> max_staleness %d): fading its filter out",
-                           tuple(state["anchor_U"].shape[:1] + state["anchor_V"].shape[:1]), age, self.max_staleness)
+            logger.warning(
+                "anchor basis of a %s matrix is %d steps old (> max_staleness %d): fading its filter out",
+                tuple(state["anchor_U"].shape[:1] + state["anchor_V"].shape[:1]),
+                age,
+                self.max_staleness,
+            )
         diagnostics.stale += 1
         return alpha + (1 - alpha) * min(1.0, (age - self.max_staleness) / self.max_staleness)
 
@@ -383,10 +389,7 @@ class SpectralAdamW(torch.optim.Optimizer):
         optimizer would step the source's moments in place; a deep copy prevents both.
         """
         state_dict = copy.deepcopy(state_dict)
-        anchors = {
-            pid: {k: s.pop(k) for k in _ANCHOR_TENSORS if k in s}
-            for pid, s in state_dict["state"].items()
-        }
+        anchors = {pid: {k: s.pop(k) for k in _ANCHOR_TENSORS if k in s} for pid, s in state_dict["state"].items()}
         saved_ids = [pid for g in state_dict["param_groups"] for pid in g["params"]]
         super().load_state_dict(state_dict)
         for pid, (param, _) in zip(saved_ids, self._params_with_groups()):

@@ -2,10 +2,10 @@
 
     python tests/scripts/mesh_run.py OUT_DIR STEPS [MESH_CONFIG_JSON]
 
-Runs its stage (``mesh_runtime.run_worker``; the anchor's too when the config turns it on), writes
+Runs its stage (``runtime.bootstrap.run_worker``; the anchor's too when the config turns it on), writes
 ``OUT_DIR/progress/r{rank}.g{restart}`` = ``pid step`` after every step (what a test watches to kill
-it by PID) and, at the end, ``OUT_DIR/result{rank}.pt``: its ``MeshResult`` with θ_global of every
-fragment. ``STEP_SECONDS`` in the environment paces the steps (a soak's timeline);
+it by PID) and, at the end, ``OUT_DIR/result{rank}.pt``: ``{"result": MeshResult, "params": the stage's
+parameters, "global_params": θ_global of every fragment}`` (through a ``StageCallback``, as any caller would). ``STEP_SECONDS`` in the environment paces the steps (a soak's timeline);
 ``RESTART_DELAY_S`` holds a restarted process back before it joins (a machine that takes a while to
 come back: the others meanwhile sync without it). ``CHECKPOINT_EVERY`` writes mesh checkpoints to
 OUT_DIR every that many steps (``CHECKPOINT_KEEP`` kept); ``RESUME_FROM`` continues from one;
@@ -22,10 +22,12 @@ import time
 import torch
 import torch.distributed as dist
 
-from hf_meshtune.boundaries import find_decoder_layers
+from hf_meshtune.boundary.hooks import find_decoder_layers
 from hf_meshtune.config import MeshConfig
-from hf_meshtune.mesh import MeshTopology
-from hf_meshtune.mesh_runtime import RunSettings, run_worker
+from hf_meshtune.runtime.bootstrap import run_worker
+from hf_meshtune.runtime.settings import RunSettings, StageCallback
+from hf_meshtune.topology import MeshTopology
+from tests.distributed import ParameterRecorder
 from tests.tiny import tiny_llama
 
 SEQ, MICRO, MICROBATCHES = 16, 2, 2
@@ -58,24 +60,26 @@ def main(out: str, steps: int, overrides: dict) -> None:
         handle.write(str(os.getpid()))
     pace = float(os.environ.get("STEP_SECONDS", "0"))
 
-    def on_step(step: int, worker) -> None:
-        path = os.path.join(out, "progress", f"r{rank}.g{restart}")
-        with open(f"{path}.tmp", "w") as handle:
-            handle.write(f"{os.getpid()} {step}")
-        os.replace(f"{path}.tmp", path)
-        if pace:
-            time.sleep(pace)
+    class Progress(StageCallback):
+        def on_step_end(self, view) -> None:
+            path = os.path.join(out, "progress", f"r{rank}.g{restart}")
+            with open(f"{path}.tmp", "w") as handle:
+                handle.write(f"{os.getpid()} {view.step}")
+            os.replace(f"{path}.tmp", path)
+            if pace:
+                time.sleep(pace)
+
+    recorder = ParameterRecorder()
 
     every = os.environ.get("CHECKPOINT_EVERY")
     keep = os.environ.get("CHECKPOINT_KEEP")
     settings = RunSettings(config=cfg, microbatch_size=MICRO, microbatches=MICROBATCHES, seq_len=SEQ, max_steps=steps,
                            lr=3e-3, lighthouse=os.environ["TORCHFT_LIGHTHOUSE"], dp_timeout_s=30.0,
-                           link_timeout_s=timeout, record_parameters=True, on_step=on_step, checkpoint_dir=out,
+                           link_timeout_s=timeout, callbacks=[Progress(), recorder], checkpoint_dir=out,
                            checkpoint_every=int(every) if every else None, checkpoint_keep=int(keep) if keep else None,
                            resume_from=os.environ.get("RESUME_FROM") or None)
-    link = dist.new_group(list(range(topology.job_world_size))) if cfg.anchor else None
-    result = run_worker(model, topology, groups.pp_group, link, settings, batches(groups.replica), batches(99))
-    torch.save(result, os.path.join(out, f"result{rank}.pt"))
+    result = run_worker(model, groups, settings, batches(groups.replica), batches(99))
+    torch.save(recorder.record(result), os.path.join(out, f"result{rank}.pt"))
     dist.destroy_process_group()
 
 

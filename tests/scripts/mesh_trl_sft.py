@@ -14,8 +14,8 @@ import torch
 from transformers import AutoTokenizer, HfArgumentParser
 
 from hf_meshtune import MeshSFTConfig, MeshSFTTrainer
-from hf_meshtune.arithmetic import sft_dataset
-from hf_meshtune.assets import smollm2_checkpoint
+from hf_meshtune.apps.arithmetic import sft_dataset
+from hf_meshtune.apps.assets import smollm2_checkpoint
 from tests.tiny import make_tiny_causal_lm
 
 

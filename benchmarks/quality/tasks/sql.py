@@ -28,7 +28,7 @@ def _database_rows() -> tuple[tuple[tuple, ...], tuple[tuple, ...]]:
     """(departments, employees) rows of the fixed database; salaries all distinct, so ``ORDER BY
     salary`` never has ties to break."""
     rng = random.Random("text_to_sql/database")
-    names = rng.sample([f"{f} {l}" for f in _FIRST for l in _LAST], 60)
+    names = rng.sample([f"{f} {last}" for f in _FIRST for last in _LAST], 60)
     salaries = rng.sample(range(40_000, 150_001, 500), 60)
     budgets = rng.sample(range(200_000, 2_000_001, 50_000), len(_DEPARTMENTS))
     departments = tuple(zip(_DEPARTMENTS, budgets, (1, 2, 2, 3, 4, 4)))

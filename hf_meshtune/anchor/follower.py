@@ -1,0 +1,72 @@
+"""The anchor replica keeps θ_global current by replaying DiLoCo's committed outer steps.
+
+The anchor is outside the fast replicas' DiLoCo group: instead of pulling snapshots, every stage of
+it receives each committed sync of its stage in wire form (``dp.outer.OuterUpdate``, forwarded by
+fast replica 0) and applies the same outer Nesterov step, so its parameters equal the fast
+replicas' θ_global after every sync, bitwise on the same kernels.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from .._validation import require
+from ..dp.outer import OuterUpdate, apply_outer_step, check_outer, outer_optimizer
+from ..dp.powersgd import PowerSGD
+
+__all__ = ["OuterFollower", "update_shapes"]
+
+
+class OuterFollower:
+    """Replays committed outer steps on a process outside the DiLoCo group (the mesh's anchor replica).
+
+    It holds the same fragments (parameters starting equal to θ_global) and the same outer optimizer
+    per fragment; ``apply`` every ``OuterUpdate`` of its stage, in commit order, and its parameters
+    equal the fast replicas' θ_global after each sync. Gradients the process holds are kept.
+    """
+
+    def __init__(self, fragments: list[nn.Module], *, outer_lr: float, outer_momentum: float) -> None:
+        require(len(fragments) >= 1, "fragments", len(fragments), "hold at least one module")
+        check_outer(outer_lr, outer_momentum)
+        self.fragments = fragments
+        self._params = [list(f.parameters()) for f in fragments]
+        self._optimizers = [outer_optimizer(ps, outer_lr, outer_momentum) for ps in self._params]
+
+    def apply(self, update: OuterUpdate) -> None:
+        require(
+            0 <= update.fragment < len(self.fragments),
+            "update.fragment",
+            update.fragment,
+            f"lie in [0, {len(self.fragments)})",
+        )
+        params = self._params[update.fragment]
+        kept = [p.grad for p in params]
+        grads = update.pseudo_gradients([p.shape for p in params])
+        apply_outer_step(params, [g.to(p.device) for p, g in zip(params, grads)], self._optimizers[update.fragment])
+        for p, g in zip(params, kept):
+            p.grad = g
+
+    def load_state(self, fragments: Sequence[dict]) -> None:
+        """θ_global and the outer momentum of every fragment from a fast replica's DiLoCo state
+        (``StreamingDiLoCo.state_dict()["fragments"]``: a mesh checkpoint)."""
+        with torch.no_grad():
+            for fragment, saved, optimizer in zip(self.fragments, fragments, self._optimizers):
+                for name, param in fragment.named_parameters():
+                    param.copy_(saved["original"][name])
+                optimizer.load_state_dict(saved["outer"])
+
+
+def update_shapes(shapes: Sequence[torch.Size], rank: int | None) -> list[tuple[int, ...]]:
+    """Shapes of an outer update's wire tensors: PowerSGD's P [m, r] and Q [n, r] for a compressed
+    [m, n] parameter, the parameter's own shape otherwise (``OuterUpdate.tensors`` order)."""
+    codec = PowerSGD(rank) if rank is not None else None
+    out: list[tuple[int, ...]] = []
+    for shape in shapes:
+        if codec is not None and codec.compresses(shape):
+            out += [(shape[0], rank), (shape[1], rank)]
+        else:
+            out.append(tuple(shape))
+    return out

@@ -1,0 +1,119 @@
+"""The fast side of the anchor link: dense gradients in, committed outer updates out, and losing the anchor.
+
+Stage s of every fast replica receives the anchor's dense gradients G_anc of stage s on a background
+thread (``comm.mailbox.Receiver``) and, once per fast step, ``drain`` hands whatever has arrived to
+``SpectralAdamW.update_anchor`` with its staleness (fast steps between its snapshot and now). Fast
+replica 0 also ``forward``s every committed DiLoCo sync to the anchor's stage s, which replays it
+(``anchor.follower``). Nothing here ever waits for the anchor during a step. A broken link means the
+anchor replica is gone (``meshtune launch --optional-replica``): the fast side warns once and trains on.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from torch import nn
+
+from ..comm.errors import is_link_error
+from ..comm.mailbox import Receiver, Sender
+from ..comm.messages import DATA, GRADIENTS, STOP, UPDATES, flatten, unflatten
+from ..comm.wire import Wire
+from ..dp.outer import OuterUpdate
+from ..pipeline.stage import StageModule, stage_parameter_names
+
+__all__ = ["FastAnchorLink", "anchor_matrices"]
+
+logger = logging.getLogger(__name__)
+
+
+def anchor_matrices(model: nn.Module, module: StageModule) -> list[tuple[str, nn.Parameter]]:
+    """The stage's trainable 2-D parameters, in a fixed order both ends of the anchor link share."""
+    return [(n, p) for n, p in stage_parameter_names(model, module).items() if p.requires_grad and p.ndim == 2]
+
+
+class FastAnchorLink:
+    """Stage ``stage`` of fast replica ``replica``'s end of the anchor link (``forwards``: replica 0).
+
+    ``arrivals`` lists (fast step on arrival, snapshot step) of every gradient applied; ``lost_at``
+    the fast step at which the link broke (None while it holds).
+    """
+
+    def __init__(
+        self,
+        wire: Wire,
+        group,
+        anchor_rank: int,
+        matrices: list[tuple[str, nn.Parameter]],
+        *,
+        forwards: bool,
+        who: str,
+        max_staleness: int | None,
+    ) -> None:
+        numel = sum(p.numel() for _, p in matrices)
+        self.matrices, self.anchor_rank, self.who, self.max_staleness = matrices, anchor_rank, who, max_staleness
+        self.inbox = Receiver(wire, group, anchor_rank, GRADIENTS, lambda header: numel)
+        self.outbox = Sender(wire, group, "anchor") if forwards else None
+        self.arrivals: list[tuple[int, int]] = []
+        self.lost_at: int | None = None
+
+    def drain(self, optimizer, step: int) -> None:
+        """Every gradient that has arrived goes into the optimizer's anchor momentum (never waits)."""
+        for message in self.inbox.ready():
+            if message is None:
+                if self.inbox.error is not None and is_link_error(self.inbox.error):
+                    self._lost(self.inbox.error, step)
+                continue
+            header, payload = message
+            grads = unflatten(payload, [p.shape for _, p in self.matrices])
+            optimizer.update_anchor(
+                {p: g.to(p.device, p.dtype) for (_, p), g in zip(self.matrices, grads)},
+                staleness=step - header.snapshot,
+            )
+            self.arrivals.append((step, header.snapshot))
+
+    def forward(self, update: OuterUpdate, step: int) -> None:
+        """Replica 0: queue a committed sync (after fast step ``step``) for the anchor's stage."""
+        if self.outbox is None:
+            return
+        payload = flatten(update.tensors)
+        self.outbox.put(
+            self.anchor_rank, UPDATES.header_tag, UPDATES.encode(DATA, step, update.fragment, payload.numel())
+        )
+        self.outbox.put(self.anchor_rank, UPDATES.payload_tag, payload)
+
+    def close(self, step: int) -> None:
+        """The end of the run at fast step ``step``: STOP to the anchor, wait for its STOP back, apply
+        what arrived meanwhile; a link that broke means the anchor is gone, not a bug."""
+        if self.outbox is not None:
+            self.outbox.put(self.anchor_rank, UPDATES.header_tag, UPDATES.encode(STOP, step + 1, -1, 0))
+            self._unless_lost(self.outbox.close, step)
+        # the anchor answers our STOP with its own once its round is done
+        self._unless_lost(self.inbox.join, step)
+
+    def _unless_lost(self, close: Callable[[], None], step: int) -> None:
+        try:
+            close()
+        except RuntimeError as err:
+            cause = err.__cause__ if err.__cause__ is not None else err
+            if not is_link_error(cause):
+                raise
+            self._lost(cause, step)
+
+    def _lost(self, error: BaseException, step: int) -> None:
+        """The anchor link broke (its process died or its link is gone): train on without it, once warned."""
+        if self.lost_at is not None:
+            return
+        self.lost_at = step
+        staleness = self.max_staleness
+        logger.warning(
+            "%s lost the anchor link at step %d (%s: %s); training goes on without anchor gradients: "
+            "SpectralAdamW keeps its last bases%s",
+            self.who,
+            step,
+            type(error).__name__,
+            str(error).splitlines()[0][:200],
+            f" and fades them out after anchor_max_staleness={staleness} steps"
+            if staleness is not None
+            else " (anchor_max_staleness=None: for the rest of the run)",
+        )

@@ -1,0 +1,158 @@
+"""Stage s of the anchor replica on the mesh: follow θ_global, and in rounds send dense gradients.
+
+It keeps θ_global by replaying the outer updates fast replica 0 forwards (``OuterFollower``), and in
+rounds: on the freshest snapshot at least ``anchor_every`` fast steps after the previous one, its
+dense pipeline computes ∂L/∂θ on its own batch and sends the 2-D gradients to stage s of every fast
+replica. Anchor stage 0 picks each round's snapshot and tells the other anchor stages (``ROUNDS``),
+so all stages of a round use the same one.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .._validation import require
+from ..comm.mailbox import Receiver
+from ..comm.messages import DATA, GRADIENTS, ROUNDS, STOP, UPDATES, flatten, unflatten
+from ..config import require_saved_knobs
+from ..dp.outer import OuterUpdate
+from ..runtime.checkpoint import read_rank_state
+from ..runtime.results import MeshResult
+from ..runtime.settings import Batches, RunSettings
+from ..runtime.stage import StageWorker
+from ..topology import MeshGroups
+from .follower import OuterFollower, update_shapes
+
+__all__ = ["AnchorWorker"]
+
+
+class AnchorWorker(StageWorker):
+    """Stage ``stage`` of the anchor replica: replays outer updates, computes dense gradients."""
+
+    role = "anchor"
+
+    def __init__(self, model: nn.Module, groups: MeshGroups, settings: RunSettings, batches: Batches) -> None:
+        super().__init__(model, groups, settings, batches)
+        cfg = settings.config
+        self.fragment_shapes = [[p.shape for p in f.parameters()] for f in self.fragments]
+        self.follower = OuterFollower(self.fragments, outer_lr=cfg.dp_outer_lr, outer_momentum=cfg.dp_outer_momentum)
+        self.source = self.topology.rank(0, self.stage)  # fast replica 0 forwards the outer updates
+        self.inbox = Receiver(self.wire, groups.link_group, self.source, UPDATES, lambda header: header.numel)
+        self.applied_step = 0  # fast steps reflected in this stage's parameters
+        self.first_round = 0
+        self.stopped = False
+        if settings.resume_from is not None:
+            self._resume(settings.resume_from)
+
+    def _resume(self, checkpoint: str) -> None:
+        """θ_global and the outer momentum from fast replica 0's state of this stage: the anchor goes on
+        from the checkpoint's step (its rounds draw batches from step / anchor_every on)."""
+        state = read_rank_state(checkpoint, self.topology.rank(0, self.stage), self.topology)
+        require_saved_knobs(state["config"], self.settings.config, context=f"to resume from {checkpoint}")
+        self.follower.load_state(state["diloco"]["fragments"])
+        self.applied_step = int(state["step"])
+        self.first_round = self.applied_step // self.settings.config.anchor_every
+
+    def _apply(self, message) -> None:
+        header, payload = message
+        rank = self.settings.config.dp_powersgd_rank
+        tensors = unflatten(payload, update_shapes(self.fragment_shapes[header.fragment], rank))
+        self.follower.apply(OuterUpdate(fragment=header.fragment, step=header.step, tensors=tensors, rank=rank))
+        self.applied_step = header.step
+
+    def _advance_to(self, target: int) -> None:
+        """Apply queued outer updates until this stage's parameters reflect fast step ``target``."""
+        while self.applied_step < target:
+            message = self.inbox.next()
+            require(
+                message is not None,
+                "anchor round",
+                target,
+                "name a snapshot the fast circuit reached before it stopped",
+            )
+            self._apply(message)
+
+    def _choose_round(self, previous: int | None) -> int | None:
+        """Stage 0: the snapshot of the next round (None = the fast circuit has stopped)."""
+        if previous is None:
+            return self.applied_step  # 0, or the step a resumed run starts from
+        due = previous + self.settings.config.anchor_every
+        while self.applied_step < due:  # wait for a snapshot far enough ahead
+            message = self.inbox.next()
+            if message is None:
+                self.stopped = True
+                return None
+            self._apply(message)
+        for message in self.inbox.ready():  # then take the freshest one already here
+            if message is None:
+                self.stopped = True
+                break
+            self._apply(message)
+        return self.applied_step
+
+    def _next_round(self, previous: int | None) -> int | None:
+        """Every anchor stage agrees on the next round's snapshot: stage 0 chooses, the others follow."""
+        link, stages = self.groups.link_group, self.topology.stages
+        first = self.topology.rank(self.replica, 0)
+        if self.stage == 0:
+            target = None if self.stopped else self._choose_round(previous)
+            message = ROUNDS.encode(-1 if target is None else target)
+            for stage in range(1, stages):
+                self.wire.send(
+                    "anchor", message, self.topology.rank(self.replica, stage), group=link, tag=ROUNDS.header_tag
+                )
+            return target
+        message = ROUNDS.empty()
+        self.wire.recv("anchor", message, first, group=link, tag=ROUNDS.header_tag)
+        snapshot = ROUNDS.decode(message).snapshot
+        if snapshot < 0:
+            return None
+        self._advance_to(snapshot)
+        return snapshot
+
+    def run(self) -> MeshResult:
+        previous: int | None = None
+        round_index = self.first_round
+        while (target := self._next_round(previous)) is not None:
+            self._round(round_index, target)
+            previous, round_index = target, round_index + 1
+        return self._finish_anchor()
+
+    def _round(self, round_index: int, snapshot: int) -> None:
+        self.model.zero_grad(set_to_none=True)
+        self.module.step = round_index
+        ids, labels = (t.to(self.device) for t in self.batches(round_index))
+        loss = self.pipeline_step(ids, labels)
+        if loss is not None:
+            self.result.losses.append(loss)
+        payload = flatten([p.grad if p.grad is not None else torch.zeros_like(p) for _, p in self.matrices])
+        header = GRADIENTS.encode(DATA, snapshot)
+        # to every fast replica at once: the anchor's uplink is shared among them, so no fast node's
+        # downlink gets the whole gradient at the anchor's full rate (one delivery after another
+        # would fill that node's queue and hold up its pipeline and DP traffic behind it)
+        works = []
+        for replica in self.topology.fast_replicas:
+            dst = self.topology.rank(replica, self.stage)
+            works.append(self.wire.isend("anchor", header, dst, group=self.groups.link_group, tag=GRADIENTS.header_tag))
+            works.append(
+                self.wire.isend("anchor", payload, dst, group=self.groups.link_group, tag=GRADIENTS.payload_tag)
+            )
+        for work in works:
+            work.wait()
+        self.result.anchor_rounds.append(snapshot)
+        self.model.zero_grad(set_to_none=True)
+
+    def _finish_anchor(self) -> MeshResult:
+        while not self.stopped and self.inbox.next() is not None:  # updates after the last round
+            pass
+        self.inbox.join()
+        for replica in self.topology.fast_replicas:
+            self.wire.send(
+                "anchor",
+                GRADIENTS.encode(STOP, -1),
+                self.topology.rank(replica, self.stage),
+                group=self.groups.link_group,
+                tag=GRADIENTS.header_tag,
+            )
+        return self._finish(self.applied_step)

@@ -1,0 +1,297 @@
+"""Pipeline boundaries on an unmodified Hugging Face causal LM.
+
+``attach_boundaries(model, num_stages)`` finds the decoder-layer list, splits it into Y balanced
+contiguous stages and puts a shared-seed mask (``masking.BoundaryMask``) on the output of the last
+layer of every stage but the final one. It uses forward hooks, not wrapper modules, so parameter
+names and ``state_dict`` keys never change and ``save_pretrained`` stays loadable by plain
+transformers. Masks act only on training forwards: the layer is in training mode and autograd is
+recording. ``eval()``, ``torch.no_grad()`` and ``generate()`` (which runs under no_grad, also on a
+model left in training mode, e.g. RL rollouts) see the dense model.
+
+The position of a forward in training is (step, microbatch): ``handle.set_step(step)`` starts a new
+optimizer step and every training forward of the wrapped model then takes the next microbatch index,
+which is what the distributed pipeline will see for the same data.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .._validation import require
+from .fills import FILLS
+from .masking import BoundaryMask, keep_count, private_rng
+
+__all__ = ["BoundaryHandle", "PayloadCounter", "attach_boundaries", "find_decoder_layers", "split_stages"]
+
+
+def _pretrained_core(model: nn.Module) -> nn.Module | None:
+    """The first submodule that declares ``_no_split_modules`` (sees through PEFT wrappers)."""
+    for module in model.modules():
+        if getattr(module, "_no_split_modules", None):
+            return module
+    return None
+
+
+def find_decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    """(qualified name, layer list): the first ``nn.ModuleList`` whose items are decoder blocks.
+
+    Decoder blocks are recognised by transformers' own ``_no_split_modules`` declaration, which
+    every causal LM with a layer stack carries (Llama, Qwen2, Mistral, Gemma, Phi-3, GPT-2, ...).
+    """
+    core = _pretrained_core(model)
+    block_names = set(getattr(core, "_no_split_modules", None) or [])
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) and type(module[0]).__name__ in block_names:
+            return name, module
+    raise ValueError(
+        f"model={type(model).__name__} is invalid: it must contain an nn.ModuleList of decoder blocks "
+        f"declared in _no_split_modules (found {sorted(block_names) or 'no _no_split_modules'})"
+    )
+
+
+def split_stages(num_layers: int, num_stages: int) -> list[range]:
+    """Balanced contiguous stages: sizes differ by at most one, earlier stages take the extra layer."""
+    require(num_stages >= 1, "num_stages", num_stages, "be >= 1")
+    require(num_stages <= num_layers, "num_stages", num_stages, f"be <= the number of decoder layers ({num_layers})")
+    base, extra = divmod(num_layers, num_stages)
+    stages, start = [], 0
+    for i in range(num_stages):
+        end = start + base + (1 if i < extra else 0)
+        stages.append(range(start, end))
+        start = end
+    return stages
+
+
+def _hidden_size(model: nn.Module) -> int:
+    config = getattr(model, "config", None) or getattr(_pretrained_core(model), "config", None)
+    size = getattr(config, "hidden_size", None)
+    require(isinstance(size, int) and size > 0, "config.hidden_size", size, "be a positive int")
+    return size
+
+
+@dataclass
+class PayloadCounter:
+    """Bytes that boundaries of this process actually produced, forward and backward, and the
+    tokens (positions) of the training forwards that produced them."""
+
+    fwd_bytes: int = 0
+    bwd_bytes: int = 0
+    tokens: int = 0
+
+    def reset(self) -> None:
+        self.fwd_bytes = self.bwd_bytes = self.tokens = 0
+
+
+class BoundaryHooks:
+    """What every set of boundary hooks shares (masks here, codecs in ``codecs``): they act only on
+    training forwards, ``disabled()`` runs the dense model in training mode, ``remove()`` detaches."""
+
+    enabled: bool
+    boundary_layers: list[int]
+    _hooks: list
+
+    @contextlib.contextmanager
+    def disabled(self) -> Iterator[None]:
+        """Run the dense model in training mode (the anchor's forward/backward)."""
+        previous, self.enabled = self.enabled, False
+        try:
+            yield
+        finally:
+            self.enabled = previous
+
+    def remove(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+
+    def _is_training_forward(self, module: nn.Module) -> bool:
+        return module.training and self.enabled and torch.is_grad_enabled()
+
+    @torch.no_grad()
+    def dense_boundary_outputs(self, model: nn.Module, batch: dict) -> list[torch.Tensor]:
+        """The hidden state leaving every boundary layer in one dense forward on ``batch`` (under a
+        private RNG, so calibrating does not move the training's random stream)."""
+        _, layers = find_decoder_layers(model)
+        captured: dict[int, torch.Tensor] = {}
+
+        def capture(index: int):
+            def hook(module, args, output):
+                captured[index] = (output[0] if isinstance(output, tuple) else output).detach()
+
+            return hook
+
+        hooks = [layers[i].register_forward_hook(capture(b)) for b, i in enumerate(self.boundary_layers)]
+        try:
+            with self.disabled(), private_rng(next(model.parameters()).device):
+                model(**batch)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        return [captured[b] for b in range(len(self.boundary_layers))]
+
+
+@dataclass
+class BoundaryHandle(BoundaryHooks):
+    """Boundaries attached to a model. ``remove()`` restores the plain dense model."""
+
+    masks: list[BoundaryMask]
+    boundary_layers: list[int]
+    stages: list[range]
+    layers_name: str
+    hidden_size: int
+    keep: int
+    step: int = 0
+    microbatch: int = -1
+    enabled: bool = True
+    counter: PayloadCounter = field(default_factory=PayloadCounter)
+    _hooks: list = field(default_factory=list, repr=False)
+
+    def set_step(self, step: int) -> None:
+        """Start optimizer step ``step``: the next training forward is microbatch 0."""
+        if step != self.step:
+            for mask in self.masks:
+                mask.fill.advance()
+        self.step, self.microbatch = step, -1
+
+    @torch.no_grad()
+    def protect_largest_dims(self, model: nn.Module, batch: dict, count: int) -> list[list[int]]:
+        """Always keep, at every boundary, the ``count`` dims of largest RMS on ``batch`` (dense forward).
+
+        Pretrained residual streams carry a few massive-activation dims; a uniform mask drops each
+        of them p of the time, which wrecks the forward pass (benchmarks/quality). The chosen set is
+        fixed once and shared by both sides of a boundary, so the wire still carries K values and
+        no per-step index. Returns the protected dims per boundary.
+        """
+        require(count >= 0, "mask_protect_dims", count, "be >= 0")
+        if count == 0 or not self.masks:
+            return [[] for _ in self.masks]
+        require(count < self.keep, "mask_protect_dims", count, f"be < K={self.keep}, the dims kept per token")
+        hidden = self.dense_boundary_outputs(model, batch)
+        squares = [h.float().pow(2).reshape(-1, h.shape[-1]).mean(0) for h in hidden]
+        for b, mask in enumerate(self.masks):
+            mask.protected = squares[b].topk(count).indices.sort().values.cpu()
+        return [mask.protected.tolist() for mask in self.masks]
+
+    @torch.no_grad()
+    def calibrate_fills(self, model: nn.Module, batch: dict) -> None:
+        """Give fills that learn from dense activations (``gaussian``) a first estimate before
+        training, from one dense forward on ``batch``; the anchor's rounds refresh it later."""
+        was_training = model.training
+        model.train()
+        try:
+            with self.disabled(), private_rng(next(model.parameters()).device):
+                model(**batch)
+        finally:
+            model.train(was_training)
+        for mask in self.masks:
+            mask.fill.advance()
+
+    def set_up_masks(self, model: nn.Module, first_batch: Callable[[], dict], protect_dims: int, fill: str) -> None:
+        """Before training: the protected dims, then a first Gaussian-fill estimate, both on one training
+        batch (``first_batch()``, drawn only when needed); each is skipped when a checkpoint restored it."""
+        need_dims = protect_dims > 0 and not any(mask.protected is not None for mask in self.masks)
+        need_fill = fill == "gaussian" and bool(self.masks) and self.masks[0].fill.mean is None
+        if not (need_dims or need_fill):
+            return
+        batch = first_batch()
+        if need_dims:
+            self.protect_largest_dims(model, batch, protect_dims)
+        if need_fill:
+            self.calibrate_fills(model, {k: v for k, v in batch.items() if k != "labels"})
+
+    def state_dict(self) -> dict:
+        return {
+            "step": self.step,
+            "fills": [mask.fill.state_dict() for mask in self.masks],
+            "protected": [None if mask.protected is None else mask.protected.clone() for mask in self.masks],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step, self.microbatch = state["step"], -1
+        for mask, fill_state, protected in zip(self.masks, state["fills"], state["protected"]):
+            mask.fill.load_state_dict(fill_state)
+            mask.protected = None if protected is None else protected.clone()
+
+    def _on_model_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if not self._is_training_forward(module):
+            return
+        self.microbatch += 1
+        inputs = kwargs.get("input_ids", args[0] if args else None)
+        if inputs is None and kwargs.get("inputs_embeds") is not None:
+            inputs = kwargs["inputs_embeds"][..., 0]
+        if isinstance(inputs, torch.Tensor):
+            self.counter.tokens += inputs.numel()
+
+    def _on_layer_output(self, mask: BoundaryMask, module: nn.Module, args: tuple, output):
+        hidden = output[0] if isinstance(output, tuple) else output
+        if module.training and not self.enabled:  # the anchor's dense pass: fills may learn from it
+            mask.fill.observe_dense(hidden)
+        if not self._is_training_forward(module):
+            return None
+        if mask.mask_ratio == 0.0:  # K = H: nothing to mask, but the dense state still crosses
+            self._count(hidden)
+            return None
+        masked, payload = mask.apply(hidden, self.step, max(self.microbatch, 0))
+        self._count(payload)
+        return (masked, *output[1:]) if isinstance(output, tuple) else masked
+
+    def _count(self, payload: torch.Tensor) -> None:
+        nbytes = payload.numel() * payload.element_size()
+        self.counter.fwd_bytes += nbytes
+        if payload.requires_grad:
+            payload.register_hook(self._count_backward)
+
+    def _count_backward(self, grad: torch.Tensor) -> None:
+        self.counter.bwd_bytes += grad.numel() * grad.element_size()
+
+
+def attach_boundaries(
+    model: nn.Module,
+    num_stages: int,
+    mask_ratio: float = 0.95,
+    seed: int = 0,
+    rescale: bool = False,
+    fill: str = "zeros",
+) -> BoundaryHandle:
+    """Split ``model``'s decoder layers into ``num_stages`` (Y) stages with masked boundaries.
+
+    Args:
+        model: any HF causal LM, also behind a PEFT wrapper.
+        num_stages: Y; Y - 1 boundaries. Y = 1 attaches nothing (a single stage).
+        mask_ratio: p; each token keeps K = round((1-p)·H) dims at every boundary.
+        seed: the mesh's shared base seed for g(ℓ, step, microbatch, T, H, seed).
+        rescale: scale kept values by H/K (off: the paper's plain h ⊙ m).
+        fill: receiver-side estimate of dropped dims, "zeros" (the paper), "mean" or "gaussian" (see fills.py).
+
+    Example:
+        >>> handle = attach_boundaries(model, num_stages=4, mask_ratio=0.95)  # doctest: +SKIP
+        >>> handle.set_step(0); loss = model(**batch).loss; loss.backward()    # doctest: +SKIP
+        >>> handle.remove()                                                     # doctest: +SKIP
+    """
+    require(fill in FILLS, "mask_fill", fill, f"be one of {sorted(FILLS)}")
+    require(
+        not (rescale and fill != "zeros"),
+        "mask_fill",
+        fill,
+        "be 'zeros' when mask_rescale=True (a rescaled payload and a filled estimate would count the dropped dims "
+        "twice)",
+    )
+    layers_name, layers = find_decoder_layers(model)
+    stages = split_stages(len(layers), num_stages)
+    hidden = _hidden_size(model)
+    keep = keep_count(hidden, mask_ratio)
+    boundary_layers = [stage[-1] for stage in stages[:-1]]
+    masks = [BoundaryMask(i, mask_ratio, seed, rescale, FILLS[fill]()) for i in range(len(boundary_layers))]
+    handle = BoundaryHandle(masks, boundary_layers, stages, layers_name, hidden, keep)
+    handle._hooks.append(model.register_forward_pre_hook(handle._on_model_forward, with_kwargs=True))
+    for mask, layer_index in zip(masks, boundary_layers):
+        hook = layers[layer_index].register_forward_hook(
+            lambda module, args, output, mask=mask: handle._on_layer_output(mask, module, args, output)
+        )
+        handle._hooks.append(hook)
+    return handle

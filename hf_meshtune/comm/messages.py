@@ -1,0 +1,108 @@
+"""The anchor link's messages: one schema that sender and receiver both read.
+
+Every message is an int64 header on its channel's header tag, followed (for a DATA header) by one
+float32 payload on the channel's payload tag. Three channels cross the anchor link:
+
+* ``UPDATES`` (fast replica 0, stage s → anchor stage s): a committed DiLoCo sync in wire form,
+  ``[kind, step, fragment, numel]``, ``step`` = the fast step after which it was committed, the
+  payload its ``numel`` values (``dp.outer.OuterUpdate.tensors``, flattened);
+* ``GRADIENTS`` (anchor stage s → stage s of every fast replica): ``[kind, snapshot]`` and the
+  stage's 2-D dense gradients of that snapshot, flattened in ``anchor_matrices`` order;
+* ``ROUNDS`` (anchor stage 0 → the other anchor stages): ``[snapshot]`` of the next round, -1 when
+  there are no more rounds (no payload).
+
+A STOP header ends a channel. Tensors travel as float32 on the CPU (the link is a gloo group,
+whatever the pipeline's backend).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from .._validation import require
+
+__all__ = [
+    "DATA",
+    "GRADIENTS",
+    "ROUNDS",
+    "STOP",
+    "UPDATES",
+    "Channel",
+    "GradientHeader",
+    "RoundHeader",
+    "UpdateHeader",
+    "flatten",
+    "unflatten",
+]
+
+STOP, DATA = 0, 1
+
+
+class UpdateHeader(NamedTuple):
+    kind: int
+    step: int
+    fragment: int
+    numel: int
+
+
+class GradientHeader(NamedTuple):
+    kind: int
+    snapshot: int
+
+
+class RoundHeader(NamedTuple):
+    snapshot: int
+
+
+@dataclass(frozen=True)
+class Channel:
+    """One direction of the anchor link: its header layout and the tags its two parts travel on."""
+
+    name: str
+    header: type
+    header_tag: int
+    payload_tag: int | None
+
+    @property
+    def header_len(self) -> int:
+        return len(self.header._fields)
+
+    def encode(self, *values: int) -> torch.Tensor:
+        """The header tensor of ``self.header(*values)`` (int64, CPU)."""
+        return torch.tensor(list(self.header(*values)), dtype=torch.long)
+
+    def empty(self) -> torch.Tensor:
+        """A buffer to receive one header into."""
+        return torch.zeros(self.header_len, dtype=torch.long)
+
+    def decode(self, tensor: torch.Tensor):
+        """A received header as ``self.header`` (a NamedTuple of ints)."""
+        return self.header(*tensor.tolist())
+
+
+UPDATES = Channel("updates", UpdateHeader, header_tag=101, payload_tag=102)
+GRADIENTS = Channel("gradients", GradientHeader, header_tag=201, payload_tag=202)
+ROUNDS = Channel("rounds", RoundHeader, header_tag=301, payload_tag=None)
+
+
+def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One float32 CPU tensor of every element, in order (a message's payload)."""
+    if not tensors:
+        return torch.zeros(0, dtype=torch.float32)
+    return torch.cat([t.detach().reshape(-1).to("cpu", torch.float32) for t in tensors])
+
+
+def unflatten(flat: torch.Tensor, shapes: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+    """Views of ``flat`` with ``shapes``; a ValueError unless the sizes add up exactly."""
+    out, offset = [], 0
+    for shape in shapes:
+        n = math.prod(shape)
+        out.append(flat[offset : offset + n].view(*shape))
+        offset += n
+    require(offset == flat.numel(), "anchor message size", flat.numel(), f"equal the expected {offset} values")
+    return out

@@ -1,0 +1,108 @@
+"""The one place every byte of the mesh goes through on its way to a communication backend.
+
+``Wire`` wraps point-to-point sends/receives and all-reduces and counts, per circuit (``pp_fwd``,
+``pp_bwd``, ``dp``, ``anchor``), the bytes of the tensors it hands to the backend: what this
+process puts on its links. Summed over all processes, ``sent`` is the mesh's traffic, the measured
+counterpart of the analytic ``ledger``. For an all-reduce the backend moves more than the tensor:
+a ring all-reduce of P bytes over n participants sends 2·(n-1)/n·P per participant, which is what
+``all_reduce`` books (and what the ledger assumes); ``handed`` keeps the plain tensor bytes.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .._validation import require
+
+__all__ = ["CIRCUITS", "Wire", "nbytes"]
+
+CIRCUITS = ("pp_fwd", "pp_bwd", "dp", "anchor")
+
+
+def nbytes(tensor: torch.Tensor) -> int:
+    """Bytes of a tensor's elements (what a backend sends for it)."""
+    return tensor.numel() * tensor.element_size()
+
+
+def _zeros() -> dict[str, float]:
+    return dict.fromkeys(CIRCUITS, 0)
+
+
+@dataclass
+class Wire:
+    """Byte counters of one process by circuit, and the wrapped backend calls that feed them.
+
+    ``sent[c]``: bytes this process put on its links for circuit c (all-reduces as ring traffic);
+    ``received[c]``: bytes of point-to-point messages it received; ``handed[c]``: tensor bytes given
+    to the backend (sends and all-reduce inputs); ``messages[c]``: number of backend calls.
+    """
+
+    sent: dict[str, float] = field(default_factory=_zeros)
+    received: dict[str, float] = field(default_factory=_zeros)
+    handed: dict[str, float] = field(default_factory=_zeros)
+    messages: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CIRCUITS, 0))
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def _check(self, circuit: str) -> None:
+        require(circuit in CIRCUITS, "circuit", circuit, f"be one of {list(CIRCUITS)}")
+
+    def record_send(self, circuit: str, tensor: torch.Tensor) -> None:
+        """Book a tensor handed to the backend for a point-to-point send."""
+        self._check(circuit)
+        with self._lock:  # mailbox threads book their sends too
+            self.sent[circuit] += nbytes(tensor)
+            self.handed[circuit] += nbytes(tensor)
+            self.messages[circuit] += 1
+
+    def record_recv(self, circuit: str, tensor: torch.Tensor) -> None:
+        self._check(circuit)
+        with self._lock:
+            self.received[circuit] += nbytes(tensor)
+
+    def record_all_reduce(self, circuit: str, tensor: torch.Tensor, participants: int) -> None:
+        """Book an all-reduce of ``tensor`` over ``participants`` processes (ring traffic)."""
+        self._check(circuit)
+        require(participants >= 1, "participants", participants, "be >= 1")
+        with self._lock:
+            self.handed[circuit] += nbytes(tensor)
+            self.sent[circuit] += 2.0 * (participants - 1) / participants * nbytes(tensor)
+            self.messages[circuit] += 1
+
+    def send(self, circuit: str, tensor: torch.Tensor, dst: int, group=None, tag: int = 0) -> None:
+        self.record_send(circuit, tensor)
+        dist.send(tensor, dst, group=group, tag=tag)
+
+    def isend(self, circuit: str, tensor: torch.Tensor, dst: int, group=None, tag: int = 0):
+        """Book, then post a non-blocking send; returns the backend's work (``.wait()`` on it)."""
+        self.record_send(circuit, tensor)
+        return dist.isend(tensor, dst, group=group, tag=tag)
+
+    def recv(self, circuit: str, tensor: torch.Tensor, src: int, group=None, tag: int = 0) -> None:
+        self.record_recv(circuit, tensor)
+        dist.recv(tensor, src, group=group, tag=tag)
+
+    def all_reduce(
+        self, circuit: str, tensor: torch.Tensor, participants: int, reduce: Callable[[torch.Tensor], Any]
+    ) -> Any:
+        """Book, then run ``reduce(tensor)`` (e.g. a torchft ``Manager.allreduce``); returns its result."""
+        self.record_all_reduce(circuit, tensor, participants)
+        return reduce(tensor)
+
+    def reset(self) -> None:
+        for counters in (self.sent, self.received, self.handed, self.messages):
+            for key in counters:
+                counters[key] = 0
+
+    def to_dict(self) -> dict[str, dict[str, float]]:
+        return {
+            "sent": dict(self.sent),
+            "received": dict(self.received),
+            "handed": dict(self.handed),
+            "messages": dict(self.messages),
+        }

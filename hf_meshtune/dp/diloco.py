@@ -1,0 +1,359 @@
+"""Streaming DiLoCo of one pipeline stage with PowerSGD pseudo-gradients, on torchft's ``DiLoCo``.
+
+Fast replicas take ``sync_every`` (S) inner steps, then average a pseudo-gradient Δθ = θ_global − θ_local
+and apply it with an outer Nesterov SGD step (DiLoCo, Douillard et al. 2023, arXiv 2311.08105).
+Streaming DiLoCo (Douillard et al. 2025, arXiv 2501.18512) splits each stage into F fragments that sync
+at staggered inner steps, one every S/F steps, each sync able to overlap ``fragment_sync_delay`` (τ)
+following inner steps. Before the all-reduce the pseudo-gradient of every large matrix is compressed
+to rank r with PowerSGD (``dp.powersgd``), so a [m, n] matrix travels as r·(m+n) numbers.
+
+torchft has no compressor hook, so this is the one module of the library that reaches into torchft's
+private internals (``TORCHFT_INTERNALS`` lists each one; ``require_torchft_internals`` fails naming the
+one a torchft release moved): PowerSGD replaces the fragment's pseudo-gradient averaging
+(``_StreamingDiLoCoFragment._average_grads``), every all-reduce goes through ``Wire.all_reduce("dp", …)``
+so its bytes are counted, and the checkpoint server is named by the address peers reach it at.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from importlib.metadata import version
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch import nn
+from torchft import Manager
+from torchft import local_sgd as torchft_local_sgd
+from torchft.checkpointing.http_transport import HTTPTransport
+from torchft.local_sgd import DiLoCo, _StreamingDiLoCoFragment
+
+from .._validation import require
+from ..comm.wire import Wire
+from .outer import OuterUpdate, check_outer, outer_optimizer
+from .powersgd import PowerSGD, is_int
+
+__all__ = ["TORCHFT_INTERNALS", "AdvertisedHTTPTransport", "StreamingDiLoCo", "require_torchft_internals"]
+
+# Every private torchft name this module relies on: (owner, attribute, what it is for).
+TORCHFT_INTERNALS = (
+    ("torchft.local_sgd", "_StreamingDiLoCoFragment", "the fragment class whose averaging PowerSGD replaces"),
+    ("_StreamingDiLoCoFragment", "_average_grads", "issues the pseudo-gradient all-reduces"),
+    ("_StreamingDiLoCoFragment", "_set_grads", "sets the averaged pseudo-gradients before the outer step"),
+    ("_StreamingDiLoCoFragment", "perform_sync", "waits the all-reduces, commits, steps the outer optimizer"),
+    ("fragment", "_fragment_id", "the fragment's index"),
+    ("fragment", "_model_fragment", "the fragment's module"),
+    ("fragment", "_grads", "name → pseudo-gradient of the sync in flight"),
+    ("fragment", "_allreduce_work", "the all-reduce works torchft waits in perform_sync"),
+    ("fragment", "_manager", "the fragment's torchft Manager"),
+    ("fragment", "_outer_optimizer", "the fragment's outer optimizer"),
+    ("fragment", "original_parameters", "θ_global of the fragment (name → tensor)"),
+    ("DiLoCo", "_fragments", "the fragments DiLoCo built"),
+    ("DiLoCo", "_local_step", "inner steps since the last sync"),
+    ("DiLoCo", "_manager", "DiLoCo's Manager"),
+    ("HTTPTransport", "_server", "the checkpoint server's socket (its port)"),
+)
+
+
+def require_torchft_internals(diloco: DiLoCo | None = None, transport: HTTPTransport | None = None) -> None:
+    """A RuntimeError naming the first private torchft attribute this module uses that is missing
+    (on the classes, and on ``diloco``'s fragments / ``transport`` when given)."""
+    owners: dict[str, list[Any]] = {
+        "torchft.local_sgd": [torchft_local_sgd],
+        "_StreamingDiLoCoFragment": [_StreamingDiLoCoFragment],
+        "fragment": list(diloco._fragments) if diloco is not None and hasattr(diloco, "_fragments") else [],
+        "DiLoCo": [diloco] if diloco is not None else [],
+        "HTTPTransport": [transport] if transport is not None else [],
+    }
+    for owner, attribute, purpose in TORCHFT_INTERNALS:
+        for obj in owners[owner]:
+            if not hasattr(obj, attribute):
+                raise RuntimeError(
+                    f"torchft {version('torchft')} has no {owner}.{attribute} ({purpose}); hf_meshtune's "
+                    "DiLoCo adapter (hf_meshtune/dp/diloco.py) needs it: use torchft 0.2.x or update the adapter"
+                )
+
+
+class _CompressedFragment(_StreamingDiLoCoFragment):
+    """torchft's fragment whose pseudo-gradient averaging is PowerSGD (or dense) through ``Wire``.
+
+    Adopted after torchft built it (``adopt``), so torchft's constructor, state-dict registration and
+    sync schedule stay untouched. ``prepare_sync`` → ``_average_grads`` issues the all-reduces;
+    ``perform_sync`` waits them, asks ``should_commit``, then (on commit) ``_set_grads`` decodes and
+    the outer optimizer steps.
+    """
+
+    _codec: PowerSGD | None
+    _wire: Wire
+    _on_update: Callable[[OuterUpdate], None] | None
+
+    @classmethod
+    def adopt(
+        cls,
+        fragment: _StreamingDiLoCoFragment,
+        codec: PowerSGD | None,
+        wire: Wire,
+        on_update: Callable[[OuterUpdate], None] | None,
+    ) -> _CompressedFragment:
+        fragment.__class__ = cls
+        fragment._codec, fragment._wire, fragment._on_update = codec, wire, on_update
+        fragment._factors = {}
+        fragment._update = None
+        if codec is not None:
+            fragment._register_codec_state()
+        return fragment
+
+    def _key(self, name: str) -> str:
+        return f"{self._fragment_id}.{name}"
+
+    def _register_codec_state(self) -> None:
+        """Heal Q with the fragment (a recovering replica must warm-start from the same Q); e restarts."""
+        names = [n for n, _ in self._model_fragment.named_parameters()]
+
+        def save() -> dict[str, torch.Tensor]:
+            return {n: self._codec.q[self._key(n)] for n in names if self._key(n) in self._codec.q}
+
+        def load(state: dict[str, torch.Tensor]) -> None:
+            for n in names:
+                self._codec.error.pop(self._key(n), None)
+                if n in state:
+                    self._codec.q[self._key(n)] = state[n].float().clone()
+
+        self._manager.register_state_dict_fn(f"PowerSGD_{self._fragment_id}", load, save)
+
+    def _all_reduce(self, tensor: torch.Tensor):
+        return self._wire.all_reduce("dp", tensor, self._manager.num_participants(), self._manager.allreduce)
+
+    def _average_grads(self) -> None:
+        """Issue the averaging all-reduces of this fragment's pseudo-gradients (torchft appends, then waits).
+
+        Dense tensors: one all-reduce each, left in flight. Compressed matrices: all P all-reduces go
+        out together and are *waited here*, because Q = Mᵀ·orth(P̄) needs the averaged P; that one
+        round trip blocks the inner step that prepares the sync. The Q all-reduces then stay in
+        flight and overlap the next ``fragment_sync_delay`` inner steps, as torchft's own averaging does.
+        """
+        pending = []
+        for name, _ in self._model_fragment.named_parameters():
+            grad = self._grads[name]
+            if self._codec is not None and self._codec.compresses(grad.shape):
+                p = self._codec.p_factor(self._key(name), grad)
+                pending.append((name, p, self._all_reduce(p)))
+            else:
+                self._allreduce_work.append(self._all_reduce(grad))
+        for name, p, work in pending:
+            work.wait()
+            p_orth, q = self._codec.q_factor(self._key(name), p)
+            self._factors[name] = (p_orth, q)
+            self._allreduce_work.append(self._all_reduce(q))
+
+    def _set_grads(self) -> None:
+        """On commit: decode Δ̄ through ``OuterUpdate`` (so observers replay it bitwise), close the rounds."""
+        named = list(self._model_fragment.named_parameters())
+        tensors: list[torch.Tensor] = []
+        for name, _ in named:
+            tensors.extend(self._factors[name] if name in self._factors else (self._grads[name],))
+        update = OuterUpdate(
+            self._fragment_id,
+            self._manager.current_step(),
+            tensors,
+            self._codec.rank if self._codec is not None else None,
+        )
+        for (name, _), grad in zip(named, update.pseudo_gradients([p.shape for _, p in named])):
+            if name in self._factors:
+                self._codec.commit(self._key(name), grad, self._factors[name][1])
+            self._grads[name] = grad
+        self._update = update
+        super()._set_grads()
+
+    def perform_sync(self) -> bool:
+        try:
+            committed = super().perform_sync()
+        finally:
+            self._factors.clear()
+            if self._codec is not None:
+                self._codec.discard()
+        update, self._update = self._update, None
+        if committed and update is not None and self._on_update is not None:
+            self._on_update(update)
+        return committed
+
+
+# =============================================================================================
+# Public entry: the Streaming DiLoCo context manager of one stage
+# =============================================================================================
+
+
+class StreamingDiLoCo:
+    """Streaming DiLoCo of one pipeline stage with PowerSGD pseudo-gradients (paper §2.4).
+
+    Wraps ``torchft.local_sgd.DiLoCo``: on entry it hooks ``inner_optimizer.step``; every S/F inner
+    steps one fragment (in turn) averages Δθ = θ_global − θ_local across the fast replicas and applies
+    the outer Nesterov SGD step (``outer_lr`` η_out, ``outer_momentum`` μ_out). ``sync_every`` (S),
+    the number of fragments (F) and ``fragment_sync_delay`` (τ) must be the same on every stage and
+    replica. With τ > 0 the sync's pseudo-gradient is taken τ inner steps before it is applied; after
+    the outer step the fragment's parameters become (1−α)·θ_global + α·θ_local with
+    ``fragment_update_alpha`` α, so with α = 0 (torchft's default) the τ overlapped inner steps of that
+    fragment are dropped. ``powersgd_rank`` (r) None sends Δθ dense, exactly torchft's averaging. Every all-reduce
+    is booked on ``wire`` (``self.wire``, a fresh ``Wire`` if None) under "dp". Every committed sync's
+    ``OuterUpdate`` is kept until ``take_committed()`` (what a training loop reads after its
+    optimizer step); ``on_outer_update``, if given, is also called with it inside the step.
+
+    Example:
+        >>> manager = make_manager(replica=r, stage=s, num_stages=Y, lighthouse_addr=addr,
+        ...                        store_addr=host, store_port=port)
+        >>> with StreamingDiLoCo(manager, [stage_module], inner_opt, sync_every=8, powersgd_rank=4):
+        ...     for batch in batches:
+        ...         loss_fn(stage_module, batch).backward(); inner_opt.step(); inner_opt.zero_grad()
+    """
+
+    def __init__(
+        self,
+        manager: Manager,
+        fragments: list[nn.Module],
+        inner_optimizer: torch.optim.Optimizer,
+        *,
+        sync_every: int,
+        fragment_sync_delay: int = 0,
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        powersgd_rank: int | None,
+        wire: Wire | None = None,
+        on_outer_update: Callable[[OuterUpdate], None] | None = None,
+        seed: int = 0,
+        fragment_update_alpha: float = 0.0,
+    ) -> None:
+        _validate(fragments, sync_every, fragment_sync_delay, outer_lr, outer_momentum, powersgd_rank)
+        require(
+            isinstance(fragment_update_alpha, (int, float)) and 0 <= fragment_update_alpha <= 1,
+            "fragment_update_alpha",
+            fragment_update_alpha,
+            "lie in [0, 1]",
+        )
+        self.wire = wire if wire is not None else Wire()
+        self.codec = PowerSGD(powersgd_rank, seed) if powersgd_rank is not None else None
+        self.fragments = fragments
+        outer = [outer_optimizer(f.parameters(), outer_lr, outer_momentum) for f in fragments]
+        self._diloco = DiLoCo(
+            manager,
+            fragments,
+            inner_optimizer,
+            outer,
+            sync_every=sync_every,
+            fragment_sync_delay=fragment_sync_delay,
+            fragment_update_alpha=fragment_update_alpha,
+        )
+        require_torchft_internals(self._diloco)
+        self._committed: list[OuterUpdate] = []
+        self._on_outer_update = on_outer_update
+        for fragment in self._diloco._fragments:
+            _CompressedFragment.adopt(fragment, self.codec, self.wire, self._on_commit)
+
+    def _on_commit(self, update: OuterUpdate) -> None:
+        self._committed.append(update)
+        if self._on_outer_update is not None:
+            self._on_outer_update(update)
+
+    def take_committed(self) -> list[OuterUpdate]:
+        """The syncs committed since the last call, oldest first (each fragment's in commit order)."""
+        committed, self._committed = self._committed, []
+        return committed
+
+    def global_parameters(self, fragment: int) -> list[torch.Tensor]:
+        """θ_global of one fragment (the parameters of its last committed sync), in parameter order."""
+        saved = self._diloco._fragments[fragment].original_parameters
+        return [saved[name].clone() for name, _ in self.fragments[fragment].named_parameters()]
+
+    def state_dict(self) -> dict:
+        """Everything a resumed run needs to sync exactly as this one would have: inner steps since the
+        last sync, θ_global and outer momentum of every fragment, PowerSGD's Q and error feedback, and
+        the torchft manager's step (which fragment syncs next). Only between syncs: with a fragment's
+        all-reduces in flight the state would miss them (a ValueError says so)."""
+        fragments = self._diloco._fragments
+        busy = [i for i, f in enumerate(fragments) if f._allreduce_work]
+        require(
+            not busy,
+            "DiLoCo state",
+            f"fragments {busy} syncing",
+            "be taken between syncs (at a multiple of dp_sync_every / dp_fragments inner steps)",
+        )
+        return {
+            "local_step": self._diloco._local_step,
+            "manager": self._diloco._manager.state_dict(),
+            "fragments": [
+                {
+                    "original": {n: t.clone() for n, t in f.original_parameters.items()},
+                    "outer": f._outer_optimizer.state_dict(),
+                }
+                for f in fragments
+            ],
+            "codec": None if self.codec is None else {"q": dict(self.codec.q), "error": dict(self.codec.error)},
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore ``state_dict()``'s state (same fragments, sync period and PowerSGD rank)."""
+        fragments = self._diloco._fragments
+        require(
+            len(state["fragments"]) == len(fragments),
+            "dp_fragments",
+            len(fragments),
+            f"equal the checkpoint's {len(state['fragments'])} fragments",
+        )
+        self._diloco._local_step = int(state["local_step"])
+        self._diloco._manager.load_state_dict(state["manager"])
+        with torch.no_grad():
+            for fragment, saved in zip(fragments, state["fragments"]):
+                for name, value in saved["original"].items():
+                    fragment.original_parameters[name].copy_(value)
+                fragment._outer_optimizer.load_state_dict(saved["outer"])
+        if self.codec is not None and state["codec"] is not None:
+            self.codec.q = {k: v.float().clone() for k, v in state["codec"]["q"].items()}
+            self.codec.error = {k: v.float().clone() for k, v in state["codec"]["error"].items()}
+
+    def __enter__(self) -> StreamingDiLoCo:
+        self._diloco.__enter__()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> bool:
+        return self._diloco.__exit__(exc_type, exc, tb)
+
+
+def _validate(
+    fragments: list[nn.Module], sync_every: int, delay: int, outer_lr: float, outer_momentum: float, rank: int | None
+) -> None:
+    require(
+        isinstance(fragments, (list, tuple)) and len(fragments) >= 1,
+        "fragments",
+        fragments if not isinstance(fragments, (list, tuple)) else len(fragments),
+        "be a non-empty list of modules",
+    )
+    for i, f in enumerate(fragments):
+        require(any(True for _ in f.parameters()), f"fragments[{i}]", type(f).__name__, "own at least one parameter")
+    count = len(fragments)
+    require(is_int(sync_every, 1), "sync_every", sync_every, "be an integer >= 1")
+    require(sync_every % count == 0, "sync_every", sync_every, f"be a multiple of the number of fragments ({count})")
+    require(
+        is_int(delay, 0) and delay < sync_every // count,
+        "fragment_sync_delay",
+        delay,
+        f"be an integer in [0, sync_every / fragments) = [0, {sync_every // count})",
+    )
+    check_outer(outer_lr, outer_momentum)
+    require(rank is None or is_int(rank, 1), "powersgd_rank", rank, "be None or an integer >= 1")
+
+
+class AdvertisedHTTPTransport(HTTPTransport):
+    """torchft's checkpoint server (how a restarted replica fetches a peer's state), named by the
+    address peers reach it at: torchft's own names the hostname, which from another machine or
+    network namespace may resolve to an interface the server is not reachable on (the heal then
+    fails with "Connection refused"). The server itself listens on every interface."""
+
+    def __init__(self, host: str | None, **kwargs: Any) -> None:
+        self._advertised = host
+        super().__init__(**kwargs)
+
+    def address(self) -> str:
+        if self._advertised is None:
+            return super().address()
+        return f"http://{self._advertised}:{self._server.socket.getsockname()[1]}/checkpoint/"

@@ -1,0 +1,167 @@
+"""torchft set-up for the fast replicas: the lighthouse, one store per replica group, one Manager per process.
+
+Replica r of the mesh is the torchft replica group ``mesh_replica_{r}`` and stage s is its group
+rank, so torchft's cross-replica process group joins stage s of every fast replica and nothing else
+(stage j syncs only with stage j). Only public torchft API is used here; what reaches into its
+internals is in ``dp.diloco``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch.distributed as dist
+from torchft import Manager
+from torchft.coordination import LighthouseServer
+from torchft.process_group import ProcessGroupGloo
+
+from .._validation import require
+from .diloco import AdvertisedHTTPTransport
+from .powersgd import is_int
+
+__all__ = [
+    "HOST_ENV",
+    "JOIN_TIMEOUT_MS",
+    "ReplicaStore",
+    "advertised_host",
+    "host_replica_store",
+    "make_manager",
+    "start_lighthouse",
+]
+
+JOIN_TIMEOUT_MS = 60_000
+"""How long a lighthouse waits for every heartbeating replica to join a quorum before it forms one
+without the stragglers (torchft's default is much shorter, so a replica a few steps slower than the
+others would be left out of syncs it is healthy enough to join)."""
+
+
+HOST_ENV = "MESHTUNE_HOST"
+
+
+def advertised_host() -> str:
+    """The address other machines reach this process at: ``$MESHTUNE_HOST``, else the hostname.
+
+    torchft's servers and the replica stores advertise the hostname, which on a multi-homed machine
+    (or inside a network namespace) may name an interface the peers cannot reach; set MESHTUNE_HOST
+    to the address of the interface the mesh runs on (as GLOO_SOCKET_IFNAME picks gloo's).
+    """
+    return os.environ.get(HOST_ENV) or socket.gethostname()
+
+
+def start_lighthouse(
+    min_replicas: int = 1,
+    host: str | None = None,
+    *,
+    join_timeout_ms: int | None = JOIN_TIMEOUT_MS,
+    quorum_tick_ms: int | None = None,
+) -> tuple[LighthouseServer, str]:
+    """Start a torchft lighthouse on a free port; returns ``(server, "http://HOST:PORT")`` to give managers.
+
+    ``min_replicas``: fast replicas a quorum needs. ``host``: the one interface to listen on, which
+    is then also the address handed out (``meshtune launch``: loopback by default); None listens on
+    every interface and hands out ``advertised_host()`` ($MESHTUNE_HOST, else the hostname), since
+    torchft's own address names the hostname, which other machines or namespaces may not reach.
+    Call ``server.shutdown()`` when done.
+    """
+    require(is_int(min_replicas, 1), "min_replicas", min_replicas, "be an integer >= 1")
+    server = LighthouseServer(
+        bind=f"{host}:0" if host else "[::]:0",
+        min_replicas=min_replicas,
+        join_timeout_ms=join_timeout_ms,
+        quorum_tick_ms=quorum_tick_ms,
+    )
+    port = server.address().rstrip("/").rsplit(":", 1)[1]
+    return server, f"http://{host or advertised_host()}:{port}"
+
+
+@dataclass
+class ReplicaStore:
+    """The TCPStore of one replica group: ``store`` is the server (stage 0 only, keep it alive)."""
+
+    addr: str
+    port: int
+    store: dist.TCPStore | None = None
+
+
+def host_replica_store(
+    replica: int, stage: int, *, host: str | None = None, rendezvous: dist.Store | None = None, timeout_s: float = 60.0
+) -> ReplicaStore:
+    """Stage 0 of replica ``replica`` hosts a fresh TCPStore; every stage of the replica learns its address.
+
+    Why a store per replica: torchft's Manager writes its server address under one fixed key of its
+    store, so replica groups cannot share one (the job's default store would be overwritten by every
+    replica). The address is published through ``rendezvous`` (default: the default process group's
+    store, so ``dist.init_process_group`` must have run) under ``hf_meshtune/dp_store/{replica}``.
+    ``host`` is the address other machines reach this one at (default: the hostname); the store must
+    be reachable from *every* fast process, not only this replica's stages, because the quorum's
+    primary store also hosts the rendezvous of the cross-replica process groups.
+    """
+    key = f"hf_meshtune/dp_store/{replica}"
+    if rendezvous is None:
+        rendezvous = dist.distributed_c10d._get_default_store()
+    if stage == 0:
+        host = host or advertised_host()
+        server = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
+        rendezvous.set(key, f"{host}:{server.port}")
+        return ReplicaStore(host, server.port, server)
+    addr, _, port = rendezvous.get(key).decode().rpartition(":")
+    return ReplicaStore(addr, int(port))
+
+
+def make_manager(
+    *,
+    replica: int,
+    stage: int,
+    num_stages: int,
+    lighthouse_addr: str,
+    store_addr: str,
+    store_port: int,
+    timeout_s: float = 60.0,
+    quorum_timeout_s: float | None = None,
+    hostname: str | None = None,
+    init_sync: bool = False,
+    min_replica_size: int = 1,
+) -> Manager:
+    """The torchft Manager of stage ``stage`` of fast replica ``replica`` (group rank = stage).
+
+    Gloo process group; synchronous quorum (DiLoCo requires it). ``min_replica_size``: replicas a
+    quorum needs before it commits (1: a single surviving replica still commits, and a replica that
+    comes back heals from a peer). Healthy replicas are not left out of a quorum as long as the
+    lighthouse's ``join_timeout_ms`` exceeds how far apart they reach a sync (``start_lighthouse``).
+    ``store_addr``/``store_port``: this replica's own TCPStore,
+    hosted before this call by one process of the replica (``host_replica_store``: stage 0) and
+    reachable by every fast process. ``timeout_s`` bounds collectives, RPCs and connects;
+    ``quorum_timeout_s`` (default ``timeout_s``) how long a quorum waits for the other replicas, so
+    it must exceed the time between syncs. ``init_sync=False``: every replica loads the same
+    weights, so no step-0 checkpoint transfer (a replica that restarts later still heals).
+    """
+    require(is_int(num_stages, 1), "num_stages", num_stages, "be an integer >= 1")
+    require(is_int(stage, 0) and stage < num_stages, "stage", stage, f"lie in [0, {num_stages})")
+    require(is_int(replica, 0), "replica", replica, "be an integer >= 0")
+    require(timeout_s > 0, "timeout_s", timeout_s, "be > 0")
+    require(is_int(min_replica_size, 1), "min_replica_size", min_replica_size, "be an integer >= 1")
+    timeout = timedelta(seconds=timeout_s)
+    hostname = hostname if hostname is not None else os.environ.get(HOST_ENV)
+    kwargs = {"hostname": hostname} if hostname is not None else {}
+    return Manager(
+        pg=ProcessGroupGloo(timeout=timeout),
+        load_state_dict=None,
+        state_dict=None,
+        checkpoint_transport=AdvertisedHTTPTransport(hostname, timeout=timeout, num_chunks=0),
+        min_replica_size=min_replica_size,
+        use_async_quorum=False,
+        timeout=timeout,
+        quorum_timeout=timedelta(seconds=quorum_timeout_s or timeout_s),
+        connect_timeout=timeout,
+        rank=stage,
+        world_size=num_stages,
+        store_addr=store_addr,
+        store_port=store_port,
+        lighthouse_addr=lighthouse_addr,
+        replica_id=f"mesh_replica_{replica}",
+        init_sync=init_sync,
+        **kwargs,
+    )

@@ -1,0 +1,164 @@
+"""The single-process mesh, wired once for every entry point: ``MeshTrainer`` (and the TRL trainers)
+drive it from Trainer callbacks, ``MeshAccelerator`` from optimizer step hooks.
+
+``MeshEngine`` owns what the method adds to a training loop on one process:
+- masked boundaries on the model (forward hooks; names and checkpoints unchanged);
+- the mask clock: ``begin_step(step)`` starts optimizer step ``step``, every training forward after
+  it is the next microbatch (what the distributed pipeline sees for the same data);
+- the ``AnchorCircuit``: before every optimizer step, a dense snapshot gradient if one is due, and the
+  gradients whose delay Δ has passed go into ``SpectralAdamW``'s anchor momentum;
+- the log entries (``comm/*`` ledger and measured boundary bytes, ``spectral/*``, ``anchor/*``) and the
+  state an exact resume needs (boundary fills and protected dims, anchor gradients in flight).
+One step, for any loop: ``begin_step(t)`` → forwards/backwards → ``before_optimizer_step(t, opt)`` →
+``opt.step()``. See ``docs/design.md`` for the data flow.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+
+import torch
+from torch import nn
+
+from .anchor.batches import AnchorBatches
+from .anchor.circuit import AnchorCircuit
+from .boundary.hooks import BoundaryHandle, attach_boundaries
+from .config import MeshArguments, require_saved_knobs
+from .ledger import Ledger, LedgerSettings, compute_ledger, param_shapes_of
+from .optim.spectral import SpectralAdamW
+
+__all__ = ["RESUME_KNOBS", "MeshEngine"]
+
+# Knobs that change the numerics of a run: a resumed run must use the values it was saved with.
+RESUME_KNOBS = (
+    "mask_ratio",
+    "num_stages",
+    "mask_seed",
+    "mask_rescale",
+    "mask_fill",
+    "mask_protect_dims",
+    "anchor",
+    "anchor_every",
+    "anchor_delay",
+    "anchor_beta",
+    "anchor_microbatches",
+    "anchor_max_staleness",
+    "spectral_tau",
+    "spectral_relative_tau",
+    "spectral_alpha",
+    "spectral_rank",
+)
+
+
+class MeshEngine:
+    """Boundaries, anchor, mask clock, logs and resume state of one process (see the module docstring).
+
+    Args:
+        model: the model being trained (any HF causal LM, also behind a PEFT wrapper).
+        config: the mesh knobs (``MeshArguments``: p, Y, seed, fill, anchor settings, …).
+    """
+
+    def __init__(self, model: nn.Module, config: MeshArguments) -> None:
+        self.model, self.config = model, config
+        self.boundaries: BoundaryHandle = attach_boundaries(
+            model, config.num_stages, config.mask_ratio, config.mask_seed, config.mask_rescale, config.mask_fill
+        )
+        self.anchor: AnchorCircuit | None = None
+        self._steps_logged = 0
+
+    # --- set-up -------------------------------------------------------------------------------
+    def build_anchor(
+        self,
+        params: Mapping[str, nn.Parameter],
+        batches: AnchorBatches | Callable,
+        loss_fn: Callable[[nn.Module, dict], torch.Tensor],
+    ) -> AnchorCircuit:
+        """The anchor circuit on ``params`` (the matrices the spectral filter acts on), drawing its own ``batches``."""
+        cfg = self.config
+        self.anchor = AnchorCircuit(
+            self.model, params, self.boundaries, cfg.anchor_every, cfg.anchor_delay, batches, loss_fn
+        )
+        return self.anchor
+
+    def set_up_masks(self, first_batch: Callable[[], dict]) -> None:
+        """Before training: the protected dims and a first Gaussian-fill estimate on one training batch
+        (``first_batch()``, drawn only when needed), unless a checkpoint restored them."""
+        cfg = self.config
+        self.boundaries.set_up_masks(self.model, first_batch, cfg.mask_protect_dims, cfg.mask_fill)
+
+    # --- one step -------------------------------------------------------------------------------
+    def begin_step(self, step: int) -> None:
+        """Optimizer step ``step`` starts: the next training forward is its microbatch 0."""
+        self.boundaries.set_step(step)
+
+    def before_optimizer_step(self, step: int, optimizer: torch.optim.Optimizer | None) -> None:
+        """Just before optimizer step ``step``: an anchor snapshot if due, then the deliveries that are due."""
+        if self.anchor is not None:
+            with torch.enable_grad():  # the dense snapshot gradient, even if step() runs under no_grad
+                self.anchor.on_step(step, optimizer)
+
+    # --- logs -----------------------------------------------------------------------------------
+    def log_entries(self, step: int, optimizer: SpectralAdamW | None) -> dict[str, float]:
+        """The mesh's log keys since the last call (at optimizer step ``step``): ``comm/*`` (the analytic
+        ledger of the whole mesh at this run's tokens per step, and what this process's boundaries
+        produced), ``spectral/*`` and ``anchor/staleness_steps``."""
+        steps = max(step - self._steps_logged, 1)
+        self._steps_logged = step
+        entries: dict[str, float] = {}
+        counter = self.boundaries.counter
+        if counter.tokens:
+            # Measured: frozen layers below a boundary mean no backward payload there, so pp_bwd can be lower.
+            entries.update(self.ledger(max(counter.tokens // steps, 1)).log_dict())
+            if self.boundaries.masks:
+                entries["comm/measured_pp_fwd_bytes_per_token"] = counter.fwd_bytes / counter.tokens
+                entries["comm/measured_pp_bwd_bytes_per_token"] = counter.bwd_bytes / counter.tokens
+            counter.reset()
+        if optimizer is not None:
+            entries.update(getattr(optimizer, "last_diagnostics", {}) or {})
+        if self.anchor is not None and self.anchor.last_staleness is not None:
+            entries["anchor/staleness_steps"] = float(self.anchor.last_staleness)
+        return entries
+
+    def ledger(self, tokens_per_step: int) -> Ledger:
+        """The analytic ledger of this model on the mesh the knobs describe, at ``tokens_per_step`` per fast replica."""
+        cfg = self.config
+        dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
+        settings = LedgerSettings(
+            num_replicas=cfg.num_replicas,
+            num_stages=cfg.num_stages,
+            mask_ratio=cfg.mask_ratio,
+            tokens_per_step=tokens_per_step,
+            activation_dtype=dtype,
+            grad_dtype=dtype,
+            param_dtype=dtype,
+            sync_every=cfg.dp_sync_every,
+            powersgd_rank=cfg.dp_powersgd_rank,
+            anchor=cfg.anchor,
+            anchor_every=cfg.anchor_every,
+            anchor_payload=cfg.anchor_payload,
+            anchor_rank=cfg.spectral_rank or 8,
+        )
+        return compute_ledger(param_shapes_of(self.model), self.boundaries.hidden_size, settings)
+
+    # --- state ----------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """The knobs, the boundaries' fill state and protected dims, and the anchor gradients in flight
+        (the optimizer's own state carries the anchor momentum and its cached bases)."""
+        return {
+            "config": dataclasses.asdict(self.config.mesh_config),
+            "boundaries": self.boundaries.state_dict(),
+            "anchor": None if self.anchor is None else self.anchor.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict, step: int) -> None:
+        """Restore ``state_dict()``'s state of a run resumed at optimizer step ``step`` (same knobs)."""
+        require_saved_knobs(state["config"], self.config.mesh_config, RESUME_KNOBS)
+        self.boundaries.load_state_dict(state["boundaries"])
+        if self.anchor is not None and state["anchor"] is not None:
+            self.anchor.load_state_dict(state["anchor"])
+        self._steps_logged = step  # the first log after a resume covers the steps since the resume
+
+    def remove(self) -> None:
+        """Detach the boundaries: the model is the plain dense model again."""
+        self.boundaries.remove()

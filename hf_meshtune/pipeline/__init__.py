@@ -1,0 +1,24 @@
+"""The distributed pipeline: a manual stage split of a Hugging Face causal LM (``stage``) and the
+schedule that runs the stages across processes, every payload booked on the ``Wire`` (``schedule``)."""
+
+from .schedule import MeshStage, build_schedule, run_schedule
+from .stage import (
+    SUPPORTED_MODEL_TYPES,
+    StageModule,
+    build_stage,
+    causal_lm_loss,
+    stage_parameter_names,
+    untie_embeddings,
+)
+
+__all__ = [
+    "SUPPORTED_MODEL_TYPES",
+    "MeshStage",
+    "StageModule",
+    "build_schedule",
+    "build_stage",
+    "causal_lm_loss",
+    "run_schedule",
+    "stage_parameter_names",
+    "untie_embeddings",
+]

@@ -1,0 +1,155 @@
+"""How a mesh process starts: its role, the settings agreement, the first-start barrier, then its loop.
+
+``run_worker`` is the entry point of every process of the mesh (``MeshTrainer.train()`` on several
+processes calls it through ``runtime.job``; tests and benchmarks call it directly). Before any
+training step every process publishes its address (so a link error later names peers by address)
+and its settings, and fails the whole mesh with one message if any process runs with others.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+from torch import nn
+
+from .._validation import require
+from ..anchor.worker import AnchorWorker
+from ..dp.ft import advertised_host
+from ..topology import MeshGroups, MeshTopology
+from .results import MeshResult
+from .settings import Batches, RunSettings
+from .worker import FastWorker
+
+__all__ = ["JOB_STORE_ENV", "RESTART_ENV", "job_store", "run_worker"]
+
+
+def _host_key(rank: int) -> str:
+    return f"hf_meshtune/host/{rank}"
+
+
+def run_worker(
+    model: nn.Module, groups: MeshGroups, settings: RunSettings, batches: Batches, anchor_batches: Batches | None = None
+) -> MeshResult:
+    """Run this process's part of the mesh (its role comes from its rank) and return what it did.
+
+    ``groups``: this process's groups (``MeshTopology.build_groups``); ``batches(step)`` /
+    ``anchor_batches(round)``: (input ids, labels) of this replica's step / the anchor's round.
+    """
+    topology, rank = groups.topology, groups.rank
+    require(
+        topology.job_replica is None or settings.dp_mode == "streaming_diloco",
+        "dp_mode",
+        settings.dp_mode,
+        "be 'streaming_diloco' when every replica is a job of its own (the per-step peers need one world)",
+    )
+    store = dist.distributed_c10d._get_default_store()
+    store.set(_host_key(rank), advertised_host())  # every rank's address, for link errors
+    shared = job_store(settings.dp_timeout_s) if topology.job_replica is not None else None
+    _require_same_settings(store, topology, rank, settings, shared)
+    if topology.is_anchor(rank):
+        require(anchor_batches is not None, "anchor_batches", None, "be given on the anchor replica")
+        worker = AnchorWorker(model, groups, settings, anchor_batches)
+    else:
+        worker = FastWorker(model, groups, settings, batches)
+    # Every torchft Manager heartbeats before any replica asks for its first quorum, so the
+    # lighthouse waits for all fast replicas instead of forming a quorum without a late starter.
+    dist.barrier()
+    _job_barrier(shared, topology, settings.dp_timeout_s)
+    # read now, while the store is surely reachable: a link error later names its peers by address
+    worker.peer_hosts = {
+        peer: store.get(_host_key(peer)).decode() for peer in topology.pp_ranks(groups.replica) if peer != rank
+    }
+    return worker.run()
+
+
+JOB_STORE_ENV, RESTART_ENV = "MESHTUNE_JOB_STORE", "MESHTUNE_RESTART"
+
+# What every process of a mesh must agree on besides its shape (which ``MeshTopology`` checks): the
+# knobs (masks, anchor, DiLoCo, filter) and the step's shapes, schedule and optimizer.
+_SHARED_SETTINGS = (
+    "microbatch_size",
+    "microbatches",
+    "seq_len",
+    "max_steps",
+    "lr",
+    "betas",
+    "eps",
+    "weight_decay",
+    "max_grad_norm",
+    "dp_mode",
+    "checkpoint_every",
+)
+
+
+def _settings_of(settings: RunSettings) -> dict:
+    values = {f"config.{k}": v for k, v in dataclasses.asdict(settings.config).items()}
+    values.update({k: getattr(settings, k) for k in _SHARED_SETTINGS})
+    return json.loads(json.dumps(values))  # tuples as lists, as they come back from the store
+
+
+def _require_same_settings(store, topology: MeshTopology, rank: int, settings: RunSettings, shared=None) -> None:
+    """Every process of a world reads every process's settings and compares them with the first one's,
+    so a rank started with another mask_ratio, sync period or batch shape fails the whole world with
+    one message naming the field, the rank and both values, instead of training something else. In
+    replica jobs, ``shared`` (the launcher's store) also compares each process with mesh rank 0."""
+    key = "hf_meshtune/settings/{}".format
+    timeout = timedelta(seconds=settings.dp_timeout_s)
+    mine = _settings_of(settings)
+
+    def require_agree(other: int, values: dict, reference: int, theirs: dict) -> None:
+        for name, value in values.items():
+            require(
+                theirs.get(name) == value,
+                f"{name} (rank {other})",
+                value,
+                f"equal rank {reference}'s {theirs.get(name)!r}: every process of the mesh runs with the same "
+                "settings (check that rank's command line and environment)",
+            )
+
+    store.set(key(rank), json.dumps(mine))
+    world = [topology.mesh_rank(r) for r in range(topology.job_world_size)]
+    store.wait([key(r) for r in world], timeout)
+    first = json.loads(store.get(key(world[0])))
+    for other in world[1:]:
+        require_agree(other, json.loads(store.get(key(other))), world[0], first)
+    if shared is not None:
+        shared.set(key(rank), json.dumps(mine))
+        shared.wait([key(0)], timeout)
+        require_agree(rank, mine, 0, json.loads(shared.get(key(0))))
+
+
+def job_store(timeout_s: float) -> dist.TCPStore | None:
+    """A client of the launcher's store ``$MESHTUNE_JOB_STORE`` (replica jobs), or None without one."""
+    address = os.environ.get(JOB_STORE_ENV)
+    if not address:
+        return None
+    host, _, port = address.rpartition(":")
+    require(bool(host) and port.isdigit(), JOB_STORE_ENV, address, "be host:port of the launcher's TCPStore")
+    return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
+
+
+def _job_barrier(store, topology: MeshTopology, timeout_s: float) -> None:
+    """Replica jobs, first start only: wait until every process of the mesh is ready (its torchft
+    Manager heartbeats), through the launcher's store ``$MESHTUNE_JOB_STORE``, so no replica's first
+    quorum forms without a replica that is still loading. A restarted replica (``$MESHTUNE_RESTART``
+    > 0) joins the running mesh without waiting; without the store, replicas start unaligned (a late
+    one then heals at its first sync)."""
+    if store is None or int(os.environ.get(RESTART_ENV, "0")) > 0:
+        return
+    key = "hf_meshtune/ready"
+    ready = store.add(key, 1)
+    deadline = time.monotonic() + timeout_s
+    while ready < topology.world_size:
+        require(
+            time.monotonic() < deadline,
+            "mesh start",
+            f"{ready} of {topology.world_size} processes ready",
+            f"complete within dp_timeout_s = {timeout_s} s (a replica job did not start)",
+        )
+        time.sleep(0.05)
+        ready = store.add(key, 0)

@@ -1,0 +1,308 @@
+"""``MeshTrainer.train()`` on a distributed mesh: the glue between the Trainer and the mesh workers.
+
+When the job has several processes (``WORLD_SIZE`` > 1: ``meshtune launch``, ``torchrun`` or
+``accelerate launch``), every process runs this instead of the Trainer's single-process loop:
+
+1. the mesh topology is validated (``MeshTopology.from_environment``) before any collective;
+2. the Trainer's data (train dataset + collator) becomes fixed-shape [B·M, T] batches: fast replica r
+   at step t and the anchor at round k each draw their own rows (pure functions of seed and index);
+3. the process runs its stage (``runtime.bootstrap.run_worker``);
+4. at the end every process gets fast replica 0's final parameters (so ``save_model``/``evaluate``
+   work as after a single-process run), and rank 0 writes ``mesh_summary.json``: measured bytes per
+   token by circuit next to the analytic ledger, DP bytes per sync, anchor staleness, step times.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from transformers import get_scheduler
+from transformers.trainer_utils import TrainOutput
+
+from .._validation import require
+from ..anchor.batches import AnchorBatches
+from ..boundary.hooks import find_decoder_layers
+from ..config import require_mesh_supported
+from ..dp.ft import start_lighthouse
+from ..pipeline.stage import StageModule, untie_embeddings
+from ..topology import MeshTopology
+from .bootstrap import job_store, run_worker
+from .checkpoint import resolve_resume
+from .results import MeshResult, gather_results, log_history, summarize
+from .settings import RunSettings
+
+__all__ = ["LIGHTHOUSE_ENV", "SUMMARY_NAME", "is_distributed_job", "train_on_mesh", "validate_mesh_job"]
+
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
+SUMMARY_NAME = "mesh_summary.json"
+
+
+def is_distributed_job() -> bool:
+    """True when this process is one of several (a launcher set WORLD_SIZE > 1)."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def validate_mesh_job(model, args) -> MeshTopology:
+    """The job's topology, or the same ``ValueError`` on every rank before any collective."""
+    _, layers = find_decoder_layers(model)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    topology = MeshTopology.from_environment(world, args.num_stages, args.anchor, len(layers))
+    require_mesh_supported(args)
+    return topology
+
+
+def _require_every_stage_trains(model, topology: MeshTopology) -> None:
+    """Every process holds the whole model, so each can check every stage (the same verdict on all
+    ranks, before any collective): a stage with nothing to train has nothing to sync or filter."""
+    for stage in range(topology.stages):
+        module = StageModule(model, stage, topology.stages, None, None)
+        require(
+            any(p.requires_grad for p in module.parameters()),
+            "trainable parameters of stage",
+            stage,
+            "include at least one (freeze fewer layers: every stage of the mesh trains)",
+        )
+
+
+def _pad_rows(batch: dict, seq_len: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = batch["input_ids"]
+    labels = batch.get("labels", ids)
+    require(ids.shape[1] <= seq_len, "batch sequence length", ids.shape[1], f"be <= the mesh's fixed length {seq_len}")
+    extra = seq_len - ids.shape[1]
+    if extra:
+        ids = torch.nn.functional.pad(ids, (0, extra), value=pad_id)
+        labels = torch.nn.functional.pad(labels, (0, extra), value=-100)
+    if "attention_mask" in batch:  # padded positions never count in the loss
+        mask = torch.nn.functional.pad(batch["attention_mask"], (0, extra), value=0)
+        labels = labels.masked_fill(mask == 0, -100)
+    return ids.long(), labels.long()
+
+
+class _ReplicaBatches:
+    """Fast replica ``replica``'s rows at step t: its share of the step's global batch, drawn like the
+    anchor's (``AnchorBatches``: a fresh permutation per pass, a pure function of seed and index)."""
+
+    def __init__(
+        self, dataset, collate, rows: int, replica: int, replicas: int, seed: int, seq_len: int, pad_id: int
+    ) -> None:
+        self.sampler = AnchorBatches(dataset, collate, rows, 1, seed, tag=b"meshtune-data")
+        self.replica, self.replicas, self.seq_len, self.pad_id = replica, replicas, seq_len, pad_id
+
+    def __call__(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        (batch,) = self.sampler(step * self.replicas + self.replica)
+        return _pad_rows(batch, self.seq_len, self.pad_id)
+
+
+def _fixed_length(dataset) -> int:
+    require(
+        hasattr(dataset, "column_names") and "input_ids" in dataset.column_names,
+        "train_dataset",
+        type(dataset).__name__,
+        "be a tokenized datasets.Dataset with an 'input_ids' column on the mesh "
+        "(pipeline stages exchange fixed-shape tensors, so the longest row sets T)",
+    )
+    return max(len(ids) for ids in dataset["input_ids"])
+
+
+def _lighthouse(rank: int, topology: MeshTopology) -> tuple[str, object | None]:
+    """The torchft lighthouse: ``$TORCHFT_LIGHTHOUSE``, or one that rank 0 starts for the job."""
+    address = os.environ.get(LIGHTHOUSE_ENV)
+    if address:
+        return address, None
+    require(
+        topology.job_replica is None,
+        LIGHTHOUSE_ENV,
+        address,
+        "be set when every replica is a job of its own (the replicas meet only at a shared lighthouse; "
+        "`meshtune launch` starts one)",
+    )
+    store = dist.distributed_c10d._get_default_store()
+    server = None
+    if rank == 0:
+        server, address = start_lighthouse(min_replicas=len(topology.fast_replicas))
+        store.set("meshtune/lighthouse", address)
+    return store.get("meshtune/lighthouse").decode(), server
+
+
+def _checkpoint_every(args) -> int | None:
+    """``save_strategy``/``save_steps`` → fast steps between mesh checkpoints (None: no checkpoints)."""
+    strategy = str(getattr(args.save_strategy, "value", args.save_strategy))
+    require(
+        strategy in ("no", "steps"),
+        "save_strategy",
+        strategy,
+        "be 'no' or 'steps' on the distributed mesh (it counts fast steps, not epochs or evaluations)",
+    )
+    if strategy == "no":
+        return None
+    steps = args.save_steps
+    return (
+        max(1, math.ceil(steps * args.max_steps)) if steps < 1 else int(steps)
+    )  # a float < 1 is a ratio, as in Trainer
+
+
+def train_on_mesh(trainer, resume_from_checkpoint: bool | str | None = None):
+    """Run ``trainer``'s training on the distributed mesh; returns a ``TrainOutput``.
+
+    ``save_strategy="steps"`` writes a mesh checkpoint every ``save_steps`` fast steps
+    (``runtime.checkpoint``: ``checkpoint-N/mesh/rank<r>.pt``, ``save_total_limit`` complete ones kept);
+    ``resume_from_checkpoint`` (True: the newest complete one in ``output_dir``) continues from one.
+    """
+    args, model = trainer.args, trainer.model
+    topology = validate_mesh_job(model, args)
+    require(
+        args.max_steps > 0, "max_steps", args.max_steps, "be > 0 on the distributed mesh (epochs are not counted there)"
+    )
+    checkpoint_every = _checkpoint_every(args)
+    resume_from = resolve_resume(resume_from_checkpoint, args.output_dir, topology)
+    _require_every_stage_trains(model, topology)
+    _ = args.device  # accelerate creates the default process group for launched jobs
+    require(
+        args.world_size == topology.job_world_size,
+        "TrainingArguments.world_size",
+        args.world_size,
+        f"equal WORLD_SIZE={topology.job_world_size} (accelerate did not join the launched processes; on CPU "
+        "export ACCELERATE_USE_CPU=true or pass --use_cpu, as `meshtune launch --cpu` does)",
+    )
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    rank = topology.mesh_rank(dist.get_rank())
+    trainer.mesh_boundaries.remove()  # the stages apply the masks themselves
+    if untie_embeddings(model) and rank == 0:
+        print(
+            "hf_meshtune: the LM head was tied to the input embeddings; on the mesh the first and last stages "
+            "each train their own copy (tie_word_embeddings=False in the saved config)",
+            flush=True,
+        )
+    groups = topology.build_groups(timeout_s=args.ddp_timeout)  # bounds every pipeline and anchor-link transfer
+    lighthouse, server = _lighthouse(rank, topology)
+
+    dataset = trainer.train_dataset
+    if hasattr(dataset, "column_names"):
+        dataset = trainer._remove_unused_columns(dataset, description="training")
+    seq_len = _fixed_length(dataset)
+    pad_id = getattr(getattr(trainer, "processing_class", None), "pad_token_id", None)
+    pad_id = pad_id if pad_id is not None else (model.config.pad_token_id or 0)
+    seed = args.data_seed if args.data_seed is not None else args.seed
+    micro, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
+    fast = topology.fast_replicas
+    replica, _ = topology.coords(rank)
+    batches = _ReplicaBatches(
+        dataset,
+        trainer.data_collator,
+        micro * accumulation,
+        min(replica, len(fast) - 1),
+        len(fast),
+        seed,
+        seq_len,
+        pad_id,
+    )
+    anchor_micro = args.anchor_microbatches or accumulation
+    anchor_rounds = AnchorBatches(dataset, trainer.data_collator, micro * anchor_micro, 1, seed)
+
+    def anchor_batches(round_index: int):
+        return _pad_rows(anchor_rounds(round_index)[0], seq_len, pad_id)
+
+    def scheduler(optimizer):
+        return get_scheduler(
+            args.lr_scheduler_type,
+            optimizer,
+            num_warmup_steps=args.get_warmup_steps(args.max_steps),
+            num_training_steps=args.max_steps,
+            scheduler_specific_kwargs=args.lr_scheduler_kwargs,
+        )
+
+    def log(entry: dict) -> None:
+        print(json.dumps({"mesh": f"{topology.replicas}x{topology.stages}", **entry}), flush=True)
+
+    settings = RunSettings(
+        config=args.mesh_config,
+        microbatch_size=micro,
+        microbatches=accumulation,
+        seq_len=seq_len,
+        max_steps=args.max_steps,
+        lr=args.learning_rate,
+        betas=(args.adam_beta1, args.adam_beta2),
+        eps=args.adam_epsilon,
+        weight_decay=args.weight_decay,
+        max_grad_norm=args.max_grad_norm or None,
+        scheduler=scheduler,
+        anchor_microbatches=anchor_micro,
+        lighthouse=lighthouse,
+        log=log,
+        log_every=max(1, int(args.logging_steps)),
+        link_timeout_s=args.ddp_timeout,
+        checkpoint_dir=args.output_dir,
+        checkpoint_every=checkpoint_every,
+        checkpoint_keep=args.save_total_limit,
+        resume_from=resume_from,
+    )
+    torch.manual_seed(args.seed)
+    result = run_worker(model, groups, settings, batches, anchor_batches)
+
+    survivors = _survivors(result, topology, groups.fast_group, settings.dp_timeout_s)
+    if survivors is not None and result.role == "anchor":  # given up by the fast ranks: nothing to share
+        return TrainOutput(args.max_steps, math.nan, {})
+    store = job_store(settings.dp_timeout_s) if topology.job_replica is not None else None
+    results = gather_results(result, topology, settings.dp_timeout_s, survivors, store)
+    _share_final_parameters(model, topology, survivors)
+    summary = summarize(results, topology, trainer, seq_len)
+    if rank == 0:
+        os.makedirs(args.output_dir, exist_ok=True)
+        path = os.path.join(args.output_dir, SUMMARY_NAME)
+        with open(f"{path}.tmp", "w") as handle:  # write then rename: never a half-written summary
+            json.dump(summary, handle, indent=2)
+        os.replace(f"{path}.tmp", path)
+        print(json.dumps({"mesh_summary": summary}, indent=2), flush=True)
+    trainer.state.global_step = trainer.state.max_steps = args.max_steps
+    trainer.state.log_history.extend(log_history(results, summary))
+    trainer.mesh_summary = summary
+    dist.barrier(group=survivors)
+    if server is not None:
+        server.shutdown()
+    losses = [loss for r in results if r.role == "fast" for loss in r.losses]
+    train_loss = float(statistics.fmean(losses)) if losses else math.nan
+    return TrainOutput(
+        args.max_steps,
+        train_loss,
+        {"train_loss": train_loss, **{k: v for k, v in summary.items() if isinstance(v, (int, float))}},
+    )
+
+
+def _survivors(result: MeshResult, topology: MeshTopology, fast_group, timeout_s: float):
+    """None when every process of the world is there to finish together; the fast ranks' group when
+    any of them lost the anchor link (its processes died: ``meshtune launch --optional-replica``).
+    The fast ranks agree (max over their group) and mesh rank 0 tells the anchor ranks through the
+    store, so every live process takes the same way out."""
+    if fast_group is None:
+        return None
+    store, key = dist.distributed_c10d._get_default_store(), "hf_meshtune/anchor_lost"
+    if result.role == "fast":
+        flag = torch.tensor([0 if result.anchor_lost_at is None else 1])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=fast_group)
+        lost = bool(flag.item())
+        if result.rank == 0:
+            store.set(key, "1" if lost else "0")
+    else:
+        store.wait([key], timedelta(seconds=timeout_s))
+        lost = store.get(key) == b"1"
+    return fast_group if lost else None
+
+
+def _share_final_parameters(model, topology: MeshTopology, group=None) -> None:
+    """Every process gets fast replica 0's final parameters (in a replica job: its own replica's; they
+    share θ_global), stage by stage (tensor broadcasts), so ``save_model``/``evaluate`` see the trained
+    model on any rank."""
+    source = topology.job_replica or 0
+    with torch.no_grad():
+        for stage in range(topology.stages):
+            owned = StageModule(model, stage, topology.stages, None, None)
+            for param in owned.parameters():
+                if param.requires_grad:
+                    dist.broadcast(param.data, src=topology.process_rank(topology.rank(source, stage)), group=group)

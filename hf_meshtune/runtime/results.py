@@ -1,0 +1,158 @@
+"""What a mesh run did: every process's ``MeshResult``, gathered, and the run's summary.
+
+``summarize`` puts the bytes every process put on its links per fast token, by circuit, next to the
+analytic ledger, with DP bytes per sync, anchor rounds and staleness, and step times; it is what
+``mesh_summary.json`` holds and what ``meshtune report`` reads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+import statistics
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from ..comm.wire import CIRCUITS
+from ..ledger import LedgerSettings, compute_ledger, param_shapes_of
+from ..topology import MESH_ENV, MeshTopology
+
+__all__ = ["MeshResult", "gather_results", "log_history", "summarize"]
+
+
+@dataclass
+class MeshResult:
+    """What one process did: role, losses (last stages), wire bytes, syncs, anchor traffic."""
+
+    rank: int
+    replica: int
+    stage: int
+    role: str
+    steps: int = 0
+    tokens: int = 0
+    losses: list[float] = field(default_factory=list)
+    step_seconds: list[float] = field(default_factory=list)
+    wire: dict = field(default_factory=dict)
+    dp_syncs: int = 0
+    dp_sync_bytes: list[float] = field(default_factory=list)
+    dp_participants: list[int] = field(default_factory=list)  # replicas averaged by every committed DiLoCo sync
+    arrivals: list[tuple[int, int]] = field(default_factory=list)  # (fast step on arrival, snapshot step)
+    anchor_rounds: list[int] = field(default_factory=list)  # snapshot step of every round (anchor)
+    heals: list[tuple[int, int]] = field(default_factory=list)  # (own step, peer's step) of every heal
+    first_step: int = 0  # the step this process started from (a resumed run's checkpoint step)
+    anchor_lost_at: int | None = None  # fast step at which the anchor link broke (fast ranks; None: it held)
+
+
+def gather_results(
+    result: MeshResult, topology: MeshTopology, timeout_s: float, group=None, store: dist.Store | None = None
+) -> list[MeshResult]:
+    """Every process's ``MeshResult``: over the job's world (or ``group``: the fast ranks when the
+    anchor was lost), and in replica jobs also through the launcher's ``store`` (``$MESHTUNE_JOB_STORE``:
+    mesh rank 0 waits for all X·Y). Without that store a replica job only knows its own replica's
+    results (the summary says how many replicas it covers)."""
+    results: list[MeshResult] = [None] * dist.get_world_size(group)  # type: ignore[list-item]
+    dist.all_gather_object(results, result, group=group)
+    if topology.job_replica is None:
+        return results
+    if store is None:
+        return results
+    key = "hf_meshtune/result/{}".format
+    store.set(key(result.rank), pickle.dumps(result))
+    if result.rank != 0:
+        return results
+    store.wait([key(r) for r in range(topology.world_size)], timedelta(seconds=timeout_s))
+    return [pickle.loads(store.get(key(r))) for r in range(topology.world_size)]
+
+
+def log_history(results: list[MeshResult], summary: dict) -> list[dict]:
+    """The Trainer's log history for the mesh run: the fast replicas' mean loss per step, and the
+    measured bytes per token by circuit on the last line (what ``meshtune report`` and
+    ``trainer_state.json`` readers expect)."""
+    per_replica = [r.losses for r in results if r.role == "fast" and r.losses]
+    steps = min((len(losses) for losses in per_replica), default=0)
+    first = min((r.first_step for r in results if r.role == "fast"), default=0)  # > 0 in a resumed run
+    history = [
+        {"step": first + i + 1, "loss": statistics.fmean(losses[i] for losses in per_replica)} for i in range(steps)
+    ]
+    if history:
+        measured = summary["measured_bytes_per_token"]
+        history[-1].update({f"comm/measured_{name}_bytes_per_token": float(value) for name, value in measured.items()})
+    return history
+
+
+def summarize(results: list[MeshResult], topology: MeshTopology, trainer, seq_len: int) -> dict:
+    """Measured bytes per fast token by circuit (all ranks) next to the analytic ledger, and more."""
+    fast = [r for r in results if r.role == "fast"]
+    tokens = sum(r.tokens for r in fast if r.stage == 0)
+    measured = {c: sum(r.wire["sent"][c] for r in results) / max(tokens, 1) for c in CIRCUITS}
+    measured["total"] = sum(measured.values())
+    steps = max((r.steps for r in fast), default=0)
+    rounds = max((len(r.anchor_rounds) for r in results if r.role == "anchor"), default=0)
+    cfg = trainer.args.mesh_config
+    dtype = str(next(trainer.model.parameters()).dtype).removeprefix("torch.")
+    tokens_per_step = tokens // max(steps * len(topology.fast_replicas), 1)
+    settings = LedgerSettings(
+        num_replicas=topology.replicas,
+        num_stages=topology.stages,
+        mask_ratio=cfg.mask_ratio,
+        tokens_per_step=max(tokens_per_step, 1),
+        activation_dtype=dtype,
+        grad_dtype=dtype,
+        param_dtype=dtype,
+        sync_every=cfg.dp_sync_every,
+        powersgd_rank=cfg.dp_powersgd_rank,
+        anchor=cfg.anchor,
+        anchor_every=1,
+        anchor_payload=cfg.anchor_payload,
+        anchor_tokens_per_round=trainer.args.per_device_train_batch_size
+        * (cfg.anchor_microbatches or trainer.args.gradient_accumulation_steps)
+        * seq_len,
+    )
+    shapes, hidden = param_shapes_of(trainer.model), trainer.model.config.get_text_config().hidden_size
+    ledger = compute_ledger(shapes, hidden, settings)
+    # The anchor's rounds follow its own pace, not a fixed anchor_every: its per-round part (dense
+    # pipeline + gradient delivery) scales with the rounds it really ran per fast step, R/S; the
+    # outer-update part does not. A(e) = updates + per_round/e, so per_round = 2·(A(1) − A(2)).
+    if cfg.anchor:
+        every2 = compute_ledger(shapes, hidden, dataclasses.replace(settings, anchor_every=2)).anchor
+        per_round = 2.0 * (ledger.anchor - every2)
+        anchor_analytic = (ledger.anchor - per_round) + per_round * rounds / max(steps, 1)
+    else:
+        anchor_analytic = 0.0
+    syncs = [(r.dp_syncs, sum(r.dp_sync_bytes)) for r in fast]
+    sync_count = sum(n for n, _ in syncs)
+    staleness = [arrival - snapshot for r in fast for arrival, snapshot in r.arrivals]
+    step_seconds = [s for r in fast for s in r.step_seconds[1:]] or [s for r in fast for s in r.step_seconds]
+    return {
+        "mesh": f"{topology.replicas}x{topology.stages}",
+        "fast_replicas": len(topology.fast_replicas),
+        "replicas_reported": len({r.replica for r in results}),
+        "heals": [{"rank": r.rank, "own_step": own, "peer_step": peer} for r in results for own, peer in r.heals],
+        "anchor": topology.anchor,
+        "steps": steps,
+        "fast_tokens": tokens,
+        "seq_len": seq_len,
+        "measured_bytes_per_token": measured,
+        "analytic_bytes_per_token": {
+            "pp_fwd": ledger.pp_fwd,
+            "pp_bwd": ledger.pp_bwd,
+            "dp": ledger.dp,
+            "anchor": anchor_analytic,
+            "total": ledger.pp_fwd + ledger.pp_bwd + ledger.dp + anchor_analytic,
+        },
+        "analytic_settings": dataclasses.asdict(settings),
+        "dp_syncs_per_rank": sync_count / max(len(fast), 1),
+        "dp_bytes_per_sync_per_rank": (sum(b for _, b in syncs) / sync_count) if sync_count else 0.0,
+        "anchor_rounds": rounds,
+        "anchor_arrivals": len(staleness),
+        "anchor_staleness_mean": statistics.fmean(staleness) if staleness else None,
+        "anchor_staleness_max": max(staleness) if staleness else None,
+        "step_seconds_mean": statistics.fmean(step_seconds) if step_seconds else None,
+        "final_loss": fast[-1].losses[-1] if fast and fast[-1].losses else None,
+        "mesh_env": os.environ.get(MESH_ENV),
+        "resumed_from_step": min((r.first_step for r in fast), default=0),
+        "anchor_lost_at_step": min((r.anchor_lost_at for r in fast if r.anchor_lost_at is not None), default=None),
+    }

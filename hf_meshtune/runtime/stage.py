@@ -1,0 +1,93 @@
+"""What both roles of a mesh process share: this process's stage of its replica's pipeline, on the Wire."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..anchor.link import anchor_matrices
+from ..comm.errors import naming_the_peers
+from ..comm.messages import flatten
+from ..comm.wire import Wire
+from ..dp.fragments import stage_fragments
+from ..pipeline.schedule import MeshStage, build_schedule, run_schedule
+from ..pipeline.stage import build_stage, causal_lm_loss, stage_parameter_names
+from ..topology import MeshGroups
+from .results import MeshResult
+from .settings import Batches, RunSettings, StageView
+
+__all__ = ["StageWorker"]
+
+
+class StageWorker:
+    """Stage ``groups.stage`` of replica ``groups.replica``: its ``StageModule``, pipeline schedule,
+    DiLoCo fragments and anchor matrices, its ``Wire`` and its ``MeshResult``."""
+
+    role = "fast"
+
+    def __init__(self, model: nn.Module, groups: MeshGroups, settings: RunSettings, batches: Batches) -> None:
+        anchor = self.role == "anchor"
+        self.groups, self.topology, self.settings, self.batches = groups, groups.topology, settings, batches
+        self.rank, self.replica, self.stage = groups.rank, groups.replica, groups.stage
+        self.wire = Wire()
+        self.model = model
+        masked = not anchor and settings.config.mask_ratio > 0
+        self.module = build_stage(model, self.stage, self.topology.stages, settings.config, masked=masked)
+        microbatches = (settings.anchor_microbatches or settings.microbatches) if anchor else settings.microbatches
+        self.device = next(model.parameters()).device
+        self.pipe = MeshStage(
+            self.module,
+            group=groups.pp_group,
+            device=self.device,
+            microbatch_size=settings.microbatch_size,
+            seq_len=settings.seq_len,
+            dtype=next(model.parameters()).dtype,
+            wire=self.wire,
+            anchor=anchor,
+        )
+        self.schedule = build_schedule(self.pipe, microbatches, causal_lm_loss(model))
+        self.fragments = stage_fragments(self.module, settings.config.dp_fragments)
+        self.matrices = anchor_matrices(model, self.module)
+        self.result = MeshResult(self.rank, self.replica, self.stage, self.role)
+        self.peer_hosts: dict[int, str] = {}  # pipeline neighbours' addresses (bootstrap fills it)
+
+    # --- the pipeline ---------------------------------------------------------------------------
+    def pipeline_step(self, ids: torch.Tensor, labels: torch.Tensor) -> float | None:
+        """One pipeline step; a send/receive that fails or times out names the neighbours it waited on."""
+        with self.naming_link_failure("a message to or from", self._neighbours()):
+            return run_schedule(self.schedule, self.module, ids, labels)
+
+    def naming_link_failure(self, what: str, peers: list[int]):
+        """A context in which a network failure names this process, the step and ``peers`` with addresses."""
+        topology = self.topology
+        named = [
+            f"rank {peer} (replica {topology.coords(peer)[0]}, stage {topology.coords(peer)[1]}) at "
+            f"{self.peer_hosts.get(peer, 'an unknown address')}"
+            for peer in peers
+        ]
+        who = f"rank {self.rank} ({self.role} replica {self.replica}, stage {self.stage})"
+        return naming_the_peers(who, self.module.step, what, named, self.settings.link_timeout_s)
+
+    def _neighbours(self) -> list[int]:
+        stages = self.topology.stages
+        return [self.topology.rank(self.replica, s) for s in (self.stage - 1, self.stage + 1) if 0 <= s < stages]
+
+    # --- what a caller sees -----------------------------------------------------------------------
+    def view(self, step: int, loss: float | None = None) -> StageView:
+        return StageView(
+            self.rank, self.replica, self.stage, self.role, step, loss, self._parameters, self._global_parameters
+        )
+
+    def _parameters(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach().clone() for n, p in stage_parameter_names(self.model, self.module).items()}
+
+    def _global_parameters(self) -> list[torch.Tensor]:
+        """θ_global of every fragment, flattened (overridden where another copy holds it)."""
+        return [flatten([p.detach() for p in f.parameters()]) for f in self.fragments]
+
+    def _finish(self, step: int) -> MeshResult:
+        self.result.wire = self.wire.to_dict()
+        view = self.view(step)
+        for callback in self.settings.callbacks:
+            callback.on_train_end(view)
+        return self.result

@@ -1,0 +1,322 @@
+"""A fast mesh process: stage s of fast replica r, and its step loop.
+
+One fast step, top to bottom (``FastWorker.run``):
+  1. the replica's 1F1B pipeline over the step's microbatches, compact [B, T, K] boundaries
+     (``pipeline.schedule``, every payload booked on the ``Wire``);
+  2. with a per-step DP peer (``dp_mode`` allreduce / powersgd_hook): average the gradients now
+     (``dp.baselines``);
+  3. gradient clipping over the whole replica (one scalar all-reduce over the PP group);
+  4. the anchor's dense gradients that have arrived go into ``SpectralAdamW``'s anchor momentum
+     (``anchor.link``, never waiting);
+  5. the inner optimizer step; Streaming DiLoCo (``dp.diloco``) hooks it and syncs one fragment with
+     stage s of the other fast replicas every ``dp_sync_every / dp_fragments`` steps;
+  6. after it, this loop reads what the step did: a heal (a restarted replica took a peer's state:
+     the loop goes on from the peer's step) and the committed syncs, which it counts and (replica 0)
+     forwards to the anchor (``anchor.link``);
+  7. the LR scheduler, logs, a mesh checkpoint when due (``runtime.checkpoint``), the callbacks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .._validation import require
+from ..anchor.link import FastAnchorLink
+from ..comm.messages import flatten
+from ..config import require_saved_knobs
+from ..dp.baselines import GradientSync
+from ..dp.diloco import StreamingDiLoCo
+from ..dp.ft import host_replica_store, make_manager
+from ..optim.spectral import SpectralAdamW
+from ..pipeline.stage import stage_parameter_names
+from ..topology import MeshGroups
+from .checkpoint import read_rank_state, save_rank_state
+from .results import MeshResult
+from .settings import Batches, RunSettings
+from .stage import StageWorker
+
+__all__ = ["FastWorker"]
+
+
+class FastWorker(StageWorker):
+    """Stage ``stage`` of fast replica ``replica``: masked pipeline, DiLoCo sync, anchor inbox."""
+
+    def __init__(self, model: nn.Module, groups: MeshGroups, settings: RunSettings, batches: Batches) -> None:
+        super().__init__(model, groups, settings, batches)
+        self.optimizer = self._build_optimizer()
+        self.scheduler = settings.scheduler(self.optimizer) if settings.scheduler else None
+        self.manager = self.gradient_sync = None
+        self.diloco: StreamingDiLoCo | contextlib.nullcontext = contextlib.nullcontext()
+        if settings.dp_mode == "streaming_diloco":
+            self._setup_diloco()
+        else:
+            self._setup_gradient_sync()
+        self.anchor = self._setup_anchor_link()
+        self._step = 0
+        self._healed_to: int | None = None
+        self._dp_bytes_at_last_sync = 0.0
+        if settings.resume_from is not None:
+            self._resume(settings.resume_from)
+
+    # --- set-up -------------------------------------------------------------------------------
+    def _trainable(self) -> list[nn.Parameter]:
+        return [p for p in self.module.parameters() if p.requires_grad]
+
+    def _build_optimizer(self) -> torch.optim.Optimizer:
+        s, cfg = self.settings, self.settings.config
+        trainable = self._trainable()
+        groups = [
+            {"params": [p for p in trainable if p.ndim >= 2], "weight_decay": s.weight_decay},
+            {"params": [p for p in trainable if p.ndim < 2], "weight_decay": 0.0},
+        ]
+        groups = [g for g in groups if g["params"]]
+        if not cfg.anchor:
+            return torch.optim.AdamW(groups, lr=s.lr, betas=s.betas, eps=s.eps)
+        return SpectralAdamW(
+            groups,
+            lr=s.lr,
+            betas=s.betas,
+            eps=s.eps,
+            alpha=cfg.spectral_alpha,
+            tau=cfg.spectral_tau,
+            anchor_beta=cfg.anchor_beta,
+            rank=cfg.spectral_rank,
+            relative_tau=cfg.spectral_relative_tau,
+            seed=cfg.mask_seed,
+            max_staleness=cfg.anchor_max_staleness,
+        )
+
+    def _setup_diloco(self) -> None:
+        s, cfg = self.settings, self.settings.config
+        self.replica_store = host_replica_store(self.replica, self.stage, timeout_s=s.dp_timeout_s)
+        self.manager = make_manager(
+            replica=self.replica,
+            stage=self.stage,
+            num_stages=self.topology.stages,
+            lighthouse_addr=s.lighthouse,
+            store_addr=self.replica_store.addr,
+            store_port=self.replica_store.port,
+            timeout_s=s.dp_timeout_s,
+        )
+        self.diloco = StreamingDiLoCo(
+            self.manager,
+            self.fragments,
+            self.optimizer,
+            sync_every=cfg.dp_sync_every,
+            fragment_sync_delay=cfg.dp_sync_delay,
+            outer_lr=cfg.dp_outer_lr,
+            outer_momentum=cfg.dp_outer_momentum,
+            powersgd_rank=cfg.dp_powersgd_rank,
+            wire=self.wire,
+            seed=cfg.mask_seed,
+        )
+        # a restarted replica heals this stage's whole state from a peer (DiLoCo's fragments and
+        # PowerSGD's Q heal under their own keys)
+        self.manager.register_state_dict_fn("mesh_stage", self._load_stage_state, self._stage_state)
+
+    def _setup_gradient_sync(self) -> None:
+        s, cfg = self.settings, self.settings.config
+        require(
+            self.groups.dp_peer_group is not None,
+            "dp_peer_group",
+            None,
+            f"be built (MeshTopology.build_groups(dp_peers=True)) for dp_mode={s.dp_mode!r}",
+        )
+        peers = len(self.topology.fast_replicas)
+        self.gradient_sync = GradientSync(
+            s.dp_mode,
+            self._trainable(),
+            self.groups.dp_peer_group,
+            peers,
+            self.wire,
+            powersgd_rank=cfg.dp_powersgd_rank or 4,
+            seed=cfg.mask_seed,
+        )
+
+    def _setup_anchor_link(self) -> FastAnchorLink | None:
+        cfg = self.settings.config
+        if not cfg.anchor:
+            return None
+        who = f"rank {self.rank} (fast replica {self.replica}, stage {self.stage})"
+        return FastAnchorLink(
+            self.wire,
+            self.groups.link_group,
+            self.topology.anchor_rank(self.stage),
+            self.matrices,
+            forwards=self.replica == 0,
+            who=who,
+            max_staleness=cfg.anchor_max_staleness,
+        )
+
+    # --- state: heals, checkpoints, resume ----------------------------------------------------------
+    def _stage_state(self) -> dict:
+        """What a peer's stage s gives a restarted replica's stage s when it heals (torchft reads it in
+        DiLoCo's step post-hook, during the quorum: the inner step of ``self._step`` is done; its
+        scheduler step is not)."""
+        return {
+            "step": self._step,
+            "params": {
+                n: p.detach() for n, p in stage_parameter_names(self.model, self.module).items() if p.requires_grad
+            },
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+        }
+
+    def _load_stage_state(self, state: dict) -> None:
+        """Heal (called by torchft inside the optimizer step): take the peer's local parameters, inner
+        optimizer and scheduler now, as torchft's contract wants; the peer's step goes back to the loop."""
+        self._healed_to = self._restore_stage(state)
+
+    def checkpoint_state(self) -> dict:
+        """This process's part of a mesh checkpoint (``runtime.checkpoint``): the healing state plus the
+        knobs, the RNG and DiLoCo's state (θ_global, outer momentum, PowerSGD, manager step)."""
+        return {
+            **self._stage_state(),
+            "config": dataclasses.asdict(self.settings.config),
+            "rng": torch.get_rng_state(),
+            "diloco": self.diloco.state_dict() if self.manager is not None else None,
+        }
+
+    def _resume(self, checkpoint: str) -> None:
+        state = read_rank_state(checkpoint, self.rank, self.topology)
+        require_saved_knobs(state["config"], self.settings.config, context=f"to resume from {checkpoint}")
+        self._step = self._restore_stage(state)
+        if self.manager is not None:
+            self.diloco.load_state_dict(state["diloco"])
+        torch.set_rng_state(state["rng"])
+        self.result.first_step = self._step
+
+    def _restore_stage(self, state: dict) -> int:
+        """Load a stage state's parameters, optimizer and scheduler; returns its step."""
+        params = stage_parameter_names(self.model, self.module)
+        require(
+            set(state["params"]) == {n for n, p in params.items() if p.requires_grad},
+            "healing state",
+            sorted(state["params"])[:3],
+            "hold this stage's trainable parameters (a peer with another model or stage split)",
+        )
+        with torch.no_grad():
+            for name, value in state["params"].items():
+                params[name].copy_(value)
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None and state["scheduler"] is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        return int(state["step"])
+
+    # --- one step -------------------------------------------------------------------------------
+    def _clip(self) -> None:
+        max_norm = self.settings.max_grad_norm
+        if not max_norm:
+            return
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        local = torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum() if grads else torch.zeros(())
+        total = local.reshape(1).clone()
+        if self.topology.stages > 1:
+            mates = [p for p in self.topology.pp_ranks(self.replica) if p != self.rank]
+            with self.naming_link_failure("the gradient-norm all-reduce with", mates):
+                self.wire.all_reduce(
+                    "pp_bwd", total, self.topology.stages, lambda t: dist.all_reduce(t, group=self.groups.pp_group)
+                )
+        norm = float(total.sqrt())
+        if norm > max_norm:
+            for g in grads:
+                g.mul_(max_norm / (norm + 1e-6))
+
+    def _count_dp_sync(self) -> None:
+        """Record one DP sync and the ``dp`` bytes this process sent for it."""
+        self.result.dp_syncs += 1
+        sent = self.wire.sent["dp"]
+        self.result.dp_sync_bytes.append(sent - self._dp_bytes_at_last_sync)
+        self._dp_bytes_at_last_sync = sent
+        if self.manager is not None:
+            self.result.dp_participants.append(self.manager.num_participants())
+
+    def _after_optimizer_step(self, step: int) -> int:
+        """What the optimizer step did besides the update: a heal moves the loop to the peer's step;
+        every committed sync is counted and forwarded to the anchor. Returns the step just finished."""
+        if self._healed_to is not None:
+            self.result.heals.append((step, self._healed_to))
+            step, self._healed_to = self._healed_to, None
+        if self.manager is not None:
+            for update in self.diloco.take_committed():
+                self._count_dp_sync()
+                if self.anchor is not None:
+                    self.anchor.forward(update, step + 1)
+        return step
+
+    def _train_step(self, step: int) -> tuple[int, float | None]:
+        self.module.step = step
+        ids, labels = (t.to(self.device) for t in self.batches(step))
+        loss = self.pipeline_step(ids, labels)
+        if self.gradient_sync is not None:
+            self.gradient_sync.sync()
+            self._count_dp_sync()
+        self._clip()
+        if self.anchor is not None:
+            self.anchor.drain(self.optimizer, step)
+        self.optimizer.step()  # DiLoCo's sync runs in its post-hook
+        step = self._after_optimizer_step(step)
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return step, loss
+
+    def run(self) -> MeshResult:
+        s = self.settings
+        tokens_per_step = s.microbatch_size * s.microbatches * s.seq_len
+        logging = self.stage == self.topology.stages - 1 and self.replica == 0
+        with self.diloco:
+            while self._step < s.max_steps:
+                start = time.perf_counter()
+                step, loss = self._train_step(self._step)
+                self._step = step + 1
+                self._record_step(time.perf_counter() - start, tokens_per_step, loss, logging)
+                if s.checkpoint_every and self._step % s.checkpoint_every == 0:
+                    save_rank_state(
+                        s.checkpoint_dir,
+                        self._step,
+                        self.rank,
+                        self.checkpoint_state(),
+                        self.topology,
+                        s.checkpoint_keep,
+                    )
+                view = self.view(self._step, loss)
+                for callback in s.callbacks:
+                    callback.on_step_end(view)
+        return self._finish_fast()
+
+    def _record_step(self, seconds: float, tokens: int, loss: float | None, logging: bool) -> None:
+        s = self.settings
+        self.result.step_seconds.append(seconds)
+        self.result.steps += 1
+        self.result.tokens += tokens
+        if loss is None:
+            return
+        self.result.losses.append(loss)
+        if logging and s.log is not None and self._step % s.log_every == 0:
+            s.log(
+                {"step": self._step, "loss": loss, "lr": self.optimizer.param_groups[0]["lr"], "step_seconds": seconds}
+            )
+
+    def _finish_fast(self) -> MeshResult:
+        if self.anchor is not None:
+            self.anchor.close(self._step)
+            self._step = self.settings.max_steps
+            self.anchor.drain(self.optimizer, self._step)
+            self.result.arrivals = self.anchor.arrivals
+            self.result.anchor_lost_at = self.anchor.lost_at
+        result = self._finish(self._step)
+        if self.manager is not None:
+            self.manager.shutdown(wait=False)
+        return result
+
+    def _global_parameters(self) -> list[torch.Tensor]:
+        if self.manager is None:  # per-step sync: the replicas' parameters are the global ones
+            return super()._global_parameters()
+        return [flatten(self.diloco.global_parameters(i)) for i in range(len(self.fragments))]
