@@ -26,10 +26,8 @@ gradient. The X×Y distributed mesh (compact pipeline, DiLoCo, an anchor replica
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import typing
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,7 +36,6 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, send_to_device
 from torch import nn
-from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader, IterableDataset
 
 from ._validation import require
@@ -48,6 +45,7 @@ from .boundary.hooks import BoundaryHandle, find_decoder_layers
 from .config import MeshArguments
 from .engine import MeshEngine
 from .ledger import Ledger
+from .optim.replace import move_schedulers, spectral_adamw_like
 from .optim.spectral import SpectralAdamW
 from .plugin_env import ENV_PREFIX, FROM_ENV, env_backed, env_field, parse_env_value
 
@@ -134,76 +132,6 @@ def _model_loss(model: nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Te
     return model(**batch).loss
 
 
-# torch Adam/AdamW group keys that SpectralAdamW has no use for (checked below where they matter).
-_ADAM_ONLY_KEYS = ("amsgrad", "maximize", "foreach", "capturable", "differentiable", "fused", "decoupled_weight_decay")
-
-
-def spectral_adamw_like(optimizer: torch.optim.Optimizer, plugin: MeshPlugin) -> SpectralAdamW:
-    """A ``SpectralAdamW`` over ``optimizer``'s param groups, same lr/betas/eps/weight_decay per group,
-    with the plugin's α, τ_p, β_anc, rank and relative τ. ``optimizer`` is a fresh torch Adam/AdamW."""
-    name = type(optimizer).__name__
-    require(
-        not optimizer.state,
-        "optimizer",
-        name,
-        "have taken no step yet when MeshAccelerator replaces it by SpectralAdamW (its moments would be lost)",
-    )
-    groups = []
-    for group in optimizer.param_groups:
-        require(not group.get("amsgrad", False), "amsgrad", True, "be False (SpectralAdamW is AdamW without amsgrad)")
-        require(not group.get("maximize", False), "maximize", True, "be False (SpectralAdamW minimises)")
-        decoupled = group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW))
-        require(
-            decoupled or group["weight_decay"] == 0,
-            "weight_decay",
-            group["weight_decay"],
-            f"be 0 for {name} without decoupled_weight_decay (its L2 penalty is not AdamW's decoupled decay); use "
-            f"AdamW",
-        )
-        groups.append({key: value for key, value in group.items() if key not in _ADAM_ONLY_KEYS})
-    defaults = optimizer.defaults
-    return SpectralAdamW(
-        groups,
-        lr=defaults["lr"],
-        betas=defaults["betas"],
-        eps=defaults["eps"],
-        weight_decay=defaults["weight_decay"],
-        alpha=plugin.spectral_alpha,
-        tau=plugin.spectral_tau,
-        anchor_beta=plugin.anchor_beta,
-        rank=plugin.spectral_rank,
-        relative_tau=plugin.spectral_relative_tau,
-        seed=plugin.mask_seed,
-        max_staleness=plugin.anchor_max_staleness,
-    )
-
-
-def _move_schedulers(objects: Sequence[Any], old: torch.optim.Optimizer, new: torch.optim.Optimizer) -> None:
-    """LR schedulers built on the replaced optimizer drive its replacement (whose groups carry their lr)."""
-    for obj in objects:
-        for scheduler in (obj, *getattr(obj, "_schedulers", ())):  # SequentialLR / ChainedScheduler children
-            if isinstance(scheduler, LRScheduler) and scheduler.optimizer is old:
-                scheduler.optimizer = new
-                _track_step_calls(new)
-
-
-def _track_step_calls(optimizer: torch.optim.Optimizer) -> None:
-    """Mark ``optimizer.step`` the way an LR scheduler built on it would have (torch's LRScheduler
-    warns on its first step if the optimizer's step lacks that mark, and checks it was called)."""
-    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
-        return
-    owner, step = weakref.ref(optimizer), type(optimizer).step
-
-    @functools.wraps(step)
-    def tracked_step(*args, **kwargs):
-        opt = owner()
-        opt._opt_called = True
-        return step(opt, *args, **kwargs)
-
-    tracked_step._wrapped_by_lr_sched = True
-    optimizer.step = tracked_step
-
-
 def _unique(objects: Sequence[Any], kind: type) -> list:
     """The objects of type ``kind`` in order, each once (the same object may be passed twice)."""
     found: list = []
@@ -279,7 +207,7 @@ class MeshAccelerator(Accelerator):
             if self.mesh_plugin.anchor:
                 self._build_anchor(engine, mesh_optimizer, loader)
             if mesh_optimizer is not optimizer:
-                _move_schedulers(args, optimizer, mesh_optimizer)
+                move_schedulers(args, optimizer, mesh_optimizer)
                 args = tuple(mesh_optimizer if obj is optimizer else obj for obj in args)
             result = super().prepare(*args, device_placement=device_placement)
         except BaseException:

@@ -17,7 +17,7 @@ from transformers import TrainingArguments
 from transformers.training_args import OptimizerNames
 
 from ._validation import require
-from .boundary.fills import FILLS
+from .boundary.fills import require_fill
 from .topology import in_replica_zero_job
 
 __all__ = [
@@ -149,7 +149,7 @@ class MeshArguments:
                 "optim",
                 getattr(self.optim, "value", self.optim),
                 f"be '{SPECTRAL_ADAMW}' when anchor=True (the anchor's gradients feed its spectral filter); set "
-                f"anchor=False for another optimizer",
+                "anchor=False for another optimizer",
             )
 
     def validate_mesh(self) -> None:
@@ -159,14 +159,7 @@ class MeshArguments:
         _require_field_types(self)
         require(0.0 <= self.mask_ratio < 1.0, "mask_ratio", self.mask_ratio, "lie in [0, 1)")
         require(self.num_stages >= 1, "num_stages", self.num_stages, "be >= 1")
-        require(self.mask_fill in FILLS, "mask_fill", self.mask_fill, f"be one of {sorted(FILLS)}")
-        require(
-            not (self.mask_rescale and self.mask_fill != "zeros"),
-            "mask_fill",
-            self.mask_fill,
-            "be 'zeros' when mask_rescale=True (a rescaled payload and a filled estimate would count the dropped dims "
-            "twice)",
-        )
+        require_fill(self.mask_fill, self.mask_rescale)
         require(self.mask_protect_dims >= 0, "mask_protect_dims", self.mask_protect_dims, "be >= 0")
         require(self.anchor_every >= 1, "anchor_every", self.anchor_every, "be >= 1")
         require(self.anchor_delay >= 0, "anchor_delay", self.anchor_delay, "be >= 0")
@@ -204,7 +197,7 @@ class MeshArguments:
             "dp_sync_delay",
             self.dp_sync_delay,
             f"lie in [0, dp_sync_every / dp_fragments = {interval}) (a fragment's sync must land before the next one "
-            f"starts)",
+            "starts)",
         )
         require(self.dp_outer_lr > 0, "dp_outer_lr", self.dp_outer_lr, "be > 0")
         require(0.0 <= self.dp_outer_momentum < 1.0, "dp_outer_momentum", self.dp_outer_momentum, "lie in [0, 1)")

@@ -39,6 +39,7 @@ import signal
 import socket
 import sys
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from ._validation import require
@@ -247,6 +248,39 @@ def launch_mesh(
         >>> launch_mesh((3, 2), ["recipes/sft.py", "--max_steps", "10"], cpu=True)  # doctest: +SKIP
     """
     _validate(mesh, command, master_port, lighthouse)
+    _validate_restarts(mesh, max_restarts, optional_replicas, master_port)
+    if log_dir is not None:
+        os.makedirs(log_dir, exist_ok=True)
+    port = master_port if master_port is not None else free_port()
+    server, address = _maybe_start_lighthouse(lighthouse, host)
+    jobs = _ReplicaJobs(mesh, max_restarts, host) if max_restarts else None
+    _say(
+        f"mesh {mesh[0]}x{mesh[1]} = {mesh[0] * mesh[1]} processes, "
+        + (f"one job per replica, up to {max_restarts} restart(s) each" if jobs else f"master 127.0.0.1:{port}")
+        + f", lighthouse {address}"
+    )
+    progress = StepProgress(command, _rank_tag(mesh, mesh[1] - 1))
+    running = _Mesh(grace_s, progress)
+    starter = _Starter(running, mesh, command, cpu, address, env, log_dir, rank_hook, jobs)
+    with _SignalTrap() as trap:  # also covers the stop: a second Ctrl-C must not cut it short
+        try:
+            if jobs is None:
+                starter.start_world(port)
+            else:
+                for replica in range(mesh[0]):
+                    starter.start_replica(replica, 0)
+            return _supervise(running, trap, mesh, jobs, starter.start_replica, optional_replicas)
+        finally:
+            running.stop()
+            progress.close()
+            if jobs is not None:
+                jobs.close()
+            if server is not None:
+                server.shutdown()
+
+
+def _validate_restarts(mesh: tuple[int, int], max_restarts: Any, optional_replicas: Sequence[int],
+                       master_port: int | None) -> None:  # fmt: skip
     require(
         isinstance(max_restarts, int) and not isinstance(max_restarts, bool) and max_restarts >= 0,
         "max_restarts",
@@ -266,67 +300,44 @@ def launch_mesh(
         master_port,
         "be unset with max_restarts > 0 (every replica, and every restart of one, gets a free port of its own)",
     )
-    if log_dir is not None:
-        os.makedirs(log_dir, exist_ok=True)
-    port = master_port if master_port is not None else free_port()
-    server, address = _maybe_start_lighthouse(lighthouse, host)
-    world_size = mesh[0] * mesh[1]
-    jobs = _ReplicaJobs(mesh, max_restarts, host) if max_restarts else None
 
-    def start(rank: int, ranked_env: dict[str, str], append: bool = False) -> None:
-        prefix, extra = rank_hook(rank) if rank_hook is not None else ([], {})
-        running.start(
-            rank,
-            _rank_tag(mesh, rank),
-            [*prefix, *child_argv(command)],
-            ranked_env | dict(extra),
-            log_dir,
-            append=append,
+
+@dataclass
+class _Starter:
+    """Starts the mesh's ranks: all in one world, or one replica job (a fresh port per start)."""
+
+    running: _Mesh
+    mesh: tuple[int, int]
+    command: list[str]
+    cpu: bool
+    lighthouse: str | None
+    env: dict[str, str] | None
+    log_dir: str | None
+    rank_hook: RankHook | None
+    jobs: _ReplicaJobs | None
+
+    def start(self, rank: int, ranked_env: dict[str, str], append: bool = False) -> None:
+        prefix, extra = self.rank_hook(rank) if self.rank_hook is not None else ([], {})
+        argv = [*prefix, *child_argv(self.command)]
+        self.running.start(
+            rank, _rank_tag(self.mesh, rank), argv, ranked_env | dict(extra), self.log_dir, append=append
         )
 
-    _say(
-        f"mesh {mesh[0]}x{mesh[1]} = {world_size} processes, "
-        + (f"one job per replica, up to {max_restarts} restart(s) each" if jobs else f"master 127.0.0.1:{port}")
-        + f", lighthouse {address}"
-    )
-    progress = StepProgress(command, _rank_tag(mesh, mesh[1] - 1))
-    running = _Mesh(grace_s, progress)
-
-    def start_replica(replica: int, restart: int) -> None:
-        replica_port = free_port()
-        for rank in range(replica * mesh[1], (replica + 1) * mesh[1]):
+    def start_world(self, port: int) -> None:
+        for rank in range(self.mesh[0] * self.mesh[1]):
             ranked_env = child_env(
-                mesh,
-                rank,
-                cpu=cpu,
-                master_port=replica_port,
-                lighthouse=address,
-                base=os.environ,
-                replica_jobs=True,
-                restart=restart,
-                job_store=jobs.address,
-            ) | dict(env or {})
-            start(rank, ranked_env, append=restart > 0)
+                self.mesh, rank, cpu=self.cpu, master_port=port, lighthouse=self.lighthouse, base=os.environ
+            )
+            self.start(rank, ranked_env | dict(self.env or {}))
 
-    with _SignalTrap() as trap:  # also covers the stop: a second Ctrl-C must not cut it short
-        try:
-            if jobs is None:
-                for rank in range(world_size):
-                    ranked_env = child_env(
-                        mesh, rank, cpu=cpu, master_port=port, lighthouse=address, base=os.environ
-                    ) | dict(env or {})
-                    start(rank, ranked_env)
-            else:
-                for replica in range(mesh[0]):
-                    start_replica(replica, 0)
-            return _supervise(running, trap, mesh, jobs, start_replica, optional_replicas)
-        finally:
-            running.stop()
-            progress.close()
-            if jobs is not None:
-                jobs.close()
-            if server is not None:
-                server.shutdown()
+    def start_replica(self, replica: int, restart: int) -> None:
+        replica_port = free_port()
+        for rank in range(replica * self.mesh[1], (replica + 1) * self.mesh[1]):
+            ranked_env = child_env(
+                self.mesh, rank, cpu=self.cpu, master_port=replica_port, lighthouse=self.lighthouse, base=os.environ,
+                replica_jobs=True, restart=restart, job_store=self.jobs.address,
+            )  # fmt: skip
+            self.start(rank, ranked_env | dict(self.env or {}), append=restart > 0)
 
 
 class _ReplicaJobs:

@@ -28,6 +28,8 @@ import transformers
 
 from ._validation import require
 from .boundary.masking import keep_count
+from .comm.wire import CIRCUITS
+from .config import ANCHOR_PAYLOADS
 
 DTYPE_BYTES: dict[str, int] = {
     "float64": 8,
@@ -41,9 +43,6 @@ DTYPE_BYTES: dict[str, int] = {
     "float8_e5m2": 1,
 }
 """Bytes per element of every dtype name the ledger accepts (torch names plus short aliases)."""
-
-ANCHOR_PAYLOADS = ("gradient", "factors")
-_CIRCUITS = ("pp_fwd", "pp_bwd", "dp", "anchor")
 
 
 def _require_int(field: str, value: Any, minimum: int, rule: str | None = None) -> None:
@@ -156,7 +155,7 @@ class Ledger:
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict: ``<circuit>_bytes_per_token`` keys, total, compression, K, H, settings."""
         return {
-            **{f"{name}_bytes_per_token": getattr(self, name) for name in _CIRCUITS},
+            **{f"{name}_bytes_per_token": getattr(self, name) for name in CIRCUITS},
             "total_bytes_per_token": self.total,
             "compression_vs_dense": self.compression,
             "keep": self.keep,
@@ -166,7 +165,7 @@ class Ledger:
 
     def log_dict(self, prefix: str = "comm/") -> dict[str, float]:
         """Flat float metrics with unit-bearing keys, e.g. ``comm/pp_fwd_bytes_per_token``."""
-        out = {f"{prefix}{name}_bytes_per_token": float(getattr(self, name)) for name in _CIRCUITS}
+        out = {f"{prefix}{name}_bytes_per_token": float(getattr(self, name)) for name in CIRCUITS}
         out[f"{prefix}total_bytes_per_token"] = float(self.total)
         if self.compression is not None:
             out[f"{prefix}compression_vs_dense_ratio"] = float(self.compression)
@@ -376,7 +375,7 @@ def format_table(ledgers: Mapping[str, Ledger], reference: Mapping[str, float] |
         cells = [
             name,
             f"{led.keep}/{led.hidden_size}",
-            *(_fmt(getattr(led, c)) for c in _CIRCUITS),
+            *(_fmt(getattr(led, c)) for c in CIRCUITS),
             _fmt(led.total),
             f"{ratio:,.2f}×",
         ]

@@ -18,7 +18,6 @@ backend is touched, even when this runs inside a notebook.
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 from dataclasses import dataclass
@@ -30,6 +29,8 @@ from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ._validation import require
+from .comm.wire import CIRCUITS
+from .report_plots import bar_series, draw_bytes, draw_loss
 from .runtime.job import SUMMARY_NAME as MESH_SUMMARY_NAME
 
 __all__ = [
@@ -46,7 +47,6 @@ __all__ = [
     "write_report",
 ]
 
-CIRCUITS = ("pp_fwd", "pp_bwd", "dp", "anchor")
 DEMO_SUMMARY_NAME = "summary.json"  # what ``demo.run_demo`` writes (it names no constant)
 REPORT_NAME, LOSS_PLOT_NAME, BYTES_PLOT_NAME = "report.md", "loss.png", "bytes_per_token.png"
 _RUN_FILES = frozenset({TRAINER_STATE_NAME, MESH_SUMMARY_NAME, DEMO_SUMMARY_NAME})
@@ -243,115 +243,6 @@ def _circuit_dict(values: Any) -> dict[str, float | None] | None:
     if not isinstance(values, dict):
         return None
     return {name: values.get(name) for name in (*CIRCUITS, "total")}
-
-
-# ---------------------------------------------------------------------------------------------------
-# Plots
-# ---------------------------------------------------------------------------------------------------
-
-
-def bar_series(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """``{"<run> analytic" | "<run> measured": {circuit: bytes per token}}``: the bars to draw."""
-    series: dict[str, dict[str, float]] = {}
-    for row in rows:
-        for kind, values in (("analytic", row["bytes_per_token"]), ("measured", row["measured_bytes_per_token"])):
-            if values:
-                series[f"{row['run']} {kind}"] = {c: float(values[c]) for c in CIRCUITS if values.get(c) is not None}
-    return series
-
-
-def draw_loss(runs: list[RunFiles], rows: list[dict[str, Any]], path: Path) -> None:
-    """Training loss vs step, one line per run; eval losses as crosses of the run's colour. When runs
-    log a reward (GRPO/GSPO, whose loss hovers near 0 by construction), a second panel plots it."""
-    rewards = [_points(run.log_history, "reward") for run in runs]
-    with_reward = any(steps for steps, _ in rewards)
-    fig, ax = _figure((12.0, 4.5) if with_reward else (7.0, 4.5), ncols=2 if with_reward else 1)
-    from matplotlib.ticker import MaxNLocator  # after _figure, which explains a missing matplotlib
-
-    if with_reward:
-        ax, reward_ax = ax
-        for index, (run, (steps, values)) in enumerate(zip(runs, rewards)):
-            if steps:
-                reward_ax.plot(steps, values, marker="o", markersize=3, color=f"C{index % 10}", label=run.name)
-        reward_ax.set(xlabel="step", ylabel="mean reward of the step's rollouts", title="Reward (RL runs)")
-        reward_ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        reward_ax.grid(alpha=0.3)
-        reward_ax.legend(fontsize="small")
-
-    drawn = False
-    for index, (run, row) in enumerate(zip(runs, rows)):
-        color = f"C{index % 10}"
-        steps, losses = _points(run.log_history, "loss")
-        if not steps and row["steps"] is not None and row["last_train_loss"] is not None:
-            steps, losses = [row["steps"]], [row["last_train_loss"]]  # a summary gives only the last loss
-        if steps:
-            ax.plot(steps, losses, marker="o", markersize=3, color=color, label=run.name)
-        eval_steps, eval_losses = _points(run.log_history, "eval_loss")
-        if eval_steps:
-            ax.scatter(eval_steps, eval_losses, marker="x", s=40, color=color, label=f"{run.name} eval")
-        drawn = drawn or bool(steps or eval_steps)
-    if drawn:
-        ax.legend(fontsize="small")
-    else:
-        ax.text(0.5, 0.5, "no loss logged", ha="center", va="center", transform=ax.transAxes)
-    ax.set(xlabel="step", ylabel="loss", title="Training loss")
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
-    ax.grid(alpha=0.3)
-    _save(fig, path)
-
-
-def _points(history: list[dict[str, Any]], key: str) -> tuple[list[float], list[float]]:
-    pairs = [(entry["step"], entry[key]) for entry in history if key in entry and "step" in entry]
-    return [step for step, _ in pairs], [value for _, value in pairs]
-
-
-def draw_bytes(series: dict[str, dict[str, float]], path: Path) -> None:
-    """Grouped bars: one group per circuit, one bar per run and kind (measured ones hatched), log y.
-
-    A log axis has no zero: a circuit that sends nothing (no anchor, one stage) gets a "0" instead of a bar.
-    """
-    fig, ax = _figure((max(7.0, 2.0 + 0.45 * len(series) * len(CIRCUITS)), 4.5))
-    width = 0.8 / max(len(series), 1)
-    runs = list(dict.fromkeys(label.rsplit(" ", 1)[0] for label in series))  # one colour per run
-    for index, (label, values) in enumerate(series.items()):
-        xs = [c + (index - (len(series) - 1) / 2) * width for c in range(len(CIRCUITS))]
-        heights = [values.get(c, math.nan) for c in CIRCUITS]
-        ax.bar(
-            xs,
-            [h if h > 0 else math.nan for h in heights],
-            width,
-            label=label,
-            color=f"C{runs.index(label.rsplit(' ', 1)[0]) % 10}",
-            edgecolor="black",
-            linewidth=0.5,
-            hatch="//" if label.endswith(" measured") else None,
-        )
-        for x, height in zip(xs, heights):
-            if height == 0:
-                ax.annotate("0", (x, 0), xycoords=("data", "axes fraction"), ha="center", va="bottom", fontsize="small")
-    if any(v > 0 for values in series.values() for v in values.values()):
-        ax.set_yscale("log")
-    ax.set_xticks(range(len(CIRCUITS)), CIRCUITS)
-    ax.set(ylabel="bytes per token", title="Bytes per fast-circuit token, by circuit")
-    ax.grid(axis="y", alpha=0.3, which="both")
-    if series:
-        ax.legend(fontsize="small")
-    _save(fig, path)
-
-
-def _figure(size: tuple[float, float], ncols: int = 1) -> tuple[Any, Any]:
-    try:
-        from matplotlib.figure import Figure
-    except ModuleNotFoundError as err:  # an optional extra: say which
-        raise ModuleNotFoundError("meshtune report draws with matplotlib: pip install 'hf_meshtune[report]'") from err
-    fig = Figure(figsize=size, layout="constrained")
-    return fig, fig.subplots(ncols=ncols)
-
-
-def _save(fig: Any, path: Path) -> None:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-
-    FigureCanvasAgg(fig).print_png(str(path))
 
 
 # ---------------------------------------------------------------------------------------------------

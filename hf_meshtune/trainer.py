@@ -27,7 +27,7 @@ from .config import SPECTRAL_ADAMW, MeshArguments, MeshConfig
 from .engine import MeshEngine
 from .ledger import Ledger
 from .model_card import mesh_card_section, write_mesh_card
-from .optim.spectral import SpectralAdamW
+from .optim.spectral import SpectralAdamW, spectral_options
 from .runtime.checkpoint import atomic_torch_save, load_torch_file
 from .runtime.job import is_distributed_job, train_on_mesh, validate_mesh_job
 from .topology import in_replica_zero_job
@@ -121,13 +121,7 @@ class MeshTrainerMixin:
             "lr": args.learning_rate,
             "betas": (args.adam_beta1, args.adam_beta2),
             "eps": args.adam_epsilon,
-            "alpha": args.spectral_alpha,
-            "tau": args.spectral_tau,
-            "anchor_beta": args.anchor_beta,
-            "rank": args.spectral_rank,
-            "relative_tau": args.spectral_relative_tau,
-            "seed": args.mask_seed,
-            "max_staleness": args.anchor_max_staleness,
+            **spectral_options(args),
         }
 
     def create_optimizer(self, model=None):

@@ -84,8 +84,7 @@ class MeshGRPOConfig(MeshArguments, GRPOConfig):
             "WORLD_SIZE",
             world,
             f"be 1 for {type(self).__name__}: GRPO/GSPO trains on one process (the distributed X×Y mesh runs "
-            f"supervised "
-            "objectives: MeshTrainer, MeshSFTTrainer)",
+            "supervised objectives: MeshTrainer, MeshSFTTrainer)",
         )
         _default_bf16(self)
         super().__post_init__()

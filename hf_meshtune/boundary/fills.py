@@ -19,7 +19,7 @@ import torch
 from .._validation import require
 from .masking import expand
 
-__all__ = ["FILLS", "Fill", "GaussianFill", "MeanFill", "ZeroFill"]
+__all__ = ["FILLS", "Fill", "GaussianFill", "MeanFill", "ZeroFill", "require_fill"]
 
 
 class Fill(Protocol):
@@ -188,3 +188,15 @@ class GaussianFill(ZeroFill):
 
 
 FILLS = {"zeros": ZeroFill, "mean": MeanFill, "gaussian": GaussianFill}
+
+
+def require_fill(fill: str, rescale: bool) -> None:
+    """The receiver-fill rules (``mask_fill``, ``mask_rescale``), for the knobs and ``attach_boundaries`` alike."""
+    require(fill in FILLS, "mask_fill", fill, f"be one of {sorted(FILLS)}")
+    require(
+        not (rescale and fill != "zeros"),
+        "mask_fill",
+        fill,
+        "be 'zeros' when mask_rescale=True (a rescaled payload and a filled estimate would count the dropped dims "
+        "twice)",
+    )

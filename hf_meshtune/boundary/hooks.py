@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from .._validation import require
-from .fills import FILLS
+from .fills import FILLS, require_fill
 from .masking import BoundaryMask, keep_count, private_rng
 
 __all__ = ["BoundaryHandle", "PayloadCounter", "attach_boundaries", "find_decoder_layers", "split_stages"]
@@ -273,14 +273,7 @@ def attach_boundaries(
         >>> handle.set_step(0); loss = model(**batch).loss; loss.backward()    # doctest: +SKIP
         >>> handle.remove()                                                     # doctest: +SKIP
     """
-    require(fill in FILLS, "mask_fill", fill, f"be one of {sorted(FILLS)}")
-    require(
-        not (rescale and fill != "zeros"),
-        "mask_fill",
-        fill,
-        "be 'zeros' when mask_rescale=True (a rescaled payload and a filled estimate would count the dropped dims "
-        "twice)",
-    )
+    require_fill(fill, rescale)
     layers_name, layers = find_decoder_layers(model)
     stages = split_stages(len(layers), num_stages)
     hidden = _hidden_size(model)

@@ -25,7 +25,7 @@ from torch import Tensor
 from .._validation import require
 from ..boundary.masking import stable_seed
 
-__all__ = ["SpectralAdamW"]
+__all__ = ["SpectralAdamW", "spectral_options"]
 
 logger = logging.getLogger(__name__)
 
@@ -395,3 +395,18 @@ class SpectralAdamW(torch.optim.Optimizer):
         for pid, (param, _) in zip(saved_ids, self._params_with_groups()):
             for key, value in anchors.get(pid, {}).items():
                 self.state[param][key] = value.to(device=param.device, dtype=_anchor_dtype(param))
+
+
+def spectral_options(knobs: Any) -> dict[str, Any]:
+    """``SpectralAdamW``'s filter and anchor arguments from the mesh knobs (``config.MeshArguments``):
+    α, τ_p, β_anc, the rank cap, relative τ, the basis seed and the staleness bound. Every place that
+    builds a ``SpectralAdamW`` from the knobs (Trainer, Accelerate, the mesh's fast ranks) uses this."""
+    return {
+        "alpha": knobs.spectral_alpha,
+        "tau": knobs.spectral_tau,
+        "anchor_beta": knobs.anchor_beta,
+        "rank": knobs.spectral_rank,
+        "relative_tau": knobs.spectral_relative_tau,
+        "seed": knobs.mask_seed,
+        "max_staleness": knobs.anchor_max_staleness,
+    }

@@ -18,6 +18,7 @@ import json
 import math
 import os
 import statistics
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
@@ -31,7 +32,7 @@ from ..boundary.hooks import find_decoder_layers
 from ..config import require_mesh_supported
 from ..dp.ft import start_lighthouse
 from ..pipeline.stage import StageModule, untie_embeddings
-from ..topology import MeshTopology
+from ..topology import MeshGroups, MeshTopology
 from .bootstrap import job_store, run_worker
 from .checkpoint import resolve_resume
 from .results import MeshResult, gather_results, log_history, summarize
@@ -162,6 +163,23 @@ def train_on_mesh(trainer, resume_from_checkpoint: bool | str | None = None):
     checkpoint_every = _checkpoint_every(args)
     resume_from = resolve_resume(resume_from_checkpoint, args.output_dir, topology)
     _require_every_stage_trains(model, topology)
+    rank = _join(trainer, topology)
+    groups = topology.build_groups(timeout_s=args.ddp_timeout)  # bounds every pipeline and anchor-link transfer
+    lighthouse, server = _lighthouse(rank, topology)
+    batches, anchor_batches, seq_len = _mesh_data(trainer, topology, rank)
+    settings = _run_settings(args, topology, seq_len, lighthouse, checkpoint_every, resume_from)
+    torch.manual_seed(args.seed)
+    result = run_worker(model, groups, settings, batches, anchor_batches)
+    try:
+        return _finish(trainer, result, groups, settings, seq_len)
+    finally:
+        if server is not None:
+            server.shutdown()
+
+
+def _join(trainer, topology: MeshTopology) -> int:
+    """This process's mesh rank, once its process group exists and the model is ready for the stages."""
+    args, model = trainer.args, trainer.model
     _ = args.device  # accelerate creates the default process group for launched jobs
     require(
         args.world_size == topology.job_world_size,
@@ -180,9 +198,12 @@ def train_on_mesh(trainer, resume_from_checkpoint: bool | str | None = None):
             "each train their own copy (tie_word_embeddings=False in the saved config)",
             flush=True,
         )
-    groups = topology.build_groups(timeout_s=args.ddp_timeout)  # bounds every pipeline and anchor-link transfer
-    lighthouse, server = _lighthouse(rank, topology)
+    return rank
 
+
+def _mesh_data(trainer, topology: MeshTopology, rank: int) -> tuple[_ReplicaBatches, Callable, int]:
+    """(this replica's batches by step, the anchor's by round, the fixed sequence length T)."""
+    args, model = trainer.args, trainer.model
     dataset = trainer.train_dataset
     if hasattr(dataset, "column_names"):
         dataset = trainer._remove_unused_columns(dataset, description="training")
@@ -190,24 +211,24 @@ def train_on_mesh(trainer, resume_from_checkpoint: bool | str | None = None):
     pad_id = getattr(getattr(trainer, "processing_class", None), "pad_token_id", None)
     pad_id = pad_id if pad_id is not None else (model.config.pad_token_id or 0)
     seed = args.data_seed if args.data_seed is not None else args.seed
-    micro, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
-    fast = topology.fast_replicas
+    micro, fast = args.per_device_train_batch_size, topology.fast_replicas
     replica, _ = topology.coords(rank)
+    rows = micro * args.gradient_accumulation_steps
     batches = _ReplicaBatches(
-        dataset,
-        trainer.data_collator,
-        micro * accumulation,
-        min(replica, len(fast) - 1),
-        len(fast),
-        seed,
-        seq_len,
-        pad_id,
+        dataset, trainer.data_collator, rows, min(replica, len(fast) - 1), len(fast), seed, seq_len, pad_id
     )
-    anchor_micro = args.anchor_microbatches or accumulation
-    anchor_rounds = AnchorBatches(dataset, trainer.data_collator, micro * anchor_micro, 1, seed)
+    anchor_rows = micro * (args.anchor_microbatches or args.gradient_accumulation_steps)
+    anchor_rounds = AnchorBatches(dataset, trainer.data_collator, anchor_rows, 1, seed)
 
     def anchor_batches(round_index: int):
         return _pad_rows(anchor_rounds(round_index)[0], seq_len, pad_id)
+
+    return batches, anchor_batches, seq_len
+
+
+def _run_settings(args, topology: MeshTopology, seq_len: int, lighthouse: str, checkpoint_every: int | None,
+                  resume_from: str | None) -> RunSettings:  # fmt: skip
+    """The Trainer's arguments as the mesh process's ``RunSettings``."""
 
     def scheduler(optimizer):
         return get_scheduler(
@@ -221,10 +242,10 @@ def train_on_mesh(trainer, resume_from_checkpoint: bool | str | None = None):
     def log(entry: dict) -> None:
         print(json.dumps({"mesh": f"{topology.replicas}x{topology.stages}", **entry}), flush=True)
 
-    settings = RunSettings(
+    return RunSettings(
         config=args.mesh_config,
-        microbatch_size=micro,
-        microbatches=accumulation,
+        microbatch_size=args.per_device_train_batch_size,
+        microbatches=args.gradient_accumulation_steps,
         seq_len=seq_len,
         max_steps=args.max_steps,
         lr=args.learning_rate,
@@ -233,7 +254,7 @@ def train_on_mesh(trainer, resume_from_checkpoint: bool | str | None = None):
         weight_decay=args.weight_decay,
         max_grad_norm=args.max_grad_norm or None,
         scheduler=scheduler,
-        anchor_microbatches=anchor_micro,
+        anchor_microbatches=args.anchor_microbatches or args.gradient_accumulation_steps,
         lighthouse=lighthouse,
         log=log,
         log_every=max(1, int(args.logging_steps)),
@@ -243,17 +264,20 @@ def train_on_mesh(trainer, resume_from_checkpoint: bool | str | None = None):
         checkpoint_keep=args.save_total_limit,
         resume_from=resume_from,
     )
-    torch.manual_seed(args.seed)
-    result = run_worker(model, groups, settings, batches, anchor_batches)
 
+
+def _finish(trainer, result: MeshResult, groups: MeshGroups, settings: RunSettings, seq_len: int):
+    """After the last step: agree on who is left, gather every result, share the final parameters,
+    write ``mesh_summary.json`` (rank 0) and fill the Trainer's state; returns the ``TrainOutput``."""
+    args, topology = trainer.args, groups.topology
     survivors = _survivors(result, topology, groups.fast_group, settings.dp_timeout_s)
     if survivors is not None and result.role == "anchor":  # given up by the fast ranks: nothing to share
         return TrainOutput(args.max_steps, math.nan, {})
     store = job_store(settings.dp_timeout_s) if topology.job_replica is not None else None
     results = gather_results(result, topology, settings.dp_timeout_s, survivors, store)
-    _share_final_parameters(model, topology, survivors)
+    _share_final_parameters(trainer.model, topology, survivors)
     summary = summarize(results, topology, trainer, seq_len)
-    if rank == 0:
+    if groups.rank == 0:
         os.makedirs(args.output_dir, exist_ok=True)
         path = os.path.join(args.output_dir, SUMMARY_NAME)
         with open(f"{path}.tmp", "w") as handle:  # write then rename: never a half-written summary
@@ -264,15 +288,10 @@ def train_on_mesh(trainer, resume_from_checkpoint: bool | str | None = None):
     trainer.state.log_history.extend(log_history(results, summary))
     trainer.mesh_summary = summary
     dist.barrier(group=survivors)
-    if server is not None:
-        server.shutdown()
     losses = [loss for r in results if r.role == "fast" for loss in r.losses]
     train_loss = float(statistics.fmean(losses)) if losses else math.nan
-    return TrainOutput(
-        args.max_steps,
-        train_loss,
-        {"train_loss": train_loss, **{k: v for k, v in summary.items() if isinstance(v, (int, float))}},
-    )
+    numbers = {k: v for k, v in summary.items() if isinstance(v, (int, float))}
+    return TrainOutput(args.max_steps, train_loss, {"train_loss": train_loss, **numbers})
 
 
 def _survivors(result: MeshResult, topology: MeshTopology, fast_group, timeout_s: float):

@@ -91,37 +91,8 @@ def summarize(results: list[MeshResult], topology: MeshTopology, trainer, seq_le
     measured["total"] = sum(measured.values())
     steps = max((r.steps for r in fast), default=0)
     rounds = max((len(r.anchor_rounds) for r in results if r.role == "anchor"), default=0)
-    cfg = trainer.args.mesh_config
-    dtype = str(next(trainer.model.parameters()).dtype).removeprefix("torch.")
-    tokens_per_step = tokens // max(steps * len(topology.fast_replicas), 1)
-    settings = LedgerSettings(
-        num_replicas=topology.replicas,
-        num_stages=topology.stages,
-        mask_ratio=cfg.mask_ratio,
-        tokens_per_step=max(tokens_per_step, 1),
-        activation_dtype=dtype,
-        grad_dtype=dtype,
-        param_dtype=dtype,
-        sync_every=cfg.dp_sync_every,
-        powersgd_rank=cfg.dp_powersgd_rank,
-        anchor=cfg.anchor,
-        anchor_every=1,
-        anchor_payload=cfg.anchor_payload,
-        anchor_tokens_per_round=trainer.args.per_device_train_batch_size
-        * (cfg.anchor_microbatches or trainer.args.gradient_accumulation_steps)
-        * seq_len,
-    )
-    shapes, hidden = param_shapes_of(trainer.model), trainer.model.config.get_text_config().hidden_size
-    ledger = compute_ledger(shapes, hidden, settings)
-    # The anchor's rounds follow its own pace, not a fixed anchor_every: its per-round part (dense
-    # pipeline + gradient delivery) scales with the rounds it really ran per fast step, R/S; the
-    # outer-update part does not. A(e) = updates + per_round/e, so per_round = 2·(A(1) − A(2)).
-    if cfg.anchor:
-        every2 = compute_ledger(shapes, hidden, dataclasses.replace(settings, anchor_every=2)).anchor
-        per_round = 2.0 * (ledger.anchor - every2)
-        anchor_analytic = (ledger.anchor - per_round) + per_round * rounds / max(steps, 1)
-    else:
-        anchor_analytic = 0.0
+    settings = _ledger_settings(topology, trainer, seq_len, tokens // max(steps * len(topology.fast_replicas), 1))
+    analytic = _analytic(trainer.model, settings, rounds, max(steps, 1))
     syncs = [(r.dp_syncs, sum(r.dp_sync_bytes)) for r in fast]
     sync_count = sum(n for n, _ in syncs)
     staleness = [arrival - snapshot for r in fast for arrival, snapshot in r.arrivals]
@@ -136,13 +107,7 @@ def summarize(results: list[MeshResult], topology: MeshTopology, trainer, seq_le
         "fast_tokens": tokens,
         "seq_len": seq_len,
         "measured_bytes_per_token": measured,
-        "analytic_bytes_per_token": {
-            "pp_fwd": ledger.pp_fwd,
-            "pp_bwd": ledger.pp_bwd,
-            "dp": ledger.dp,
-            "anchor": anchor_analytic,
-            "total": ledger.pp_fwd + ledger.pp_bwd + ledger.dp + anchor_analytic,
-        },
+        "analytic_bytes_per_token": analytic,
         "analytic_settings": dataclasses.asdict(settings),
         "dp_syncs_per_rank": sync_count / max(len(fast), 1),
         "dp_bytes_per_sync_per_rank": (sum(b for _, b in syncs) / sync_count) if sync_count else 0.0,
@@ -156,3 +121,43 @@ def summarize(results: list[MeshResult], topology: MeshTopology, trainer, seq_le
         "resumed_from_step": min((r.first_step for r in fast), default=0),
         "anchor_lost_at_step": min((r.anchor_lost_at for r in fast if r.anchor_lost_at is not None), default=None),
     }
+
+
+def _ledger_settings(topology: MeshTopology, trainer, seq_len: int, tokens_per_step: int) -> LedgerSettings:
+    """The ledger's settings for this run: its mesh, knobs, dtype and tokens per step and anchor round."""
+    cfg, args = trainer.args.mesh_config, trainer.args
+    dtype = str(next(trainer.model.parameters()).dtype).removeprefix("torch.")
+    anchor_tokens = args.per_device_train_batch_size * (cfg.anchor_microbatches or args.gradient_accumulation_steps)
+    return LedgerSettings(
+        num_replicas=topology.replicas,
+        num_stages=topology.stages,
+        mask_ratio=cfg.mask_ratio,
+        tokens_per_step=max(tokens_per_step, 1),
+        activation_dtype=dtype,
+        grad_dtype=dtype,
+        param_dtype=dtype,
+        sync_every=cfg.dp_sync_every,
+        powersgd_rank=cfg.dp_powersgd_rank,
+        anchor=cfg.anchor,
+        anchor_every=1,
+        anchor_payload=cfg.anchor_payload,
+        anchor_tokens_per_round=anchor_tokens * seq_len,
+    )
+
+
+def _analytic(model, settings: LedgerSettings, rounds: int, steps: int) -> dict[str, float]:
+    """The ledger's bytes per token by circuit, the anchor's at the rounds it really ran per fast step.
+
+    The anchor's rounds follow its own pace, not a fixed anchor_every: its per-round part (dense
+    pipeline + gradient delivery) scales with the rounds per fast step, R/S (``rounds``/``steps``);
+    the outer-update part does not. A(e) = updates + per_round/e, so per_round = 2·(A(1) − A(2)).
+    """
+    shapes, hidden = param_shapes_of(model), model.config.get_text_config().hidden_size
+    ledger = compute_ledger(shapes, hidden, settings)
+    anchor = 0.0
+    if settings.anchor:
+        every2 = compute_ledger(shapes, hidden, dataclasses.replace(settings, anchor_every=2)).anchor
+        per_round = 2.0 * (ledger.anchor - every2)
+        anchor = (ledger.anchor - per_round) + per_round * rounds / steps
+    return {"pp_fwd": ledger.pp_fwd, "pp_bwd": ledger.pp_bwd, "dp": ledger.dp, "anchor": anchor,
+            "total": ledger.pp_fwd + ledger.pp_bwd + ledger.dp + anchor}  # fmt: skip

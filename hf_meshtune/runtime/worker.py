@@ -33,7 +33,7 @@ from ..config import require_saved_knobs
 from ..dp.baselines import GradientSync
 from ..dp.diloco import StreamingDiLoCo
 from ..dp.ft import host_replica_store, make_manager
-from ..optim.spectral import SpectralAdamW
+from ..optim.spectral import SpectralAdamW, spectral_options
 from ..pipeline.stage import stage_parameter_names
 from ..topology import MeshGroups
 from .checkpoint import read_rank_state, save_rank_state
@@ -78,19 +78,7 @@ class FastWorker(StageWorker):
         groups = [g for g in groups if g["params"]]
         if not cfg.anchor:
             return torch.optim.AdamW(groups, lr=s.lr, betas=s.betas, eps=s.eps)
-        return SpectralAdamW(
-            groups,
-            lr=s.lr,
-            betas=s.betas,
-            eps=s.eps,
-            alpha=cfg.spectral_alpha,
-            tau=cfg.spectral_tau,
-            anchor_beta=cfg.anchor_beta,
-            rank=cfg.spectral_rank,
-            relative_tau=cfg.spectral_relative_tau,
-            seed=cfg.mask_seed,
-            max_staleness=cfg.anchor_max_staleness,
-        )
+        return SpectralAdamW(groups, lr=s.lr, betas=s.betas, eps=s.eps, **spectral_options(cfg))
 
     def _setup_diloco(self) -> None:
         s, cfg = self.settings, self.settings.config
