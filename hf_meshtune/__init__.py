@@ -9,6 +9,7 @@ Four mechanisms, four places:
 
 import importlib
 
+from ._version import __version__
 from .anchor import AnchorBatches, AnchorCircuit
 from .boundary.hooks import BoundaryHandle, attach_boundaries, find_decoder_layers, split_stages
 from .boundary.masking import BoundaryMask, compact, expand, keep_count, keep_indices
@@ -16,8 +17,6 @@ from .config import SPECTRAL_ADAMW, MeshConfig, MeshTrainingArguments
 from .ledger import Ledger, LedgerSettings, compute_ledger, ledger_for_config
 from .optim.spectral import SpectralAdamW
 from .trainer import MeshTrainer, MeshTrainerMixin
-
-__version__ = "0.1.0"
 
 # Integrations whose libraries are optional (TRL, PEFT) or heavy to import load on first use.
 _LAZY = {
@@ -39,6 +38,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "SPECTRAL_ADAMW",
+    "__version__",
     "AnchorBatches",
     "AnchorCircuit",
     "BoundaryHandle",

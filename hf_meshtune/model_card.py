@@ -15,6 +15,7 @@ import re
 
 from huggingface_hub import ModelCard, ModelCardData
 
+from ._version import __version__
 from .boundary.masking import keep_count
 from .config import MeshConfig
 
@@ -27,8 +28,6 @@ _SECTION = re.compile(re.escape(_BEGIN) + r".*?" + re.escape(_END), re.DOTALL)
 
 def mesh_card_section(config: MeshConfig, hidden_size: int | None, trainer: str, ledger: dict | None = None) -> str:
     """The Markdown section (between markers, so a later save replaces it)."""
-    from . import __version__
-
     kept = (
         f"K = {keep_count(hidden_size, config.mask_ratio)} of H = {hidden_size}"
         if hidden_size

@@ -17,7 +17,7 @@ from typing import Protocol
 import torch
 
 from .._validation import require
-from .masking import expand
+from .gather import expand
 
 __all__ = ["FILLS", "Fill", "GaussianFill", "MeanFill", "ZeroFill", "require_fill"]
 

@@ -22,14 +22,12 @@ import hashlib
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from .._validation import require
-
-if TYPE_CHECKING:
-    from .fills import Fill
+from .fills import Fill, ZeroFill
+from .gather import compact, expand
 
 __all__ = [
     "BoundaryMask",
@@ -110,22 +108,6 @@ def keep_indices(
     return idx.sort(dim=-1).values
 
 
-def compact(h: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """Sending side: [B, T, H] → [B, T, K] kept values. Autograd of a gather is a scatter."""
-    return h.gather(-1, idx.expand(*h.shape[:-1], idx.shape[-1]))
-
-
-def expand(x: torch.Tensor, idx: torch.Tensor, hidden_size: int, fill: torch.Tensor | None = None) -> torch.Tensor:
-    """Receiving side: [B, T, K] → [B, T, H], kept values at ``idx`` and ``fill`` (default 0) elsewhere.
-
-    ``fill`` is a tensor broadcastable to [B, T, H] that never receives a gradient: whatever the
-    receiver puts into dropped dims is its own local estimate, not something sent.
-    """
-    shape = (*x.shape[:-1], hidden_size)
-    base = x.new_zeros(shape) if fill is None else fill.detach().to(x.device, x.dtype).expand(shape).clone()
-    return base.scatter(-1, idx.expand_as(x), x)
-
-
 @dataclass
 class BoundaryMask:
     """The mask of one boundary ℓ: ``apply(h, step, microbatch)`` = expand(compact(h)) in one process.
@@ -152,10 +134,6 @@ class BoundaryMask:
     def __post_init__(self) -> None:
         require(0.0 <= self.mask_ratio < 1.0, "mask_ratio", self.mask_ratio, "lie in [0, 1)")
         if self.fill is None:
-            from .fills import (
-                ZeroFill,  # fills build on expand(); imported here to avoid a cycle
-            )
-
             self.fill = ZeroFill()
         self._cached: tuple[tuple, torch.Tensor] | None = None
 
