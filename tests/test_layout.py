@@ -1,0 +1,71 @@
+"""The package's layout rules (docs/design.md): no import cycles between modules, and torchft's private
+internals reached from one module only (``dp/diloco.py``, whose ``TORCHFT_INTERNALS`` lists them)."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+from hf_meshtune.dp.diloco import TORCHFT_INTERNALS
+
+PACKAGE = Path(__file__).resolve().parents[1] / "hf_meshtune"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _runtime_imports(path: Path, modules: set[str]) -> set[str]:
+    """The package modules ``path`` imports when it is imported (top level, ``TYPE_CHECKING`` blocks aside)."""
+    name = _module_name(path)
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    found = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = package.split(".")[: len(package.split(".")) - node.level + 1]
+            target = ".".join(base + ([node.module] if node.module else []))
+            found |= {t for t in [target, *(f"{target}.{a.name}" for a in node.names)] if t in modules}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("hf_meshtune"):
+            found |= {t for t in [node.module, *(f"{node.module}.{a.name}" for a in node.names)] if t in modules}
+    return found
+
+
+def test_no_module_imports_one_that_imports_it_back():
+    paths = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph = {name: _runtime_imports(path, set(paths)) for name, path in paths.items()}
+    cycles, state = [], {}
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = "open"
+        for child in sorted(graph[node]):
+            if state.get(child) == "open":
+                cycles.append(stack[stack.index(child) :] + [child])
+            elif child not in state:
+                visit(child, [*stack, child])
+        state[node] = "done"
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+    assert not cycles, cycles
+
+
+def test_torchft_internals_are_reached_from_dp_diloco_only():
+    private = sorted({attribute for _, attribute, _ in TORCHFT_INTERNALS if attribute.startswith("_")})
+    pattern = re.compile(r"\.(" + "|".join(map(re.escape, private)) + r")\b|from torchft[\w.]* import [^\n]*\b_\w+")
+    offenders = [f"{path.relative_to(PACKAGE.parent)}:{line}: {text.strip()}"
+                 for path in PACKAGE.rglob("*.py") if path.name != "diloco.py"
+                 for line, text in enumerate(path.read_text().splitlines(), 1) if pattern.search(text)]  # fmt: skip
+    assert not offenders, offenders
+    assert pattern.search((PACKAGE / "dp" / "diloco.py").read_text())  # the pattern finds the real uses
+
+
+def test_the_package_version_is_the_one_pyproject_declares():
+    import tomllib
+
+    import hf_meshtune
+
+    declared = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["project"]["version"]
+    assert hf_meshtune.__version__ == declared
