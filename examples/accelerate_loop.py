@@ -49,8 +49,10 @@ def main(argv: list[str] | None = None) -> list[float]:
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     scheduler = get_scheduler("cosine", optimizer, num_warmup_steps=0, num_training_steps=args.steps)
 
-    accelerator = Accelerator(gradient_accumulation_steps=args.grad_accum,
-                              mesh_plugin=MeshPlugin(mask_ratio=0.95, num_stages=4, anchor_every=2, anchor_delay=2))
+    accelerator = Accelerator(
+        gradient_accumulation_steps=args.grad_accum,
+        mesh_plugin=MeshPlugin(mask_ratio=0.95, num_stages=4, anchor_every=2, anchor_delay=2),
+    )
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
 
     model.train()

@@ -37,18 +37,24 @@ def main(argv: list[str] | None = None) -> list[float]:
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = SpectralAdamW(trainable, lr=1e-4, alpha=0.3, tau=1e-3, anchor_beta=0.9)
     matrices = {n: p for n, p in model.named_parameters() if p.requires_grad and p.ndim == 2}
-    anchor = AnchorCircuit(model, matrices, handle, every=2, delay=2,
-                           batches=AnchorBatches(train, collate, args.batch_size, microbatches=1, seed=1),
-                           loss_fn=lambda m, batch: m(**batch).loss)
+    anchor = AnchorCircuit(
+        model,
+        matrices,
+        handle,
+        every=2,
+        delay=2,
+        batches=AnchorBatches(train, collate, args.batch_size, microbatches=1, seed=1),
+        loss_fn=lambda m, batch: m(**batch).loss,
+    )
 
     loader = DataLoader(train, batch_size=args.batch_size, shuffle=True, collate_fn=collate)
     model.train()
     losses = []
     for step, batch in zip(range(args.steps), loader):
-        handle.set_step(step)                 # the mask clock
-        loss = model(**batch).loss            # masked forward
-        loss.backward()                       # masked backward
-        anchor.on_step(step, optimizer)       # snapshot every 2 steps, deliveries 2 steps later
+        handle.set_step(step)  # the mask clock
+        loss = model(**batch).loss  # masked forward
+        loss.backward()  # masked backward
+        anchor.on_step(step, optimizer)  # snapshot every 2 steps, deliveries 2 steps later
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())

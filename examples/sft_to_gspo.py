@@ -42,24 +42,65 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--eval_items", type=int, default=64)
     argv = sys.argv[1:] if argv is None else argv
     split = argv.index("--") if "--" in argv else len(argv)
-    args, shared = parser.parse_args(argv[:split]), argv[split + 1:]
+    args, shared = parser.parse_args(argv[:split]), argv[split + 1 :]
     model = ["--model_name_or_path", args.model_name_or_path] if args.model_name_or_path else []
     peft = ["--use_peft", "--lora_target_modules", "all-linear"] if args.use_peft else []
     sft_dir, gspo_dir = os.path.join(args.output_dir, "sft"), os.path.join(args.output_dir, "gspo")
 
-    sft_metrics = _recipe("sft").main([
-        "--output_dir", sft_dir, "--dataset", "arithmetic", "--eval_items", "16", "--max_steps", str(args.sft_steps),
-        "--learning_rate", str(args.sft_lr), "--per_device_train_batch_size", "8", "--save_strategy", "no",
-        *model, *peft, *shared])
-    gspo_metrics = _recipe("gspo").main([
-        "--output_dir", gspo_dir, "--model_name_or_path", sft_dir, "--max_steps", str(args.gspo_steps),
-        "--learning_rate", str(args.gspo_lr), "--num_generations", str(args.num_generations),
-        "--per_device_train_batch_size", str(args.num_generations), "--max_completion_length", "16",
-        "--eval_items", str(args.eval_items), "--save_strategy", "no", *peft, *shared])
+    sft_metrics = _recipe("sft").main(
+        [
+            "--output_dir",
+            sft_dir,
+            "--dataset",
+            "arithmetic",
+            "--eval_items",
+            "16",
+            "--max_steps",
+            str(args.sft_steps),
+            "--learning_rate",
+            str(args.sft_lr),
+            "--per_device_train_batch_size",
+            "8",
+            "--save_strategy",
+            "no",
+            *model,
+            *peft,
+            *shared,
+        ]
+    )
+    gspo_metrics = _recipe("gspo").main(
+        [
+            "--output_dir",
+            gspo_dir,
+            "--model_name_or_path",
+            sft_dir,
+            "--max_steps",
+            str(args.gspo_steps),
+            "--learning_rate",
+            str(args.gspo_lr),
+            "--num_generations",
+            str(args.num_generations),
+            "--per_device_train_batch_size",
+            str(args.num_generations),
+            "--max_completion_length",
+            "16",
+            "--eval_items",
+            str(args.eval_items),
+            "--save_strategy",
+            "no",
+            *peft,
+            *shared,
+        ]
+    )
     base = _base_accuracy(args.model_name_or_path, args.eval_items)
-    result = {"exact_match_base": base, "exact_match_after_sft": gspo_metrics["eval_exact_match_before"],
-              "exact_match_after_gspo": gspo_metrics["eval_exact_match_after"], "sft_eval_loss": sft_metrics["eval_loss"],
-              "gspo_reward_first": gspo_metrics["train_reward_first"], "gspo_reward_last": gspo_metrics["train_reward_last"]}
+    result = {
+        "exact_match_base": base,
+        "exact_match_after_sft": gspo_metrics["eval_exact_match_before"],
+        "exact_match_after_gspo": gspo_metrics["eval_exact_match_after"],
+        "sft_eval_loss": sft_metrics["eval_loss"],
+        "gspo_reward_first": gspo_metrics["train_reward_first"],
+        "gspo_reward_last": gspo_metrics["train_reward_last"],
+    }
     print(json.dumps(result, indent=2))
     with open(os.path.join(args.output_dir, "chain.json"), "w") as handle:
         json.dump({**result, "argv": argv}, handle, indent=2)

@@ -35,7 +35,9 @@ from hf_meshtune.apps.assets import smollm2_checkpoint
 @dataclass
 class GSPOScriptArguments:
     train_items: int = field(default=2000, metadata={"help": "Arithmetic prompts to sample rollouts from."})
-    eval_items: int = field(default=64, metadata={"help": "Held-out problems scored by greedy exact match before and after."})
+    eval_items: int = field(
+        default=64, metadata={"help": "Held-out problems scored by greedy exact match before and after."}
+    )
     max_operand: int = field(default=20, metadata={"help": "Operands lie in [0, max_operand]."})
     operators: str = field(default="+-", metadata={"help": "Operators to draw from (of + - *)."})
 
@@ -59,16 +61,25 @@ def main(argv: list[str] | None = None) -> dict:
     problems = dict(max_operand=script.max_operand, operators=script.operators)
     held_out = arithmetic.problems(script.eval_items, seed=1, **problems)  # training prompts use seed 0
     before = arithmetic.exact_match(model, tokenizer, held_out)
-    trainer = MeshGRPOTrainer(model=model, reward_funcs=arithmetic.exact_answer_reward, args=args,
-                              train_dataset=arithmetic.prompt_dataset(script.train_items, seed=0, **problems),
-                              processing_class=tokenizer, peft_config=get_peft_config(model_args))
+    trainer = MeshGRPOTrainer(
+        model=model,
+        reward_funcs=arithmetic.exact_answer_reward,
+        args=args,
+        train_dataset=arithmetic.prompt_dataset(script.train_items, seed=0, **problems),
+        processing_class=tokenizer,
+        peft_config=get_peft_config(model_args),
+    )
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     trainer.save_model()
     trainer.save_state()
     after = arithmetic.exact_match(trainer.model, tokenizer, held_out)
     rewards = [e["reward"] for e in trainer.state.log_history if "reward" in e]
-    metrics = {"eval_exact_match_before": before, "eval_exact_match_after": after,
-               "train_reward_first": rewards[0] if rewards else None, "train_reward_last": rewards[-1] if rewards else None}
+    metrics = {
+        "eval_exact_match_before": before,
+        "eval_exact_match_after": after,
+        "train_reward_first": rewards[0] if rewards else None,
+        "train_reward_last": rewards[-1] if rewards else None,
+    }
     trainer.log_metrics("eval", metrics)
     if trainer.args.should_save:
         with open(os.path.join(args.output_dir, "gspo_results.json"), "w") as handle:

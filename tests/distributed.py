@@ -36,9 +36,17 @@ def free_port() -> int:
 
 
 def _child(fn: Callable, rank: int, world_size: int, port: int, env: dict[str, str], results, args: tuple) -> None:
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-                       "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
-                       "LOCAL_WORLD_SIZE": str(world_size), **env})
+    os.environ.update(
+        {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world_size),
+            **env,
+        }
+    )
     try:
         import torch
         import torch.distributed as dist
@@ -62,8 +70,9 @@ def _child(fn: Callable, rank: int, world_size: int, port: int, env: dict[str, s
             pass
 
 
-def launch(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0,
-           env: dict[str, str] | None = None) -> list[Any]:
+def launch(
+    fn: Callable, world_size: int, *args: Any, timeout: float = 120.0, env: dict[str, str] | None = None
+) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` gloo processes; their return values by rank.
 
     ``env`` is added to every child's environment (``MESHTUNE_TEST_NO_INIT=1``: do not create the
@@ -72,8 +81,10 @@ def launch(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0,
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_child, args=(fn, rank, world_size, port, dict(env or {}), results, args), daemon=True)
-             for rank in range(world_size)]
+    procs = [
+        ctx.Process(target=_child, args=(fn, rank, world_size, port, dict(env or {}), results, args), daemon=True)
+        for rank in range(world_size)
+    ]
     for proc in procs:
         proc.start()
     outcomes: dict[int, tuple[str, Any]] = {}

@@ -19,8 +19,17 @@ from tests.test_recipes import load_script
 from tests.tiny import pattern_dataset, tiny_llama
 
 STEPS, BATCH, LR = 4, 2, 1e-2
-KNOBS = dict(mask_ratio=0.75, num_stages=2, mask_seed=3, anchor_every=2, anchor_delay=1,
-             spectral_alpha=0.3, spectral_tau=1e-3, anchor_beta=0.9, anchor_seed=5)
+KNOBS = dict(
+    mask_ratio=0.75,
+    num_stages=2,
+    mask_seed=3,
+    anchor_every=2,
+    anchor_delay=1,
+    spectral_alpha=0.3,
+    spectral_tau=1e-3,
+    anchor_beta=0.9,
+    anchor_seed=5,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -58,13 +67,26 @@ def _run_by_hand(accum: int) -> nn.Module:
     dataset = pattern_dataset(STEPS * accum * BATCH)
     batches = list(DataLoader(dataset, batch_size=BATCH, collate_fn=default_data_collator))
     handle = attach_boundaries(model, KNOBS["num_stages"], KNOBS["mask_ratio"], seed=KNOBS["mask_seed"])
-    optimizer = SpectralAdamW(model.parameters(), lr=LR, weight_decay=0.01, alpha=KNOBS["spectral_alpha"],
-                              tau=KNOBS["spectral_tau"], anchor_beta=KNOBS["anchor_beta"], seed=KNOBS["mask_seed"])
+    optimizer = SpectralAdamW(
+        model.parameters(),
+        lr=LR,
+        weight_decay=0.01,
+        alpha=KNOBS["spectral_alpha"],
+        tau=KNOBS["spectral_tau"],
+        anchor_beta=KNOBS["anchor_beta"],
+        seed=KNOBS["mask_seed"],
+    )
     scheduler = LambdaLR(optimizer, _decay)
     matrices = {n: p for n, p in model.named_parameters() if p.requires_grad and p.ndim == 2}
-    anchor = AnchorCircuit(model, matrices, handle, KNOBS["anchor_every"], KNOBS["anchor_delay"],
-                           AnchorBatches(dataset, default_data_collator, BATCH, accum, KNOBS["anchor_seed"]),
-                           lambda m, batch: m(**batch).loss)
+    anchor = AnchorCircuit(
+        model,
+        matrices,
+        handle,
+        KNOBS["anchor_every"],
+        KNOBS["anchor_delay"],
+        AnchorBatches(dataset, default_data_collator, BATCH, accum, KNOBS["anchor_seed"]),
+        lambda m, batch: m(**batch).loss,
+    )
     model.train()
     for step in range(STEPS):
         handle.set_step(step)
@@ -79,8 +101,9 @@ def _run_by_hand(accum: int) -> nn.Module:
 
 @pytest.mark.parametrize("accum", [1, 2])
 def test_plain_loop_on_mesh_accelerator_equals_the_pieces_by_hand(single_thread_torch, accum):
-    meshed, accelerator = _run_accelerate(MeshAccelerator(cpu=True, gradient_accumulation_steps=accum,
-                                                          mesh_plugin=MeshPlugin(**KNOBS)), accum)
+    meshed, accelerator = _run_accelerate(
+        MeshAccelerator(cpu=True, gradient_accumulation_steps=accum, mesh_plugin=MeshPlugin(**KNOBS)), accum
+    )
     reference = _run_by_hand(accum)
     for (name, got), want in zip(meshed.named_parameters(), reference.parameters()):
         assert torch.equal(got, want), name
@@ -147,12 +170,19 @@ def test_explicit_plugin_arguments_beat_the_environment(monkeypatch):
     assert (plugin.mask_ratio, plugin.spectral_rank, plugin.anchor) == (0.5, None, True)
 
 
-@pytest.mark.parametrize("var, value, message", [
-    ("MESHTUNE_MASK_RATIO", "lots", "MESHTUNE_MASK_RATIO='lots' is invalid: it must be a number"),
-    ("MESHTUNE_ANCHOR", "maybe", "MESHTUNE_ANCHOR='maybe' is invalid: it must be one of true/1/yes/false/0/no"),
-    ("MESHTUNE_SPECTRAL_RANK", "full", "MESHTUNE_SPECTRAL_RANK='full' is invalid: it must be an int or 'none'"),
-    ("MESHTUNE_MASK_RATIO", "1.5", "mask_ratio=1.5 is invalid: it must lie in [0, 1) (the value came from $MESHTUNE_MASK_RATIO)"),
-])
+@pytest.mark.parametrize(
+    "var, value, message",
+    [
+        ("MESHTUNE_MASK_RATIO", "lots", "MESHTUNE_MASK_RATIO='lots' is invalid: it must be a number"),
+        ("MESHTUNE_ANCHOR", "maybe", "MESHTUNE_ANCHOR='maybe' is invalid: it must be one of true/1/yes/false/0/no"),
+        ("MESHTUNE_SPECTRAL_RANK", "full", "MESHTUNE_SPECTRAL_RANK='full' is invalid: it must be an int or 'none'"),
+        (
+            "MESHTUNE_MASK_RATIO",
+            "1.5",
+            "mask_ratio=1.5 is invalid: it must lie in [0, 1) (the value came from $MESHTUNE_MASK_RATIO)",
+        ),
+    ],
+)
 def test_a_bad_environment_value_names_its_variable(monkeypatch, var, value, message):
     monkeypatch.setenv(var, value)
     with pytest.raises(ValueError) as error:
@@ -236,7 +266,8 @@ def test_without_the_anchor_any_optimizer_is_kept_and_drives_the_clock(single_th
 # --- the example -------------------------------------------------------------------------------
 def test_accelerate_loop_example_runs_on_smollm2(capsys):
     losses = load_script("examples/accelerate_loop.py").main(
-        ["--steps", "2", "--seq-len", "96", "--batch-size", "1", "--grad-accum", "1"])
+        ["--steps", "2", "--seq-len", "96", "--batch-size", "1", "--grad-accum", "1"]
+    )
     assert len(losses) == 2 and all(math.isfinite(loss) for loss in losses)
     out = capsys.readouterr().out
     assert out.count("comm/pp_fwd_bytes_per_token") == 2 and "comm/measured_pp_fwd_bytes_per_token" in out

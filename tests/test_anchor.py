@@ -114,11 +114,14 @@ def test_state_dict_round_trip_and_unknown_names():
         other.load_state_dict(state)
 
 
-@pytest.mark.parametrize(("kwargs", "message"), [
-    (dict(every=0), "anchor_every=0 is invalid: it must be >= 1"),
-    (dict(delay=-1), "anchor_delay=-1 is invalid: it must be >= 0"),
-    (dict(params={}), "anchor params=0 is invalid"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(every=0), "anchor_every=0 is invalid: it must be >= 1"),
+        (dict(delay=-1), "anchor_delay=-1 is invalid: it must be >= 0"),
+        (dict(params={}), "anchor params=0 is invalid"),
+    ],
+)
 def test_bad_anchor_settings_are_rejected(kwargs, message):
     model = tiny_llama()
     settings = dict(params={n: p for n, p in model.named_parameters() if p.ndim == 2}, every=1, delay=0)

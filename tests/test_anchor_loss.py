@@ -32,10 +32,30 @@ def _read(path: Path) -> str | None:
 
 
 def test_killing_the_anchor_leaves_the_fast_circuit_training_to_the_end(tmp_path):
-    command = [sys.executable, "-m", "hf_meshtune.cli", "launch", "--mesh", "3x2", "--cpu", "--optional-replica", "2",
-               "--", "tests/scripts/mesh_run.py", str(tmp_path), str(STEPS), json.dumps(CONFIG)]
-    launcher = subprocess.Popen(command, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), "STEP_SECONDS": "0.05"},
-                                text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    command = [
+        sys.executable,
+        "-m",
+        "hf_meshtune.cli",
+        "launch",
+        "--mesh",
+        "3x2",
+        "--cpu",
+        "--optional-replica",
+        "2",
+        "--",
+        "tests/scripts/mesh_run.py",
+        str(tmp_path),
+        str(STEPS),
+        json.dumps(CONFIG),
+    ]
+    launcher = subprocess.Popen(
+        command,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO), "STEP_SECONDS": "0.05"},
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     deadline = time.monotonic() + 180
     try:
         while (seen := _read(tmp_path / "progress" / "r1.g0")) is None or int(seen.split()[1]) < KILL_AT:

@@ -64,6 +64,12 @@ def test_the_doc_is_what_the_generator_writes() -> None:
 
 def test_the_generator_runs_as_a_module() -> None:
     """The command the doc names writes the same text (no test-only state leaks into it)."""
-    out = subprocess.run([sys.executable, "-m", "tests.bad_input_cases"], cwd=ROOT, capture_output=True, text=True,
-                         check=True, timeout=120).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "tests.bad_input_cases"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    ).stdout
     assert out == render()

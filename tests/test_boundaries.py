@@ -44,7 +44,9 @@ def loss_and_grads(model: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, d
     return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def zero_one_mask(boundary: int, step: int, microbatch: int, seq: int, hidden: int, keep: int, seed: int) -> torch.Tensor:
+def zero_one_mask(
+    boundary: int, step: int, microbatch: int, seq: int, hidden: int, keep: int, seed: int
+) -> torch.Tensor:
     m = torch.zeros(seq, hidden, dtype=torch.float64)
     idx = keep_indices(boundary, step, microbatch, seq, hidden, keep, seed)
     m[torch.arange(seq)[:, None], idx] = 1.0
@@ -101,7 +103,9 @@ def test_find_decoder_layers_through_peft(tiny_causal_lm):
 
     model = tiny_causal_lm("llama")
     inner = model.model.layers
-    wrapped = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+    wrapped = peft.get_peft_model(
+        model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    )
     name, layers = find_decoder_layers(wrapped)
     assert name == "base_model.model.model.layers"
     assert layers is inner
@@ -111,7 +115,9 @@ def test_peft_model_trains_through_boundaries(tiny_causal_lm):
     import peft
 
     model = tiny_causal_lm("llama")
-    wrapped = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+    wrapped = peft.get_peft_model(
+        model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    )
     names = [n for n, _ in wrapped.named_parameters()]
     handle = attach_boundaries(wrapped, num_stages=2, mask_ratio=0.75)
     assert [n for n, _ in wrapped.named_parameters()] == names
@@ -142,7 +148,9 @@ def test_find_decoder_layers_rejects_non_hf_models(module):
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("num_layers, num_stages", [(1, 1), (4, 1), (4, 2), (4, 3), (4, 4), (7, 3), (10, 4), (16, 5), (30, 7)])
+@pytest.mark.parametrize(
+    "num_layers, num_stages", [(1, 1), (4, 1), (4, 2), (4, 3), (4, 4), (7, 3), (10, 4), (16, 5), (30, 7)]
+)
 def test_split_stages_balanced_and_contiguous(num_layers, num_stages):
     stages = split_stages(num_layers, num_stages)
     assert len(stages) == num_stages
@@ -240,6 +248,7 @@ def test_single_stage_attaches_no_mask(tiny_causal_lm):
 def test_eval_disabled_and_remove_are_dense(tiny_causal_lm):
     model = tiny_causal_lm("llama")
     ids = token_batch()
+
     def logits() -> torch.Tensor:
         return model(input_ids=ids).logits.detach()
 
@@ -307,7 +316,11 @@ def test_payload_counter_counts_compact_payloads(tiny_causal_lm):
     handle.set_step(0)
     loss_and_grads(model, ids)
     expected = 2 * batch * seq * KEEP * 4  # 2 boundaries, float32
-    assert (handle.counter.fwd_bytes, handle.counter.bwd_bytes, handle.counter.tokens) == (expected, expected, batch * seq)
+    assert (handle.counter.fwd_bytes, handle.counter.bwd_bytes, handle.counter.tokens) == (
+        expected,
+        expected,
+        batch * seq,
+    )
 
     # neither eval nor a disabled (anchor) forward sends anything
     with torch.no_grad():
@@ -331,7 +344,11 @@ def test_payload_counter_at_zero_ratio_counts_the_dense_state(tiny_causal_lm):
     loss, grads = loss_and_grads(model, ids)
     assert torch.equal(loss, dense) and all(torch.equal(grads[n], dense_grads[n]) for n in grads)
     expected = 2 * batch * seq * H * 4
-    assert (handle.counter.fwd_bytes, handle.counter.bwd_bytes, handle.counter.tokens) == (expected, expected, batch * seq)
+    assert (handle.counter.fwd_bytes, handle.counter.bwd_bytes, handle.counter.tokens) == (
+        expected,
+        expected,
+        batch * seq,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -436,9 +453,10 @@ def test_protect_largest_dims_keeps_the_dims_of_largest_rms(tiny_causal_lm):
     # reference RMS of each boundary layer's output in a plain dense forward
     squares = {}
     layers = model.model.layers
-    hooks = [layers[i].register_forward_hook(
-        lambda m, a, out, b=b: squares.__setitem__(b, out.detach().pow(2).mean((0, 1))))
-        for b, i in enumerate(handle.boundary_layers)]
+    hooks = [
+        layers[i].register_forward_hook(lambda m, a, out, b=b: squares.__setitem__(b, out.detach().pow(2).mean((0, 1))))
+        for b, i in enumerate(handle.boundary_layers)
+    ]
     with torch.no_grad():
         model(input_ids=ids)
     for hook in hooks:

@@ -72,8 +72,11 @@ def test_v0_checkpoint_resumes_bit_exactly(tmp_path):
     torch.set_num_threads(expected["torch_num_threads"])
     try:
         args = MeshTrainingArguments(output_dir=str(tmp_path / "out"), **expected["trainer_args"])
-        trainer = MeshTrainer(model=tiny_llama(**_without_factory(expected["model"])), args=args,
-                              train_dataset=pattern_dataset(**_without_factory(expected["dataset"])))
+        trainer = MeshTrainer(
+            model=tiny_llama(**_without_factory(expected["model"])),
+            args=args,
+            train_dataset=pattern_dataset(**_without_factory(expected["dataset"])),
+        )
         trainer.train(resume_from_checkpoint=str(checkpoint))
     finally:
         torch.set_num_threads(threads)

@@ -67,24 +67,51 @@ def test_anchor_needs_the_spectral_optimizer(tmp_path):
 
 
 def test_parser_reads_mesh_flags(tmp_path):
-    (args,) = HfArgumentParser(MeshTrainingArguments).parse_args_into_dataclasses([
-        "--output_dir", str(tmp_path), "--mask_ratio", "0.9", "--num_stages", "2", "--spectral_rank", "16",
-        "--anchor_delay", "10", "--optim", "spectral_adamw",
-    ])
+    (args,) = HfArgumentParser(MeshTrainingArguments).parse_args_into_dataclasses(
+        [
+            "--output_dir",
+            str(tmp_path),
+            "--mask_ratio",
+            "0.9",
+            "--num_stages",
+            "2",
+            "--spectral_rank",
+            "16",
+            "--anchor_delay",
+            "10",
+            "--optim",
+            "spectral_adamw",
+        ]
+    )
     assert (args.mask_ratio, args.num_stages, args.spectral_rank, args.anchor_delay) == (0.9, 2, 16, 10)
     assert args.mesh_config == MeshConfig(mask_ratio=0.9, num_stages=2, spectral_rank=16, anchor_delay=10)
 
 
 def test_trainer_builds_spectral_adamw_from_the_knobs(tmp_path):
-    args = MeshTrainingArguments(output_dir=str(tmp_path), spectral_alpha=0.5, spectral_tau=0.01, anchor_beta=0.8,
-                                 spectral_rank=4, spectral_relative_tau=True, learning_rate=1e-3, report_to=[], use_cpu=True)
+    args = MeshTrainingArguments(
+        output_dir=str(tmp_path),
+        spectral_alpha=0.5,
+        spectral_tau=0.01,
+        anchor_beta=0.8,
+        spectral_rank=4,
+        spectral_relative_tau=True,
+        learning_rate=1e-3,
+        report_to=[],
+        use_cpu=True,
+    )
     trainer = MeshTrainer(model=tiny_llama(), args=args, train_dataset=pattern_dataset())
     trainer.create_optimizer()
     optimizer = trainer.spectral_optimizer
     assert isinstance(optimizer, SpectralAdamW)
     group = optimizer.param_groups[0]
     assert (group["alpha"], group["tau"], group["anchor_beta"], group["rank"], group["relative_tau"], group["lr"]) == (
-        0.5, 0.01, 0.8, 4, True, 1e-3)
+        0.5,
+        0.01,
+        0.8,
+        4,
+        True,
+        1e-3,
+    )
     assert trainer.mesh_anchor is not None and all(p.ndim == 2 for p in trainer.mesh_anchor.params.values())
 
 
@@ -92,8 +119,11 @@ def test_trainer_rejects_plain_training_arguments(tmp_path):
     from transformers import TrainingArguments
 
     with pytest.raises(ValueError, match="args='TrainingArguments' is invalid: it must be a MeshTrainingArguments"):
-        MeshTrainer(model=tiny_llama(), args=TrainingArguments(output_dir=str(tmp_path), use_cpu=True),
-                    train_dataset=pattern_dataset())
+        MeshTrainer(
+            model=tiny_llama(),
+            args=TrainingArguments(output_dir=str(tmp_path), use_cpu=True),
+            train_dataset=pattern_dataset(),
+        )
 
 
 def test_trainer_rejects_more_stages_than_layers(tmp_path):
@@ -106,13 +136,16 @@ def test_powersgd_rank_zero_means_uncompressed_for_command_lines():
     assert MeshConfig(dp_powersgd_rank=0).dp_powersgd_rank is None
 
 
-@pytest.mark.parametrize("field, value, rule", [
-    ("dp_fragments", 3, "divide dp_sync_every=20"),
-    ("dp_fragments", 0, "be an int >= 1"),
-    ("dp_sync_delay", 20, "lie in [0, dp_sync_every / dp_fragments = 20)"),
-    ("dp_outer_lr", 0.0, "be > 0"),
-    ("dp_outer_momentum", 1.0, "lie in [0, 1)"),
-])
+@pytest.mark.parametrize(
+    "field, value, rule",
+    [
+        ("dp_fragments", 3, "divide dp_sync_every=20"),
+        ("dp_fragments", 0, "be an int >= 1"),
+        ("dp_sync_delay", 20, "lie in [0, dp_sync_every / dp_fragments = 20)"),
+        ("dp_outer_lr", 0.0, "be > 0"),
+        ("dp_outer_momentum", 1.0, "lie in [0, 1)"),
+    ],
+)
 def test_dp_sync_knobs_name_field_value_and_rule(field, value, rule):
     with pytest.raises(ValueError) as error:
         MeshConfig(**{field: value})

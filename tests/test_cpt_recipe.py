@@ -15,8 +15,17 @@ from hf_meshtune.apps.assets import smollm2_checkpoint
 from hf_meshtune.boundary.masking import keep_count
 from tests.test_recipes import ROOT, load_script
 
-FAST = ["--use_cpu", "--report_to", "none", "--save_strategy", "no", "--per_device_train_batch_size", "2",
-        "--per_device_eval_batch_size", "4"]
+FAST = [
+    "--use_cpu",
+    "--report_to",
+    "none",
+    "--save_strategy",
+    "no",
+    "--per_device_train_batch_size",
+    "2",
+    "--per_device_eval_batch_size",
+    "4",
+]
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +41,13 @@ def tokenizer():
 def _write_text(path, lines: int = 60) -> str:
     """A few KB of plain text (deterministic, varied enough to tokenize into many different tokens)."""
     words = ["apples", "bicycles", "ledgers", "rivers", "lanterns", "pencils", "meadows", "engines"]
-    text = "\n".join(f"Line {i}: {i * 7 % 13} {words[i % 8]} crossed {i * 3 % 11} {words[(i * 5) % 8]} before noon."
-                     for i in range(lines)) + "\n"
+    text = (
+        "\n".join(
+            f"Line {i}: {i * 7 % 13} {words[i % 8]} crossed {i * 3 % 11} {words[(i * 5) % 8]} before noon."
+            for i in range(lines)
+        )
+        + "\n"
+    )
     path.write_text(text, encoding="utf-8")
     return text
 
@@ -45,11 +59,29 @@ def _assert_plain_checkpoint(out) -> None:
 
 def test_cpt_recipe_on_the_embedded_corpus_trains_saves_and_reports_perplexity(tmp_path, cpt):
     out = tmp_path / "cpt"
-    metrics = cpt.main([
-        "--output_dir", str(out), "--max_steps", "2", "--train_last_layers", "1", "--block_size", "64",
-        "--eval_blocks", "8", "--num_stages", "2", "--anchor_every", "1", "--anchor_delay", "1", "--logging_steps", "1",
-        *FAST,
-    ])
+    metrics = cpt.main(
+        [
+            "--output_dir",
+            str(out),
+            "--max_steps",
+            "2",
+            "--train_last_layers",
+            "1",
+            "--block_size",
+            "64",
+            "--eval_blocks",
+            "8",
+            "--num_stages",
+            "2",
+            "--anchor_every",
+            "1",
+            "--anchor_delay",
+            "1",
+            "--logging_steps",
+            "1",
+            *FAST,
+        ]
+    )
     assert math.isfinite(metrics["eval_loss"]) and math.isfinite(metrics["perplexity"])
     assert metrics["perplexity"] == pytest.approx(math.exp(metrics["eval_loss"]))
     _assert_plain_checkpoint(out)
@@ -67,7 +99,7 @@ def test_blocks_are_block_size_long_and_concatenate_to_the_tokenized_text(tmp_pa
     blocks = cpt.group_blocks(stream, 64)
     assert len(blocks) == len(stream) // 64 >= 2
     assert all(len(block) == 64 for block in blocks)
-    assert sum(blocks, []) == stream[:len(blocks) * 64]  # in order; only the tail shorter than a block is dropped
+    assert sum(blocks, []) == stream[: len(blocks) * 64]  # in order; only the tail shorter than a block is dropped
     assert cpt.group_blocks(list(range(10)), 3) == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
 
 
@@ -83,12 +115,29 @@ def test_text_files_glob_trains_on_those_files(tmp_path, cpt, tokenizer, monkeyp
 
     monkeypatch.setattr(cpt, "cpt_splits", spy)
     out = tmp_path / "cpt-files"
-    metrics = cpt.main([
-        "--output_dir", str(out), "--text_files", str(data / "*.txt"), "--max_steps", "1", "--train_last_layers", "1",
-        "--block_size", "64", "--eval_blocks", "2", "--num_stages", "2", "--anchor", "false", *FAST,
-    ])
+    metrics = cpt.main(
+        [
+            "--output_dir",
+            str(out),
+            "--text_files",
+            str(data / "*.txt"),
+            "--max_steps",
+            "1",
+            "--train_last_layers",
+            "1",
+            "--block_size",
+            "64",
+            "--eval_blocks",
+            "2",
+            "--num_stages",
+            "2",
+            "--anchor",
+            "false",
+            *FAST,
+        ]
+    )
     assert math.isfinite(metrics["eval_loss"]) and math.isfinite(metrics["perplexity"])
-    (train, evaluation), = splits
+    ((train, evaluation),) = splits
     expected = cpt.group_blocks(cpt.tokenize_documents(tokenizer, [text]), 64)
     assert list(train["input_ids"]) + list(evaluation["input_ids"]) == expected
     assert list(train["labels"]) == list(train["input_ids"]) and len(evaluation) == 2
@@ -100,14 +149,22 @@ def test_bad_input_is_rejected_before_training(tmp_path, cpt):
     small.write_text("Just a few words of text.", encoding="utf-8")
     _write_text(tmp_path / "corpus.txt")
     cases = [
-        (["--text_files", str(tmp_path / "missing" / "*.txt")],
-         r"text_files='.*missing.*\*\.txt' is invalid: it must match at least one existing file"),
-        (["--text_files", str(tmp_path / "corpus.txt"), "--block_size", "100000"],
-         r"block_size=100000 is invalid: it must be <= the model's max_position_embeddings=8192"),
-        (["--text_files", str(small), "--block_size", "16"],
-         r"block_size=16 is invalid: it must fit at least 2 times into the corpus of \d+ tokens"),
-        (["--text_files", str(tmp_path / "corpus.txt"), "--block_size", "64", "--eval_blocks", "1000"],
-         r"eval_blocks=1000 is invalid: it must be smaller than the corpus's \d+ blocks"),
+        (
+            ["--text_files", str(tmp_path / "missing" / "*.txt")],
+            r"text_files='.*missing.*\*\.txt' is invalid: it must match at least one existing file",
+        ),
+        (
+            ["--text_files", str(tmp_path / "corpus.txt"), "--block_size", "100000"],
+            r"block_size=100000 is invalid: it must be <= the model's max_position_embeddings=8192",
+        ),
+        (
+            ["--text_files", str(small), "--block_size", "16"],
+            r"block_size=16 is invalid: it must fit at least 2 times into the corpus of \d+ tokens",
+        ),
+        (
+            ["--text_files", str(tmp_path / "corpus.txt"), "--block_size", "64", "--eval_blocks", "1000"],
+            r"eval_blocks=1000 is invalid: it must be smaller than the corpus's \d+ blocks",
+        ),
         (["--block_size", "1"], r"block_size=1 is invalid: it must be >= 2"),
     ]
     for extra, message in cases:
@@ -120,10 +177,34 @@ def test_cpt_recipe_runs_on_a_launched_3x2_mesh(tmp_path):
     """`meshtune launch` runs the recipe unchanged: fixed-length blocks are the mesh's fixed-shape rows."""
     out = tmp_path / "mesh"
     env = {**os.environ, "PYTHONPATH": ROOT, "RUST_LOG": "warn"}
-    command = [sys.executable, "-m", "hf_meshtune.cli", "launch", "--mesh", "3x2", "--cpu", "--",
-               os.path.join(ROOT, "recipes", "cpt.py"), "--output_dir", str(out), "--freeze_embeddings",
-               "--num_stages", "2", "--max_steps", "2", "--block_size", "32", "--per_device_train_batch_size", "1",
-               "--eval_blocks", "6", "--report_to", "none", "--save_strategy", "no"]
+    command = [
+        sys.executable,
+        "-m",
+        "hf_meshtune.cli",
+        "launch",
+        "--mesh",
+        "3x2",
+        "--cpu",
+        "--",
+        os.path.join(ROOT, "recipes", "cpt.py"),
+        "--output_dir",
+        str(out),
+        "--freeze_embeddings",
+        "--num_stages",
+        "2",
+        "--max_steps",
+        "2",
+        "--block_size",
+        "32",
+        "--per_device_train_batch_size",
+        "1",
+        "--eval_blocks",
+        "6",
+        "--report_to",
+        "none",
+        "--save_strategy",
+        "no",
+    ]
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=400, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((out / "mesh_summary.json").read_text())

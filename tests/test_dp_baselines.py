@@ -31,8 +31,9 @@ def _compare_with_ddp(rank: int, world: int, mode: str) -> dict:
     ours, reference = _model(), _model()
     ddp = DistributedDataParallel(reference, bucket_cap_mb=1000)  # one bucket, as GradientSync uses
     if mode == "powersgd_hook":
-        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=2,
-                                            random_seed=0)
+        state = powerSGD_hook.PowerSGDState(
+            process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=2, random_seed=0
+        )
         ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
     wire = Wire()
     sync = GradientSync(mode, list(ours.parameters()), None, world, wire, powersgd_rank=2, start_iter=2, seed=0)
@@ -46,7 +47,9 @@ def _compare_with_ddp(rank: int, world: int, mode: str) -> dict:
         sync.sync()
         booked.append(wire.sent["dp"] - before)
         nn.functional.mse_loss(ddp(x), y).backward()
-        diffs.append(max((a.grad - b.grad).abs().max().item() for a, b in zip(ours.parameters(), reference.parameters())))
+        diffs.append(
+            max((a.grad - b.grad).abs().max().item() for a, b in zip(ours.parameters(), reference.parameters()))
+        )
     return {"diffs": diffs, "booked": booked, "numel": sum(p.numel() for p in ours.parameters())}
 
 
@@ -65,7 +68,9 @@ def test_gradient_sync_equals_ddp_with_the_same_hook(launcher, mode):
 
 
 def test_gradient_sync_refuses_a_mode_it_does_not_run():
-    with pytest.raises(ValueError, match=r"dp_mode='streaming_diloco' is invalid: it must be one of \['allreduce', 'powersgd_hook'\]"):
+    with pytest.raises(
+        ValueError, match=r"dp_mode='streaming_diloco' is invalid: it must be one of \['allreduce', 'powersgd_hook'\]"
+    ):
         GradientSync("streaming_diloco", [nn.Parameter(torch.zeros(2))], None, 2, Wire())
     with pytest.raises(ValueError, match=r"dp_powersgd_rank=0 is invalid"):
         GradientSync("powersgd_hook", [nn.Parameter(torch.zeros(2, 2))], None, 2, Wire(), powersgd_rank=0)

@@ -45,12 +45,20 @@ def _flat(fragments: list[nn.Module]) -> list[list[torch.Tensor]]:
     return [[p.detach().clone() for p in f.parameters()] for f in fragments]
 
 
-def _train_stage(rank: int, world: int, lighthouse: str, num_stages: int, powersgd_rank: int | None,
-                 delay: int) -> bytes:
+def _train_stage(
+    rank: int, world: int, lighthouse: str, num_stages: int, powersgd_rank: int | None, delay: int
+) -> bytes:
     replica, stage = divmod(rank, num_stages)
     store = host_replica_store(replica, stage, host="127.0.0.1")
-    manager = make_manager(replica=replica, stage=stage, num_stages=num_stages, lighthouse_addr=lighthouse,
-                           store_addr=store.addr, store_port=store.port, timeout_s=20.0)
+    manager = make_manager(
+        replica=replica,
+        stage=stage,
+        num_stages=num_stages,
+        lighthouse_addr=lighthouse,
+        store_addr=store.addr,
+        store_port=store.port,
+        timeout_s=20.0,
+    )
     model = _model(stage)
     fragments = _fragments(model)
     inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -59,12 +67,28 @@ def _train_stage(rank: int, world: int, lighthouse: str, num_stages: int, powers
     inner.register_step_post_hook(lambda *_: record["pre"].append(_flat(fragments)))  # runs before DiLoCo's hook
 
     def on_update(update: OuterUpdate) -> None:
-        record["syncs"].append({"step": len(record["pre"]), "update": update, "handed": wire.handed["dp"],
-                                "sent": wire.sent["dp"], "messages": wire.messages["dp"]})
+        record["syncs"].append(
+            {
+                "step": len(record["pre"]),
+                "update": update,
+                "handed": wire.handed["dp"],
+                "sent": wire.sent["dp"],
+                "messages": wire.messages["dp"],
+            }
+        )
 
-    diloco = StreamingDiLoCo(manager, fragments, inner, sync_every=SYNC_EVERY, fragment_sync_delay=delay,
-                             outer_lr=LR, outer_momentum=MU, powersgd_rank=powersgd_rank, wire=wire,
-                             on_outer_update=on_update)
+    diloco = StreamingDiLoCo(
+        manager,
+        fragments,
+        inner,
+        sync_every=SYNC_EVERY,
+        fragment_sync_delay=delay,
+        outer_lr=LR,
+        outer_momentum=MU,
+        powersgd_rank=powersgd_rank,
+        wire=wire,
+        on_outer_update=on_update,
+    )
     with diloco:
         for _ in range(STEPS):
             x = torch.randn(8, 16, generator=gen)
@@ -95,7 +119,7 @@ def _run(launcher, replicas: int, stages: int, powersgd_rank: int | None, delay:
     finally:
         server.shutdown()
     records = [torch.load(io.BytesIO(r), weights_only=False) for r in results]
-    return [records[r * stages:(r + 1) * stages] for r in range(replicas)]  # [replica][stage]
+    return [records[r * stages : (r + 1) * stages] for r in range(replicas)]  # [replica][stage]
 
 
 @pytest.fixture(scope="module")
@@ -116,6 +140,7 @@ def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 # 1. staggered fragments: after fragment f's sync only fragment f is equal across replicas
 # ---------------------------------------------------------------------------------------------
 
+
 def test_synced_fragment_is_identical_across_replicas_and_only_it(powersgd_run):
     syncs = powersgd_run[0]["syncs"]
     assert [(s["update"].fragment, s["step"]) for s in syncs] == [(0, 2), (1, 4), (0, 6), (1, 8)]
@@ -132,14 +157,17 @@ def test_synced_fragment_is_identical_across_replicas_and_only_it(powersgd_run):
 # 2. compression off: the outer step is Nesterov SGD on the plain mean of θ_global − θ_local
 # ---------------------------------------------------------------------------------------------
 
+
 def _nesterov_replay(runs: list[dict]) -> None:
     """Replay every sync in float64 from the replicas' pre-sync params; compare with what they hold after."""
     global_ = [[t.double() for t in frag] for frag in runs[0]["init"]]
     momentum: list = [None] * FRAGMENTS
     for sync in runs[0]["syncs"]:
         f, k = sync["update"].fragment, sync["step"]
-        deltas = [torch.stack([g - run["pre"][k - 1][f][i].double() for run in runs]).mean(0)
-                  for i, g in enumerate(global_[f])]
+        deltas = [
+            torch.stack([g - run["pre"][k - 1][f][i].double() for run in runs]).mean(0)
+            for i, g in enumerate(global_[f])
+        ]
         momentum[f] = deltas if momentum[f] is None else [MU * b + d for b, d in zip(momentum[f], deltas)]
         global_[f] = [g - LR * (d + MU * b) for g, d, b in zip(global_[f], deltas, momentum[f])]
         for run in runs:
@@ -158,14 +186,17 @@ def test_dense_sync_equals_outer_nesterov_step_on_mean_pseudo_gradient(dense_run
 # 3. bytes: r·(m+n) per compressed matrix, numel otherwise, 4 bytes each; ring factor on sent
 # ---------------------------------------------------------------------------------------------
 
+
 def test_powersgd_bytes_per_sync_match_rank(powersgd_run):
     n = len(powersgd_run)
     for run in powersgd_run:
         before = {"handed": 0, "sent": 0, "messages": 0}
         for sync in run["syncs"]:
             shapes = run["shapes"][sync["update"].fragment]
-            payload = sum(RANK * (s[0] + s[1]) if len(s) == 2 and RANK * (s[0] + s[1]) < math.prod(s)
-                          else math.prod(s) for s in shapes)
+            payload = sum(
+                RANK * (s[0] + s[1]) if len(s) == 2 and RANK * (s[0] + s[1]) < math.prod(s) else math.prod(s)
+                for s in shapes
+            )
             assert payload == sum(dp_payload_numel(s, RANK) for s in shapes)  # the ledger's rule
             compressed = sum(1 for s in shapes if len(s) == 2 and RANK * sum(s) < math.prod(s))
             assert sync["handed"] - before["handed"] == payload * 4
@@ -178,6 +209,7 @@ def test_powersgd_bytes_per_sync_match_rank(powersgd_run):
 # ---------------------------------------------------------------------------------------------
 # 4. PowerSGD math against a float64 transcription (one process, no torchft)
 # ---------------------------------------------------------------------------------------------
+
 
 def _reference_round(m: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """PowerSGD (Vogels et al., Alg. 1) in float64, one replica: P = MQ, P̂ = orth(P), Q = MᵀP̂, M̂ = P̂Qᵀ."""
@@ -196,7 +228,7 @@ def test_powersgd_round_with_error_feedback_matches_float64_reference():
         m = g.double() + error
         want = _reference_round(m, q)
         torch.testing.assert_close(approx.double(), want, rtol=1e-5, atol=1e-5)
-        q = (m.T @ torch.linalg.qr(m @ q)[0])  # warm start from the averaged Q
+        q = m.T @ torch.linalg.qr(m @ q)[0]  # warm start from the averaged Q
         error = m - want
         torch.testing.assert_close(codec.error["w"].double(), error, rtol=1e-5, atol=1e-5)
         total = total + approx.double()
@@ -227,6 +259,7 @@ def test_outer_update_decodes_factors_and_passes_dense_through():
 # 5. the anchor's follower reaches θ_global from the OuterUpdates alone
 # ---------------------------------------------------------------------------------------------
 
+
 def test_outer_follower_tracks_global_parameters_with_powersgd(powersgd_run):
     model = _model(0)
     follower = OuterFollower(_fragments(model), outer_lr=LR, outer_momentum=MU)
@@ -236,13 +269,15 @@ def test_outer_follower_tracks_global_parameters_with_powersgd(powersgd_run):
         for f in range(FRAGMENTS):
             for got, want in zip(_flat(follower.fragments)[f], run["global"][f]):
                 torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
-        assert all(_equal(u["update"].tensors, v["update"].tensors)
-                   for u, v in zip(powersgd_run[0]["syncs"], run["syncs"]))
+        assert all(
+            _equal(u["update"].tensors, v["update"].tensors) for u, v in zip(powersgd_run[0]["syncs"], run["syncs"])
+        )
 
 
 # ---------------------------------------------------------------------------------------------
 # 6. stage j syncs with stage j only
 # ---------------------------------------------------------------------------------------------
+
 
 def test_stages_sync_only_with_the_same_stage(dense_run):
     (r0s0, r0s1), (r1s0, r1s1) = dense_run
@@ -256,13 +291,17 @@ def test_stages_sync_only_with_the_same_stage(dense_run):
 # 7. bad input: ValueError naming field, value and rule (validated before torchft is touched)
 # ---------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"powersgd_rank": 0}, "powersgd_rank=0 is invalid: it must be None or an integer >= 1"),
-    ({"sync_every": 5}, r"sync_every=5 is invalid: it must be a multiple of the number of fragments \(2\)"),
-    ({"fragment_sync_delay": 2}, r"fragment_sync_delay=2 is invalid: it must be an integer in \[0, sync_every"),
-    ({"outer_momentum": 1.0}, r"outer_momentum=1.0 is invalid: it must lie in \[0, 1\)"),
-    ({"outer_lr": 0.0}, "outer_lr=0.0 is invalid: it must be > 0"),
-])
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"powersgd_rank": 0}, "powersgd_rank=0 is invalid: it must be None or an integer >= 1"),
+        ({"sync_every": 5}, r"sync_every=5 is invalid: it must be a multiple of the number of fragments \(2\)"),
+        ({"fragment_sync_delay": 2}, r"fragment_sync_delay=2 is invalid: it must be an integer in \[0, sync_every"),
+        ({"outer_momentum": 1.0}, r"outer_momentum=1.0 is invalid: it must lie in \[0, 1\)"),
+        ({"outer_lr": 0.0}, "outer_lr=0.0 is invalid: it must be > 0"),
+    ],
+)
 def test_streaming_diloco_rejects_bad_settings(kwargs, message):
     model = _model(0)
     settings = {"sync_every": 4, "powersgd_rank": 2, **kwargs}
@@ -299,7 +338,11 @@ def test_the_advertised_host_is_meshtune_host_when_set(monkeypatch):
     server, address = start_lighthouse(min_replicas=1)
     try:
         port = address.rsplit(":", 1)[1]
-        assert address == f"http://10.77.0.13:{port}" and port.isdigit() and plain.split("://")[1].split(":")[0] != "10.77.0.13"
+        assert (
+            address == f"http://10.77.0.13:{port}"
+            and port.isdigit()
+            and plain.split("://")[1].split(":")[0] != "10.77.0.13"
+        )
     finally:
         server.shutdown()
 
@@ -336,7 +379,9 @@ def test_diloco_state_is_refused_mid_sync_and_for_another_fragment_count():
     diloco.codec = None
     busy = SimpleNamespace(_allreduce_work=[object()])
     diloco._diloco = SimpleNamespace(_fragments=[SimpleNamespace(_allreduce_work=[]), busy])
-    with pytest.raises(ValueError, match=r"DiLoCo state='fragments \[1\] syncing' is invalid: it must be taken between syncs"):
+    with pytest.raises(
+        ValueError, match=r"DiLoCo state='fragments \[1\] syncing' is invalid: it must be taken between syncs"
+    ):
         diloco.state_dict()
     with pytest.raises(ValueError, match=r"dp_fragments=2 is invalid: it must equal the checkpoint's 3 fragments"):
         diloco.load_state_dict({"fragments": [{}, {}, {}]})

@@ -46,15 +46,36 @@ def test_pretrained_model_is_competent_on_gsm8k_answers(smollm2):
     rows = [sft_features(tokenizer, item["question"], item["answer"], 256) for item in gsm8k_items()[:2]]
     model.eval()
     with torch.no_grad():
-        losses = [model(input_ids=torch.tensor([r["input_ids"]]), labels=torch.tensor([r["labels"]])).loss for r in rows]
+        losses = [
+            model(input_ids=torch.tensor([r["input_ids"]]), labels=torch.tensor([r["labels"]])).loss for r in rows
+        ]
     # uniform over 49,152 tokens would be ln(49152) = 10.8; a pretrained instruct model is far below
     assert max(float(loss) for loss in losses) < 3.0
 
 
 def test_demo_runs_end_to_end_through_the_cli(tmp_path, capsys):
     out = tmp_path / "demo"
-    code = main(["demo", "--output-dir", str(out), "--max-steps", "2", "--batch-size", "2", "--seq-len", "96",
-                 "--eval-items", "4", "--train-last-layers", "2", "--anchor-every", "1", "--anchor-delay", "0"])
+    code = main(
+        [
+            "demo",
+            "--output-dir",
+            str(out),
+            "--max-steps",
+            "2",
+            "--batch-size",
+            "2",
+            "--seq-len",
+            "96",
+            "--eval-items",
+            "4",
+            "--train-last-layers",
+            "2",
+            "--anchor-every",
+            "1",
+            "--anchor-delay",
+            "0",
+        ]
+    )
     assert code == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["trainable_parameters"] == 2 * 3_540_096 + 576

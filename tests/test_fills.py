@@ -101,7 +101,9 @@ def test_observations_wait_for_the_next_step_and_survive_a_state_dict_round_trip
     torch.testing.assert_close(clone.cov, fill.cov)
 
 
-@pytest.mark.parametrize("field,kwargs", [("mask_fill_momentum", dict(momentum=0.0)), ("mask_fill_ridge", dict(ridge=0.0))])
+@pytest.mark.parametrize(
+    "field,kwargs", [("mask_fill_momentum", dict(momentum=0.0)), ("mask_fill_ridge", dict(ridge=0.0))]
+)
 def test_bad_settings_name_the_field(field, kwargs):
     with pytest.raises(ValueError, match=field):
         GaussianFill(**kwargs)
@@ -135,9 +137,19 @@ def test_mesh_trainer_calibrates_before_step_0_and_refreshes_at_anchor_rounds(tm
     assert "gaussian" in FILLS
     model = tiny_llama()
     args = MeshTrainingArguments(
-        output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=4, learning_rate=1e-3, report_to=[],
-        save_strategy="no", use_cpu=True, num_stages=2, mask_ratio=0.75, mask_fill="gaussian",
-        anchor_every=2, anchor_delay=1, disable_tqdm=True,
+        output_dir=str(tmp_path),
+        max_steps=4,
+        per_device_train_batch_size=4,
+        learning_rate=1e-3,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        num_stages=2,
+        mask_ratio=0.75,
+        mask_fill="gaussian",
+        anchor_every=2,
+        anchor_delay=1,
+        disable_tqdm=True,
     )
     trainer = MeshTrainer(model=model, args=args, train_dataset=pattern_dataset(32))
     fill = trainer.mesh_boundaries.masks[0].fill

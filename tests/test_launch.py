@@ -119,9 +119,17 @@ def _port_closed(address: str, timeout: float = 5.0) -> bool:
 # Pure parts
 # ---------------------------------------------------------------------------------------------------
 
+
 def test_child_env_is_torchrun_style_and_splits_cores() -> None:
-    env = child_env((3, 2), 5, cpu=True, master_port=1234, lighthouse="http://127.0.0.1:9",
-                    base={"PATH": "/bin", "RANK": "stale"}, cpu_count=16)
+    env = child_env(
+        (3, 2),
+        5,
+        cpu=True,
+        master_port=1234,
+        lighthouse="http://127.0.0.1:9",
+        base={"PATH": "/bin", "RANK": "stale"},
+        cpu_count=16,
+    )
     assert env["PATH"] == "/bin"
     assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"]) == ("5", "6", "5", "6")
     assert (env["MASTER_ADDR"], env["MASTER_PORT"], env["MESHTUNE_MESH"]) == ("127.0.0.1", "1234", "3x2")
@@ -136,10 +144,25 @@ def test_child_env_is_torchrun_style_and_splits_cores() -> None:
 
 
 def test_child_env_of_a_replica_job_is_its_own_world() -> None:
-    env = child_env((3, 2), 5, cpu=True, master_port=1234, lighthouse=None, base={}, cpu_count=12,
-                    replica_jobs=True, restart=2, job_store="127.0.0.1:7")
+    env = child_env(
+        (3, 2),
+        5,
+        cpu=True,
+        master_port=1234,
+        lighthouse=None,
+        base={},
+        cpu_count=12,
+        replica_jobs=True,
+        restart=2,
+        job_store="127.0.0.1:7",
+    )
     assert (env["RANK"], env["WORLD_SIZE"], env["MESHTUNE_REPLICA"], env["MESHTUNE_RESTART"]) == ("1", "2", "2", "2")
-    assert (env["LOCAL_RANK"], env["MASTER_PORT"], env["MESHTUNE_JOB_STORE"], env["OMP_NUM_THREADS"]) == ("5", "1234", "127.0.0.1:7", "2")
+    assert (env["LOCAL_RANK"], env["MASTER_PORT"], env["MESHTUNE_JOB_STORE"], env["OMP_NUM_THREADS"]) == (
+        "5",
+        "1234",
+        "127.0.0.1:7",
+        "2",
+    )
     plain = child_env((3, 2), 5, cpu=True, master_port=1234, lighthouse=None, base={})
     assert "MESHTUNE_REPLICA" not in plain and "MESHTUNE_RESTART" not in plain
 
@@ -158,16 +181,21 @@ def test_local_lighthouse_answers_a_torchft_client_and_stops() -> None:
     assert _port_closed(address)
 
 
-@pytest.mark.parametrize(("args", "needles"), [
-    (["--mesh", "3x0"], ["--mesh='3x0'", "X >= 1 replicas and Y >= 1 stages"]),
-    (["--mesh", "abc"], ["--mesh='abc'", "be XxY"]),
-    (["--mesh", "2x2", "--"], ["script=''", "be given after `--`"]),
-    (["--mesh", "2x2", "--", "no_such_script.py"], ["script='no_such_script.py'", "existing Python file"]),
-    (["--mesh", "2x2", "--lighthouse", "nowhere", "--", __file__], ["--lighthouse='nowhere'", "host:port"]),
-    (["--mesh", "2x2", "--max-restarts", "-1", "--", __file__], ["--max-restarts=-1", "integer >= 0"]),
-    (["--mesh", "2x2", "--max-restarts", "1", "--master-port", "2900", "--", __file__],
-     ["--master-port=2900", "unset with max_restarts > 0"]),
-])
+@pytest.mark.parametrize(
+    ("args", "needles"),
+    [
+        (["--mesh", "3x0"], ["--mesh='3x0'", "X >= 1 replicas and Y >= 1 stages"]),
+        (["--mesh", "abc"], ["--mesh='abc'", "be XxY"]),
+        (["--mesh", "2x2", "--"], ["script=''", "be given after `--`"]),
+        (["--mesh", "2x2", "--", "no_such_script.py"], ["script='no_such_script.py'", "existing Python file"]),
+        (["--mesh", "2x2", "--lighthouse", "nowhere", "--", __file__], ["--lighthouse='nowhere'", "host:port"]),
+        (["--mesh", "2x2", "--max-restarts", "-1", "--", __file__], ["--max-restarts=-1", "integer >= 0"]),
+        (
+            ["--mesh", "2x2", "--max-restarts", "1", "--master-port", "2900", "--", __file__],
+            ["--master-port=2900", "unset with max_restarts > 0"],
+        ),
+    ],
+)
 def test_bad_input_exits_2_naming_field_value_and_rule(args, needles, capsys) -> None:
     assert cli.main(["launch", *args]) == 2
     err = capsys.readouterr().err
@@ -180,13 +208,20 @@ def test_bad_input_exits_2_naming_field_value_and_rule(args, needles, capsys) ->
 # Real meshes
 # ---------------------------------------------------------------------------------------------------
 
+
 def test_cli_starts_every_rank_with_its_env_and_prefixes_output(tmp_path: Path) -> None:
     script = _script(tmp_path, "report.py", _REPORT_SCRIPT)
     out, logs = tmp_path / "out", tmp_path / "logs"
     out.mkdir()
-    done = subprocess.run(_meshtune("launch", "--mesh", "2x2", "--cpu", "--log-dir", str(logs), "--",
-                                    str(script), str(out), "arg", "--flag"),
-                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        _meshtune(
+            "launch", "--mesh", "2x2", "--cpu", "--log-dir", str(logs), "--", str(script), str(out), "arg", "--flag"
+        ),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     reports = [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
     envs = [rep["env"] for rep in reports]
@@ -206,12 +241,17 @@ def test_cli_starts_every_rank_with_its_env_and_prefixes_output(tmp_path: Path) 
 
 
 def test_module_form_and_given_lighthouse_are_passed_through(tmp_path: Path, capsys) -> None:
-    _script(tmp_path, "mesh_probe.py", """
+    _script(
+        tmp_path,
+        "mesh_probe.py",
+        """
         import os, sys
         print(os.environ["RANK"], os.environ["TORCHFT_LIGHTHOUSE"], *sys.argv[1:])
-    """)
-    code = launch_mesh((1, 2), ["-m", "mesh_probe", "x"], cpu=False, lighthouse="127.0.0.1:1",
-                       env={"PYTHONPATH": str(tmp_path)})
+    """,
+    )
+    code = launch_mesh(
+        (1, 2), ["-m", "mesh_probe", "x"], cpu=False, lighthouse="127.0.0.1:1", env={"PYTHONPATH": str(tmp_path)}
+    )
     assert code == 0
     out = capsys.readouterr().out
     assert "[r0s0] 0 http://127.0.0.1:1 x\n" in out and "[r0s1] 1 http://127.0.0.1:1 x\n" in out
@@ -263,11 +303,23 @@ def test_max_restarts_restarts_only_the_failed_replica(tmp_path: Path, capsys) -
     assert code == 0
     starts = sorted(p.name for p in out.iterdir())
     # replica 1 (ranks 2, 3) started three times, the others once; a fresh port per start of a replica
-    assert starts == ["start0.g0", "start1.g0", "start2.g0", "start2.g1", "start2.g2", "start3.g0", "start3.g1",
-                      "start3.g2", "start4.g0", "start5.g0"]
+    assert starts == [
+        "start0.g0",
+        "start1.g0",
+        "start2.g0",
+        "start2.g1",
+        "start2.g2",
+        "start3.g0",
+        "start3.g1",
+        "start3.g2",
+        "start4.g0",
+        "start5.g0",
+    ]
     ports = {name: (out / name).read_text().split()[0] for name in starts}
     assert ports["start2.g0"] == ports["start3.g0"] and ports["start2.g1"] == ports["start3.g1"]
-    assert len({ports["start0.g0"], ports["start2.g0"], ports["start2.g1"], ports["start2.g2"], ports["start4.g0"]}) == 5
+    assert (
+        len({ports["start0.g0"], ports["start2.g0"], ports["start2.g1"], ports["start2.g2"], ports["start4.g0"]}) == 5
+    )
     err = capsys.readouterr().err
     assert "rank 3 (r1s1) failed with exit code 3: restarting replica 1 (1/2)" in err
     assert "restarting replica 1 (2/2)" in err
@@ -275,12 +327,18 @@ def test_max_restarts_restarts_only_the_failed_replica(tmp_path: Path, capsys) -
 
 def test_rank_hook_prefixes_argv_and_adds_env_per_rank(tmp_path: Path, capsys) -> None:
     """The hook's prefix runs before the interpreter (here `env NAME=VALUE`, as `ip netns exec NS` would)."""
-    _script(tmp_path, "hooked.py", """
+    _script(
+        tmp_path,
+        "hooked.py",
+        """
         import os
         print(os.environ["RANK"], os.environ["FROM_PREFIX"], os.environ["FROM_ENV"])
-    """)
+    """,
+    )
+
     def hook(rank: int):
         return ["env", f"FROM_PREFIX=p{rank}"], {"FROM_ENV": f"e{rank}"}
+
     code = launch_mesh((1, 2), [str(tmp_path / "hooked.py")], cpu=True, rank_hook=hook)
     assert code == 0
     out = capsys.readouterr().out
@@ -348,9 +406,23 @@ def test_cpu_mesh_yaml_starts_six_gloo_ranks(tmp_path: Path) -> None:
     env = dict(os.environ, ACCELERATE_USE_CPU="true", MESHTUNE_MESH="3x2")
     accelerate = Path(sys.executable).with_name("accelerate")
     config = REPO / "accelerate_configs" / "cpu_mesh_3x2.yaml"
-    done = subprocess.run([str(accelerate), "launch", "--config_file", str(config),
-                           "--main_process_port", str(free_port()), str(script), str(out)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [
+            str(accelerate),
+            "launch",
+            "--config_file",
+            str(config),
+            "--main_process_port",
+            str(free_port()),
+            str(script),
+            str(out),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     reports = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
     assert sorted(r["rank"] for r in reports) == [0, 1, 2, 3, 4, 5]

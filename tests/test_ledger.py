@@ -144,8 +144,11 @@ def meta_models():
     peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
     with pytest.MonkeyPatch.context() as mp:
         for name, config in PRESETS.items():
-            mp.setattr(transformers.AutoModelForCausalLM, "from_config",
-                       lambda cfg, **kw: built.setdefault(name, original(cfg, **kw)))
+            mp.setattr(
+                transformers.AutoModelForCausalLM,
+                "from_config",
+                lambda cfg, **kw: built.setdefault(name, original(cfg, **kw)),
+            )
             start = time.perf_counter()
             ledger = ledger_for_config(config, LedgerSettings())
             built[name + "/seconds"] = time.perf_counter() - start
@@ -186,8 +189,10 @@ def test_standard_rows_compress_and_ratio_grows_with_p(llama_shapes):
     assert dense.total / best.total > 1
     assert dense.compression == pytest.approx(1.0)
     assert best.compression == pytest.approx(dense.total / best.total)  # same global batch
-    ratios = [compute_ledger(llama_shapes, 2048, replace(settings_for_row("M95+AP"), mask_ratio=p))
-              .compression for p in (0.0, 0.5, 0.8, 0.9, 0.95, 0.99)]
+    ratios = [
+        compute_ledger(llama_shapes, 2048, replace(settings_for_row("M95+AP"), mask_ratio=p)).compression
+        for p in (0.0, 0.5, 0.8, 0.9, 0.95, 0.99)
+    ]
     assert all(a < b for a, b in zip(ratios, ratios[1:])), ratios
 
 
@@ -204,12 +209,25 @@ def test_settings_for_row_shares_the_global_batch():
 # ------------------------------------------------------------------ validation
 
 
-@pytest.mark.parametrize("field, value", [
-    ("num_replicas", 0), ("num_stages", 0), ("mask_ratio", 1.0), ("mask_ratio", -0.1),
-    ("tokens_per_step", 0), ("activation_dtype", "bf17"), ("grad_dtype", "int8"),
-    ("param_dtype", "float"), ("sync_every", 0), ("powersgd_rank", 0), ("anchor_every", 0),
-    ("anchor_payload", "svd"), ("anchor_rank", 0), ("anchor_tokens_per_round", 0),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("num_replicas", 0),
+        ("num_stages", 0),
+        ("mask_ratio", 1.0),
+        ("mask_ratio", -0.1),
+        ("tokens_per_step", 0),
+        ("activation_dtype", "bf17"),
+        ("grad_dtype", "int8"),
+        ("param_dtype", "float"),
+        ("sync_every", 0),
+        ("powersgd_rank", 0),
+        ("anchor_every", 0),
+        ("anchor_payload", "svd"),
+        ("anchor_rank", 0),
+        ("anchor_tokens_per_round", 0),
+    ],
+)
 def test_settings_errors_name_field_and_value(field, value):
     with pytest.raises(ValueError, match=rf"^{field}={value!r} is invalid: it must ".replace(".", r"\.")):
         LedgerSettings(**{field: value})
@@ -239,15 +257,21 @@ def test_cli_default_table_has_paper_column(capsys):
     assert f"{PAPER_BYTES_PER_TOKEN['M95+AP']:,.1f}" in out.splitlines()[-1]
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--mesh", "0x4"], "--mesh='0x4' is invalid: it must"),
-    (["--mesh", "1x4"], "num_replicas=1 is invalid: it must"),
-    (["--anchor-payload", "svd"], "--anchor-payload='svd' is invalid: it must"),
-    (["--rows", "Dense,M99"], "--rows='M99' is invalid: it must"),
-    (["--preset", "gpt-5"], "--preset='gpt-5' is invalid: it must"),
-    (["--rows", ","], "--rows=',' is invalid: it must name at least one of"),
-    (["--config", "/nonexistent/model"], "--config='/nonexistent/model' is invalid: it must be an existing config.json"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--mesh", "0x4"], "--mesh='0x4' is invalid: it must"),
+        (["--mesh", "1x4"], "num_replicas=1 is invalid: it must"),
+        (["--anchor-payload", "svd"], "--anchor-payload='svd' is invalid: it must"),
+        (["--rows", "Dense,M99"], "--rows='M99' is invalid: it must"),
+        (["--preset", "gpt-5"], "--preset='gpt-5' is invalid: it must"),
+        (["--rows", ","], "--rows=',' is invalid: it must name at least one of"),
+        (
+            ["--config", "/nonexistent/model"],
+            "--config='/nonexistent/model' is invalid: it must be an existing config.json",
+        ),
+    ],
+)
 def test_cli_bad_values_exit_2_with_message(capsys, argv, message):
     assert main(["ledger", *argv]) == 2
     err = capsys.readouterr().err

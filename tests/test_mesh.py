@@ -38,16 +38,39 @@ def test_topology_ranks_and_groups():
     assert parse_mesh("3x2") == (3, 2) and parse_mesh(" 4 X 1 ") == (4, 1)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(world_size=6, num_stages=2, anchor=True, num_layers=4, mesh="2x2"), "world_size=6 is invalid: it must equal X·Y = 2·2 = 4"),
-    (dict(world_size=2, num_stages=2, anchor=True, num_layers=4, mesh=None), "replicas=1 is invalid: it must be >= 2 when the anchor is on"),
-    (dict(world_size=12, num_stages=6, anchor=True, num_layers=4, mesh=None), "num_stages=6 is invalid: it must be <= the model's 4 decoder layers"),
-    (dict(world_size=6, num_stages=4, anchor=True, num_layers=4, mesh="3x2"), "num_stages=4 is invalid: it must equal Y = 2 of the mesh 3x2"),
-    (dict(world_size=5, num_stages=2, anchor=True, num_layers=4, mesh=None), "num_stages=2 is invalid: it must divide the world size 5"),
-    (dict(world_size=6, num_stages=2, anchor=True, num_layers=4, mesh="3by2"), "mesh='3by2' is invalid: it must look like XxY"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (
+            dict(world_size=6, num_stages=2, anchor=True, num_layers=4, mesh="2x2"),
+            "world_size=6 is invalid: it must equal X·Y = 2·2 = 4",
+        ),
+        (
+            dict(world_size=2, num_stages=2, anchor=True, num_layers=4, mesh=None),
+            "replicas=1 is invalid: it must be >= 2 when the anchor is on",
+        ),
+        (
+            dict(world_size=12, num_stages=6, anchor=True, num_layers=4, mesh=None),
+            "num_stages=6 is invalid: it must be <= the model's 4 decoder layers",
+        ),
+        (
+            dict(world_size=6, num_stages=4, anchor=True, num_layers=4, mesh="3x2"),
+            "num_stages=4 is invalid: it must equal Y = 2 of the mesh 3x2",
+        ),
+        (
+            dict(world_size=5, num_stages=2, anchor=True, num_layers=4, mesh=None),
+            "num_stages=2 is invalid: it must divide the world size 5",
+        ),
+        (
+            dict(world_size=6, num_stages=2, anchor=True, num_layers=4, mesh="3by2"),
+            "mesh='3by2' is invalid: it must look like XxY",
+        ),
+    ],
+)
 def test_impossible_meshes_are_refused_with_the_rule(kwargs, message):
-    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("·", ".").replace("*", r"\*")):
+    with pytest.raises(
+        ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("·", ".").replace("*", r"\*")
+    ):
         MeshTopology.from_environment(**kwargs)
 
 
@@ -72,8 +95,15 @@ def _knob_worker(rank: int, world: int) -> str:
     topology = MeshTopology(2, 2, anchor=False)
     groups = topology.build_groups()
     cfg = MeshConfig(num_stages=2, anchor=False, mask_ratio=0.95 if rank == 2 else 0.9)
-    settings = RunSettings(config=cfg, microbatch_size=MICRO, microbatches=MICROBATCHES, seq_len=SEQ, max_steps=1,
-                           lighthouse="http://127.0.0.1:1", dp_timeout_s=20.0)
+    settings = RunSettings(
+        config=cfg,
+        microbatch_size=MICRO,
+        microbatches=MICROBATCHES,
+        seq_len=SEQ,
+        max_steps=1,
+        lighthouse="http://127.0.0.1:1",
+        dp_timeout_s=20.0,
+    )
     try:
         run_worker(tiny_llama(seed=0, layers=LAYERS, hidden=HIDDEN), groups, settings, _batches(0))
     except ValueError as error:
@@ -84,8 +114,10 @@ def _knob_worker(rank: int, world: int) -> str:
 def test_ranks_started_with_different_knobs_all_fail_naming_the_field_and_both_values(launcher):
     messages = launcher(_knob_worker, 4, timeout=90)
     assert len(set(messages)) == 1, messages
-    assert messages[0] == ("config.mask_ratio (rank 2)=0.95 is invalid: it must equal rank 0's 0.9: every process of "
-                           "the mesh runs with the same settings (check that rank's command line and environment)")
+    assert messages[0] == (
+        "config.mask_ratio (rank 2)=0.95 is invalid: it must equal rank 0's 0.9: every process of "
+        "the mesh runs with the same settings (check that rank's command line and environment)"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -97,11 +129,13 @@ def _batches(seed: int):
         start = torch.randint(3, 60, (MICRO * MICROBATCHES, 1), generator=gen)
         ids = (start + torch.arange(SEQ)) % 97 + 3  # counting sequences
         return ids, ids.clone()
+
     return batches
 
 
-def _mesh_worker(rank: int, world: int, lighthouse: str, cfg_kwargs: dict, steps: int, stall: float,
-                 stall_steps: int = 0) -> dict:
+def _mesh_worker(
+    rank: int, world: int, lighthouse: str, cfg_kwargs: dict, steps: int, stall: float, stall_steps: int = 0
+) -> dict:
     """One rank of a 3×2 mesh. ``stall``: SIGSTOP the anchor replica for that many seconds after fast
     step 10; ``stall_steps``: instead, until rank 0 has taken that many more steps."""
     topology = MeshTopology(3, 2, anchor=True)
@@ -110,9 +144,18 @@ def _mesh_worker(rank: int, world: int, lighthouse: str, cfg_kwargs: dict, steps
     store.set(f"pid{rank}", str(os.getpid()))
     model = tiny_llama(seed=0, layers=LAYERS, hidden=HIDDEN)
     cfg = MeshConfig(num_stages=2, num_replicas=3, **cfg_kwargs)
-    settings = RunSettings(config=cfg, microbatch_size=MICRO, microbatches=MICROBATCHES, seq_len=SEQ, max_steps=steps,
-                           lr=3e-3, max_grad_norm=1.0, lighthouse=lighthouse, dp_timeout_s=30.0,
-                           callbacks=[recorder := ParameterRecorder()])
+    settings = RunSettings(
+        config=cfg,
+        microbatch_size=MICRO,
+        microbatches=MICROBATCHES,
+        seq_len=SEQ,
+        max_steps=steps,
+        lr=3e-3,
+        max_grad_norm=1.0,
+        lighthouse=lighthouse,
+        dp_timeout_s=30.0,
+        callbacks=[recorder := ParameterRecorder()],
+    )
     replica, stage = topology.coords(rank)
     record: dict = {"rounds": []}
     if topology.is_anchor(rank):
@@ -136,14 +179,23 @@ def _mesh_worker(rank: int, world: int, lighthouse: str, cfg_kwargs: dict, steps
             finally:
                 worker.wire.isend = real_isend
             names = [n for n, _ in worker.matrices]
-            record["rounds"].append({"snapshot": snapshot, "params": before, "ids": ids, "labels": labels,
-                                     "names": names, "payload": captured["payload"]})
+            record["rounds"].append(
+                {
+                    "snapshot": snapshot,
+                    "params": before,
+                    "ids": ids,
+                    "labels": labels,
+                    "names": names,
+                    "payload": captured["payload"],
+                }
+            )
 
         worker._round = recording_round
     else:
         worker = FastWorker(model, groups, settings, _batches(replica))
         _record_anchor_use(worker, record)
         if (stall or stall_steps) and replica == 0 and stage == 0:
+
             def stall_anchor():
                 pids = [int(store.get(f"pid{r}")) for r in topology.pp_ranks(2)]
                 record["stall_start"] = time.perf_counter()
@@ -201,8 +253,17 @@ def lighthouse():
     server.shutdown()
 
 
-MESH_CFG = dict(mask_ratio=0.9, anchor_every=2, anchor_delay=0, spectral_tau=1e-3, dp_sync_every=4, dp_fragments=2,
-                dp_powersgd_rank=2, dp_outer_lr=0.7, dp_outer_momentum=0.9)
+MESH_CFG = dict(
+    mask_ratio=0.9,
+    anchor_every=2,
+    anchor_delay=0,
+    spectral_tau=1e-3,
+    dp_sync_every=4,
+    dp_fragments=2,
+    dp_powersgd_rank=2,
+    dp_outer_lr=0.7,
+    dp_outer_momentum=0.9,
+)
 
 
 @pytest.fixture(scope="module")
@@ -246,8 +307,11 @@ def test_mesh_wire_carries_compact_boundaries_and_powersgd_factors(mesh_run):
     syncs = fast0["result"].dp_sync_bytes
     assert len(syncs) == 20 and min(syncs) > 0
     model = tiny_llama(seed=0, layers=LAYERS, hidden=HIDDEN)  # stage 0 = embeddings + layers 0-1
-    shapes = [tuple(p.shape) for n, p in model.named_parameters()
-              if n.startswith(("model.embed_tokens", "model.layers.0.", "model.layers.1."))]
+    shapes = [
+        tuple(p.shape)
+        for n, p in model.named_parameters()
+        if n.startswith(("model.embed_tokens", "model.layers.0.", "model.layers.1."))
+    ]
     predicted = sum(dp_payload_numel(shape, 2) for shape in shapes) * 4 * 2 * (2 - 1) / 2  # ring, 2 replicas
     assert sum(syncs[:2]) == pytest.approx(predicted)  # fragments 0 and 1 together: the whole stage once
 
@@ -270,7 +334,11 @@ def test_anchor_gradient_equals_a_dense_gradient_on_its_snapshot(mesh_run):
         params = dict(model.named_parameters())
         with torch.no_grad():  # the snapshot: each stage's parameters as its anchor process held them
             for name in params:
-                src = rounds0[k] if any(name.startswith(p) for p in ("model.embed_tokens", "model.layers.0.", "model.layers.1.")) else rounds1[k]
+                src = (
+                    rounds0[k]
+                    if any(name.startswith(p) for p in ("model.embed_tokens", "model.layers.0.", "model.layers.1."))
+                    else rounds1[k]
+                )
                 params[name].copy_(src["params"][name])
         ids, labels = rounds0[k]["ids"], rounds1[k]["labels"]
         model.zero_grad()

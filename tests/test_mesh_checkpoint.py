@@ -68,12 +68,16 @@ def test_rotation_keeps_the_newest_complete_checkpoints_and_never_the_only_one(t
 def test_a_checkpoint_of_another_mesh_or_a_damaged_file_is_refused_by_name(tmp_path):
     _save_all(tmp_path, 4)
     other = MeshTopology(2, 2, anchor=False)  # fast ranks 0-3 as well, so the folder is complete for it
-    with pytest.raises(ValueError, match=r"mesh='2x2' is invalid: it must equal the checkpoint's mesh 3x2 \(anchor=True\)"):
+    with pytest.raises(
+        ValueError, match=r"mesh='2x2' is invalid: it must equal the checkpoint's mesh 3x2 \(anchor=True\)"
+    ):
         read_rank_state(str(tmp_path / "checkpoint-4"), 0, other)
     (tmp_path / "checkpoint-4" / "mesh" / "rank1.pt").write_bytes(b"\x00" * 10)
     with pytest.raises(ValueError, match=r"rank1.pt' is invalid: it must be a readable file written by a mesh process"):
         read_rank_state(str(tmp_path / "checkpoint-4"), 1, MESH)
-    with pytest.raises(ValueError, match=r"resume_from_checkpoint=True is invalid: it must find a complete mesh checkpoint"):
+    with pytest.raises(
+        ValueError, match=r"resume_from_checkpoint=True is invalid: it must find a complete mesh checkpoint"
+    ):
         resolve_resume(True, str(tmp_path / "nothing"), MESH)
     with pytest.raises(ValueError, match=r"it must be a mesh checkpoint folder"):
         resolve_resume(str(tmp_path), str(tmp_path), MESH)
@@ -87,10 +91,28 @@ ANCHOR = {"anchor": True, "anchor_every": 2, "anchor_delay": 0, "spectral_tau": 
 
 
 def _launch(mesh: str, out: Path, config: dict, **env: str) -> subprocess.Popen:
-    command = [sys.executable, "-m", "hf_meshtune.cli", "launch", "--mesh", mesh, "--cpu", "--",
-               "tests/scripts/mesh_run.py", str(out), str(STEPS), json.dumps(config)]
-    return subprocess.Popen(command, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), **env}, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    command = [
+        sys.executable,
+        "-m",
+        "hf_meshtune.cli",
+        "launch",
+        "--mesh",
+        mesh,
+        "--cpu",
+        "--",
+        "tests/scripts/mesh_run.py",
+        str(out),
+        str(STEPS),
+        json.dumps(config),
+    ]
+    return subprocess.Popen(
+        command,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO), **env},
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
 
 
 def _results(out: Path, count: int) -> list:
@@ -173,10 +195,16 @@ def test_a_rank_file_of_another_format_or_rank_is_refused_by_name(tmp_path):
         read_rank_state(str(tmp_path / "checkpoint-4"), 2, MESH)
 
 
-@pytest.mark.parametrize(("sizes", "message"), [
-    ({"checkpoint_dir": ".", "checkpoint_every": 0}, "checkpoint_every=0 is invalid: it must be None or an int >= 1"),
-    ({"checkpoint_keep": 0}, "checkpoint_keep=0 is invalid: it must be None or an int >= 1"),
-])
+@pytest.mark.parametrize(
+    ("sizes", "message"),
+    [
+        (
+            {"checkpoint_dir": ".", "checkpoint_every": 0},
+            "checkpoint_every=0 is invalid: it must be None or an int >= 1",
+        ),
+        ({"checkpoint_keep": 0}, "checkpoint_keep=0 is invalid: it must be None or an int >= 1"),
+    ],
+)
 def test_checkpoint_settings_are_validated(sizes, message):
     from hf_meshtune.config import MeshConfig
     from hf_meshtune.runtime.settings import RunSettings
@@ -196,7 +224,10 @@ def test_a_state_of_another_stage_split_is_refused_before_it_is_loaded():
     worker = FastWorker.__new__(FastWorker)
     worker.model, worker.module = model, StageModule(model, 0, 2, None, None)
     before = model.model.embed_tokens.weight.detach().clone()
-    with pytest.raises(ValueError, match=r"healing state=\['model.layers.3.mlp.down_proj.weight'\] is invalid: it must "
-                                         r"hold this stage's trainable parameters"):
+    with pytest.raises(
+        ValueError,
+        match=r"healing state=\['model.layers.3.mlp.down_proj.weight'\] is invalid: it must "
+        r"hold this stage's trainable parameters",
+    ):
         worker._restore_stage({"params": {"model.layers.3.mlp.down_proj.weight": torch.zeros(64, 128)}, "step": 3})
     assert torch.equal(model.model.embed_tokens.weight, before)

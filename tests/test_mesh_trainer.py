@@ -17,16 +17,54 @@ from hf_meshtune.ledger import dp_payload_numel
 from tests.tiny import tiny_llama
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FLAGS = ["--num_stages", "2", "--max_steps", "12", "--per_device_train_batch_size", "2",
-         "--gradient_accumulation_steps", "2", "--learning_rate", "3e-3", "--mask_ratio", "0.9",
-         "--anchor_every", "2", "--dp_sync_every", "4", "--dp_fragments", "2", "--dp_powersgd_rank", "2",
-         "--logging_steps", "1", "--report_to", "none", "--save_strategy", "no"]
+FLAGS = [
+    "--num_stages",
+    "2",
+    "--max_steps",
+    "12",
+    "--per_device_train_batch_size",
+    "2",
+    "--gradient_accumulation_steps",
+    "2",
+    "--learning_rate",
+    "3e-3",
+    "--mask_ratio",
+    "0.9",
+    "--anchor_every",
+    "2",
+    "--dp_sync_every",
+    "4",
+    "--dp_fragments",
+    "2",
+    "--dp_powersgd_rank",
+    "2",
+    "--logging_steps",
+    "1",
+    "--report_to",
+    "none",
+    "--save_strategy",
+    "no",
+]
 
 
 def _launch(mesh: str, output_dir: str, *extra: str, launcher: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": ROOT, "RUST_LOG": "warn"}
-    command = [sys.executable, "-m", "hf_meshtune.cli", "launch", "--mesh", mesh, "--cpu", *launcher, "--",
-               os.path.join(ROOT, "tests", "scripts", "mesh_sft.py"), "--output_dir", output_dir, *FLAGS, *extra]
+    command = [
+        sys.executable,
+        "-m",
+        "hf_meshtune.cli",
+        "launch",
+        "--mesh",
+        mesh,
+        "--cpu",
+        *launcher,
+        "--",
+        os.path.join(ROOT, "tests", "scripts", "mesh_sft.py"),
+        "--output_dir",
+        output_dir,
+        *FLAGS,
+        *extra,
+    ]
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=400, cwd=ROOT)
 
 
@@ -46,8 +84,11 @@ def test_meshtrainer_script_runs_unchanged_on_a_launched_3x2_mesh(tmp_path):
     assert summary["anchor_rounds"] >= 2 and summary["anchor_arrivals"] >= 2
     assert summary["anchor_staleness_max"] >= 0
     # the loss fell and the saved model is a plain transformers checkpoint with the trained weights
-    losses = [json.loads(line.split("] ", 1)[1])["loss"] for line in proc.stdout.splitlines()
-              if line.startswith("[r0s1] {") and '"loss"' in line]
+    losses = [
+        json.loads(line.split("] ", 1)[1])["loss"]
+        for line in proc.stdout.splitlines()
+        if line.startswith("[r0s1] {") and '"loss"' in line
+    ]
     assert len(losses) == 12 and sum(losses[-3:]) / 3 < sum(losses[:3]) / 3
     history = json.loads((out / "trainer_state.json").read_text())["log_history"]  # what `meshtune report` reads
     assert [entry["step"] for entry in history] == list(range(1, 13))
@@ -69,8 +110,10 @@ def test_lora_on_the_mesh_syncs_and_filters_only_the_adapter_and_saves_a_plain_p
     assert measured["pp_fwd"] == analytic["pp_fwd"] == keep_count(64, 0.9) * 4  # LoRA leaves the payload as it is
     assert measured["dp"] == pytest.approx(analytic["dp"], rel=1e-9) and summary["dp_syncs_per_rank"] == 4 // 2
     # DP: PowerSGD rank 2 of each stage's LoRA matrices (r = 4), nothing of the frozen base
-    reference = get_peft_model(tiny_llama(seed=0, layers=4, hidden=64),
-                               LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM"))
+    reference = get_peft_model(
+        tiny_llama(seed=0, layers=4, hidden=64),
+        LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM"),
+    )
     payload = sum(dp_payload_numel(p.shape, 2) for p in reference.parameters() if p.requires_grad)
     # fp32, mean over the 2 stages, and each sync carries one of the dp_fragments = 2 fragments (the LoRA
     # matrices of each stage split into two halves of equal payload)
@@ -86,9 +129,24 @@ def test_trl_sft_script_runs_unchanged_on_a_launched_mesh(tmp_path):
     """MeshSFTTrainer on the mesh: TRL's tokenized rows and completion-only collator feed the pipeline."""
     out = tmp_path / "trl"
     env = {**os.environ, "PYTHONPATH": ROOT, "RUST_LOG": "warn"}
-    command = [sys.executable, "-m", "hf_meshtune.cli", "launch", "--mesh", "3x2", "--cpu", "--",
-               os.path.join(ROOT, "tests", "scripts", "mesh_trl_sft.py"), "--output_dir", str(out), *FLAGS,
-               "--max_steps", "4", "--max_length", "48"]
+    command = [
+        sys.executable,
+        "-m",
+        "hf_meshtune.cli",
+        "launch",
+        "--mesh",
+        "3x2",
+        "--cpu",
+        "--",
+        os.path.join(ROOT, "tests", "scripts", "mesh_trl_sft.py"),
+        "--output_dir",
+        str(out),
+        *FLAGS,
+        "--max_steps",
+        "4",
+        "--max_length",
+        "48",
+    ]
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=400, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((out / "mesh_summary.json").read_text())
@@ -112,7 +170,9 @@ def test_meshtrainer_runs_with_every_replica_a_job_of_its_own(tmp_path):
     summary = json.loads((out / "mesh_summary.json").read_text())
     assert summary["replicas_reported"] == 3 and summary["fast_replicas"] == 3 and summary["steps"] == 12
     assert summary["dp_syncs_per_rank"] == 12 // 2 and summary["heals"] == []
-    assert summary["measured_bytes_per_token"]["dp"] == pytest.approx(summary["analytic_bytes_per_token"]["dp"], rel=1e-9)
+    assert summary["measured_bytes_per_token"]["dp"] == pytest.approx(
+        summary["analytic_bytes_per_token"]["dp"], rel=1e-9
+    )
     assert sorted(p.name for p in out.iterdir() if p.name.startswith("mesh_summary")) == ["mesh_summary.json"]
     saved = AutoModelForCausalLM.from_pretrained(out)
     initial = tiny_llama(seed=0, layers=4, hidden=64)
@@ -120,7 +180,11 @@ def test_meshtrainer_runs_with_every_replica_a_job_of_its_own(tmp_path):
 
 
 def _step_losses(stdout: str) -> dict[int, float]:
-    lines = [json.loads(line.split("] ", 1)[1]) for line in stdout.splitlines() if line.startswith("[r0s1] {") and '"loss"' in line]
+    lines = [
+        json.loads(line.split("] ", 1)[1])
+        for line in stdout.splitlines()
+        if line.startswith("[r0s1] {") and '"loss"' in line
+    ]
     return {entry["step"]: entry["loss"] for entry in lines}
 
 
@@ -131,7 +195,10 @@ def test_meshtrainer_writes_mesh_checkpoints_and_resumes_from_one_exactly(tmp_pa
     flags = ("--anchor", "false", "--save_strategy", "steps", "--save_steps", "4", "--save_total_limit", "2")
     proc = _launch("2x2", str(first), *flags)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert sorted(p.name for p in first.iterdir() if p.name.startswith("checkpoint-")) == ["checkpoint-12", "checkpoint-8"]
+    assert sorted(p.name for p in first.iterdir() if p.name.startswith("checkpoint-")) == [
+        "checkpoint-12",
+        "checkpoint-8",
+    ]
     assert sorted(os.listdir(first / "checkpoint-8" / "mesh")) == [f"rank{r}.pt" for r in range(4)]
     proc2 = _launch("2x2", str(second), *flags, "--resume_from_checkpoint", str(first / "checkpoint-8"))
     assert proc2.returncode == 0, proc2.stdout[-3000:] + proc2.stderr[-3000:]
@@ -167,8 +234,22 @@ def test_meshtrainer_trains_on_when_the_anchor_replica_is_killed(tmp_path):
     out = tmp_path / "lost"
     env = {**os.environ, "PYTHONPATH": ROOT, "RUST_LOG": "warn"}
     flags = [*FLAGS, "--max_steps", "24", "--anchor_max_staleness", "4"]
-    command = [sys.executable, "-m", "hf_meshtune.cli", "launch", "--mesh", "3x2", "--cpu", "--optional-replica", "2", "--",
-               os.path.join(ROOT, "tests", "scripts", "mesh_sft.py"), "--output_dir", str(out), *flags]
+    command = [
+        sys.executable,
+        "-m",
+        "hf_meshtune.cli",
+        "launch",
+        "--mesh",
+        "3x2",
+        "--cpu",
+        "--optional-replica",
+        "2",
+        "--",
+        os.path.join(ROOT, "tests", "scripts", "mesh_sft.py"),
+        "--output_dir",
+        str(out),
+        *flags,
+    ]
     launcher = subprocess.Popen(command, env=env, cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     lines = []
     try:
@@ -204,11 +285,21 @@ def test_the_same_script_runs_under_accelerate_launch_with_its_own_lighthouse(tm
     env = {key: value for key, value in os.environ.items() if key not in ("TORCHFT_LIGHTHOUSE", "MESHTUNE_MESH")}
     env.update({"PYTHONPATH": ROOT, "RUST_LOG": "warn", "ACCELERATE_USE_CPU": "true"})
     accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
-    command = [accelerate, "launch", "--config_file", os.path.join(ROOT, "accelerate_configs", "cpu_mesh_3x2.yaml"),
-               os.path.join(ROOT, "tests", "scripts", "mesh_sft.py"), "--output_dir", str(out), *FLAGS]
+    command = [
+        accelerate,
+        "launch",
+        "--config_file",
+        os.path.join(ROOT, "accelerate_configs", "cpu_mesh_3x2.yaml"),
+        os.path.join(ROOT, "tests", "scripts", "mesh_sft.py"),
+        "--output_dir",
+        str(out),
+        *FLAGS,
+    ]
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=400, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((out / "mesh_summary.json").read_text())
     assert summary["mesh"] == "3x2" and summary["mesh_env"] is None  # X inferred from WORLD_SIZE / num_stages
     assert summary["dp_syncs_per_rank"] == 12 // 2 and summary["anchor_rounds"] >= 2
-    assert summary["measured_bytes_per_token"]["dp"] == pytest.approx(summary["analytic_bytes_per_token"]["dp"], rel=1e-9)
+    assert summary["measured_bytes_per_token"]["dp"] == pytest.approx(
+        summary["analytic_bytes_per_token"]["dp"], rel=1e-9
+    )

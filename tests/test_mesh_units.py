@@ -17,11 +17,14 @@ from hf_meshtune.runtime.settings import RunSettings
 from tests.tiny import make_tiny_causal_lm, pattern_dataset, tiny_llama
 
 
-@pytest.mark.parametrize("knob, value, rule", [
-    ("mask_fill", "gaussian", "be 'zeros' or 'mean' on the distributed mesh"),
-    ("mask_protect_dims", 2, "be 0 on the distributed mesh"),
-    ("anchor_payload", "factors", "be 'gradient' on the distributed mesh"),
-])
+@pytest.mark.parametrize(
+    "knob, value, rule",
+    [
+        ("mask_fill", "gaussian", "be 'zeros' or 'mean' on the distributed mesh"),
+        ("mask_protect_dims", 2, "be 0 on the distributed mesh"),
+        ("anchor_payload", "factors", "be 'gradient' on the distributed mesh"),
+    ],
+)
 def test_run_settings_refuse_what_the_mesh_cannot_do(knob, value, rule):
     with pytest.raises(ValueError, match=f"{knob}={value!r} is invalid: it must {rule}"):
         RunSettings(config=MeshConfig(**{knob: value}), microbatch_size=1, microbatches=1, seq_len=8, max_steps=1)
@@ -42,7 +45,10 @@ def test_pipeline_refuses_layouts_it_does_not_rebuild():
 
 def test_stage_split_owns_embeddings_first_and_head_last():
     model = tiny_llama()
-    first, last = StageModule(model, 0, 2, None, BoundaryMask(0, 0.9)), StageModule(model, 1, 2, BoundaryMask(0, 0.9), None)
+    first, last = (
+        StageModule(model, 0, 2, None, BoundaryMask(0, 0.9)),
+        StageModule(model, 1, 2, BoundaryMask(0, 0.9), None),
+    )
     assert first.embed_tokens is model.model.embed_tokens and first.lm_head is None
     assert last.lm_head is model.lm_head and last.norm is model.model.norm and last.embed_tokens is None
     assert list(first.layer_range) == [0, 1] and list(last.layer_range) == [2, 3]
@@ -78,8 +84,11 @@ def test_tied_embeddings_are_untied_into_two_equal_copies():
 
 
 def test_rows_are_padded_to_the_fixed_length_and_pads_never_count():
-    batch = {"input_ids": torch.tensor([[5, 6, 7]]), "labels": torch.tensor([[5, 6, 7]]),
-             "attention_mask": torch.tensor([[1, 1, 0]])}
+    batch = {
+        "input_ids": torch.tensor([[5, 6, 7]]),
+        "labels": torch.tensor([[5, 6, 7]]),
+        "attention_mask": torch.tensor([[1, 1, 0]]),
+    }
     ids, labels = _pad_rows(batch, 5, pad_id=0)
     assert ids.tolist() == [[5, 6, 7, 0, 0]] and labels.tolist() == [[5, 6, -100, -100, -100]]
     with pytest.raises(ValueError, match="batch sequence length=3 is invalid: it must be <= the mesh's fixed length 2"):
@@ -140,8 +149,9 @@ def test_an_anchor_message_of_the_wrong_size_is_refused():
 
 def test_a_stage_with_nothing_to_train_is_refused_on_every_rank(tmp_path, monkeypatch):
     """Each process holds the whole model, so every rank reaches the same verdict before any rendezvous."""
-    args = MeshTrainingArguments(str(tmp_path), num_stages=2, report_to="none", use_cpu=True, max_steps=2, anchor=False,
-                                 optim="adamw_torch")
+    args = MeshTrainingArguments(
+        str(tmp_path), num_stages=2, report_to="none", use_cpu=True, max_steps=2, anchor=False, optim="adamw_torch"
+    )
     model = tiny_llama()
     for param in [*model.model.embed_tokens.parameters(), *model.model.layers[:2].parameters()]:
         param.requires_grad_(False)
@@ -157,7 +167,10 @@ def test_only_network_failures_are_reported_as_a_lost_pipeline_link():
 
     from hf_meshtune.comm.errors import is_link_error
 
-    gloo = "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:129] Timed out waiting 8000ms for send operation to complete"
+    gloo = (
+        "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:129] "
+        "Timed out waiting 8000ms for send operation to complete"
+    )
     assert is_link_error(RuntimeError(gloo))
     assert is_link_error(dist.DistNetworkError("anything"))
     assert not is_link_error(RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x8 and 16x2)"))
@@ -173,15 +186,24 @@ def test_a_link_error_in_the_gradient_norm_all_reduce_names_every_stage_it_waite
     from hf_meshtune.topology import MeshTopology
 
     topology = MeshTopology(2, 3, anchor=False)
-    worker = SimpleNamespace(topology=topology, rank=4, replica=1, stage=1, role="fast", module=SimpleNamespace(step=7),
-                             settings=SimpleNamespace(link_timeout_s=8.0), peer_hosts={3: "10.77.0.13", 5: "10.77.0.15"})
+    worker = SimpleNamespace(
+        topology=topology,
+        rank=4,
+        replica=1,
+        stage=1,
+        role="fast",
+        module=SimpleNamespace(step=7),
+        settings=SimpleNamespace(link_timeout_s=8.0),
+        peer_hosts={3: "10.77.0.13", 5: "10.77.0.15"},
+    )
     timeout = "[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 8000ms for recv operation to complete"
     with pytest.raises(RuntimeError) as caught:
         with StageWorker.naming_link_failure(worker, "the gradient-norm all-reduce with", [3, 5]):
             raise RuntimeError(timeout)
     assert str(caught.value).startswith(
         "rank 4 (fast replica 1, stage 1) lost its pipeline link at step 7: the gradient-norm all-reduce with rank 3 "
-        "(replica 1, stage 0) at 10.77.0.13, rank 5 (replica 1, stage 2) at 10.77.0.15 did not complete (timeout 8.0 s")
+        "(replica 1, stage 0) at 10.77.0.13, rank 5 (replica 1, stage 2) at 10.77.0.15 did not complete (timeout 8.0 s"
+    )
     with pytest.raises(ValueError, match="not a link"):  # anything else passes unchanged
         with StageWorker.naming_link_failure(worker, "x", [3]):
             raise ValueError("not a link")
@@ -200,8 +222,11 @@ def test_a_replica_job_that_never_starts_fails_the_first_start_barrier_naming_th
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
     topology = MeshTopology(2, 1, anchor=False, job_replica=0)
     monkeypatch.setenv("MESHTUNE_RESTART", "0")
-    with pytest.raises(ValueError, match=r"mesh start='1 of 2 processes ready' is invalid: it must complete within "
-                                         r"dp_timeout_s = 0.5 s \(a replica job did not start\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"mesh start='1 of 2 processes ready' is invalid: it must complete within "
+        r"dp_timeout_s = 0.5 s \(a replica job did not start\)",
+    ):
         _job_barrier(server, topology, 0.5)
     monkeypatch.setenv("MESHTUNE_RESTART", "1")
     _job_barrier(server, topology, 0.5)  # returns at once

@@ -50,11 +50,19 @@ def _pipeline_worker(rank: int, world: int, steps: int) -> dict:
     model = tiny_llama(seed=0, layers=LAYERS, hidden=HIDDEN)
     masks = _masks(world - 1)
     stage = groups.stage
-    module = StageModule(model, stage, world, masks[stage - 1] if stage > 0 else None,
-                         masks[stage] if stage < world - 1 else None)
+    module = StageModule(
+        model, stage, world, masks[stage - 1] if stage > 0 else None, masks[stage] if stage < world - 1 else None
+    )
     wire = Wire()
-    pipe = MeshStage(module, group=groups.pp_group, device=torch.device("cpu"), microbatch_size=MICRO,
-                     seq_len=SEQ, dtype=torch.float32, wire=wire)
+    pipe = MeshStage(
+        module,
+        group=groups.pp_group,
+        device=torch.device("cpu"),
+        microbatch_size=MICRO,
+        seq_len=SEQ,
+        dtype=torch.float32,
+        wire=wire,
+    )
     schedule = build_schedule(pipe, BATCH // MICRO, causal_lm_loss(model))
     losses = []
     for step in range(steps):

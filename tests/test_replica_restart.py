@@ -34,11 +34,28 @@ def _progress(out: Path, rank: int, restart: int) -> tuple[int, int] | None:
 def killed_run(tmp_path_factory):
     """The whole run: replica 1's stage 1 (mesh rank 3) is SIGKILLed once it has taken KILL_AT steps."""
     out = tmp_path_factory.mktemp("replica_restart")
-    command = [sys.executable, "-m", "hf_meshtune.cli", "launch", "--mesh", "3x2", "--cpu", "--max-restarts", "1",
-               "--", "tests/scripts/mesh_run.py", str(out), str(STEPS)]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "RESTART_DELAY_S": "4", "STEP_SECONDS": "0.1"}  # long enough for a quorum without it
-    launcher = subprocess.Popen(command, cwd=REPO, env=env, text=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    command = [
+        sys.executable,
+        "-m",
+        "hf_meshtune.cli",
+        "launch",
+        "--mesh",
+        "3x2",
+        "--cpu",
+        "--max-restarts",
+        "1",
+        "--",
+        "tests/scripts/mesh_run.py",
+        str(out),
+        str(STEPS),
+    ]
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "RESTART_DELAY_S": "4",
+        "STEP_SECONDS": "0.1",
+    }  # long enough for a quorum without it
+    launcher = subprocess.Popen(command, cwd=REPO, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 180
     try:
         while (seen := _progress(out, 3, 0)) is None or seen[1] < KILL_AT:
@@ -51,13 +68,21 @@ def killed_run(tmp_path_factory):
         if launcher.poll() is None:
             launcher.kill()
     results = [torch.load(out / f"result{r}.pt", weights_only=False) for r in range(6)]
-    return {"rc": launcher.returncode, "output": output, "results": results, "killed_at": seen[1],
-            "survivors_at_kill": survivors_at_kill}
+    return {
+        "rc": launcher.returncode,
+        "output": output,
+        "results": results,
+        "killed_at": seen[1],
+        "survivors_at_kill": survivors_at_kill,
+    }
 
 
 def test_the_launcher_restarts_the_killed_replica_and_the_run_completes(killed_run):
     assert killed_run["rc"] == 0, killed_run["output"][-3000:]
-    assert "rank 3 (r1s1) failed with exit code 137: restarting replica 1 (1/1); the other replicas go on" in killed_run["output"]
+    assert (
+        "rank 3 (r1s1) failed with exit code 137: restarting replica 1 (1/1); the other replicas go on"
+        in killed_run["output"]
+    )
 
 
 def test_the_other_replicas_lose_no_step_and_the_quorum_shrinks_and_grows_back(killed_run):

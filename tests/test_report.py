@@ -23,8 +23,16 @@ from hf_meshtune.runtime.job import SUMMARY_NAME
 from tests.tiny import pattern_dataset, tiny_llama
 
 BASE = dict(
-    per_device_train_batch_size=4, learning_rate=3e-3, logging_steps=1, report_to=["tensorboard"], use_cpu=True,
-    disable_tqdm=True, save_strategy="no", seed=0, lr_scheduler_type="constant", max_steps=4,
+    per_device_train_batch_size=4,
+    learning_rate=3e-3,
+    logging_steps=1,
+    report_to=["tensorboard"],
+    use_cpu=True,
+    disable_tqdm=True,
+    save_strategy="no",
+    seed=0,
+    lr_scheduler_type="constant",
+    max_steps=4,
 )
 RUNS = {
     "dense": dict(mask_ratio=0.0, anchor=False),
@@ -35,15 +43,36 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 # A distributed mesh's summary as mesh_job.summarize writes it (the m95_ap row of benchmarks/mesh/results).
 MESH_SUMMARY = {
-    "mesh": "3x2", "fast_replicas": 2, "anchor": True, "steps": 8, "fast_tokens": 2048, "seq_len": 64,
-    "measured_bytes_per_token": {"pp_fwd": 116.0, "pp_bwd": 116.0625, "dp": 9814.5, "anchor": 1249931.484375,
-                                 "total": 1259978.046875},
-    "analytic_bytes_per_token": {"pp_fwd": 116.0, "pp_bwd": 116.0, "dp": 9814.5, "anchor": 1249931.25,
-                                 "total": 1259977.75},
+    "mesh": "3x2",
+    "fast_replicas": 2,
+    "anchor": True,
+    "steps": 8,
+    "fast_tokens": 2048,
+    "seq_len": 64,
+    "measured_bytes_per_token": {
+        "pp_fwd": 116.0,
+        "pp_bwd": 116.0625,
+        "dp": 9814.5,
+        "anchor": 1249931.484375,
+        "total": 1259978.046875,
+    },
+    "analytic_bytes_per_token": {
+        "pp_fwd": 116.0,
+        "pp_bwd": 116.0,
+        "dp": 9814.5,
+        "anchor": 1249931.25,
+        "total": 1259977.75,
+    },
     "analytic_settings": {"num_replicas": 3, "num_stages": 2, "mask_ratio": 0.95, "tokens_per_step": 128},
-    "dp_syncs_per_rank": 2.0, "dp_bytes_per_sync_per_rank": 2512512.0, "anchor_rounds": 3, "anchor_arrivals": 12,
-    "anchor_staleness_mean": 0.6666666666666666, "anchor_staleness_max": 1, "step_seconds_mean": 11.151598471429029,
-    "final_loss": 13.954839706420898, "mesh_env": "3x2",
+    "dp_syncs_per_rank": 2.0,
+    "dp_bytes_per_sync_per_rank": 2512512.0,
+    "anchor_rounds": 3,
+    "anchor_arrivals": 12,
+    "anchor_staleness_mean": 0.6666666666666666,
+    "anchor_staleness_max": 1,
+    "step_seconds_mean": 11.151598471429029,
+    "final_loss": 13.954839706420898,
+    "mesh_env": "3x2",
 }
 
 
@@ -84,7 +113,10 @@ def test_report_of_real_runs_shows_what_the_trainer_logged(trained, tmp_path, ca
     for png in written[1:]:
         assert_png(png)
     report = (tmp_path / "runs" / "report.md").read_text()
-    assert "![training loss (and reward) vs step](loss.png)" in report and "![bytes per token by circuit](bytes_per_token.png)" in report
+    assert (
+        "![training loss (and reward) vs step](loss.png)" in report
+        and "![bytes per token by circuit](bytes_per_token.png)" in report
+    )
     for name, trainer in trained.items():
         last = train_logs(trainer)[-1]
         line = table_line(report, name)
@@ -102,7 +134,9 @@ def test_report_rows_equal_the_log_history(trained, tmp_path):
         assert row["steps"] == 4 and row["sources"] == [TRAINER_STATE_NAME]
         assert (row["first_train_loss"], row["last_train_loss"]) == (logs[0]["loss"], logs[-1]["loss"])
         assert row["last_eval_loss"] == trainer.state.log_history[-1]["eval_loss"]
-        assert row["bytes_per_token"] == {key.split("/")[1].removesuffix("_bytes_per_token"): logs[-1][key] for key in LEDGER_KEYS}
+        assert row["bytes_per_token"] == {
+            key.split("/")[1].removesuffix("_bytes_per_token"): logs[-1][key] for key in LEDGER_KEYS
+        }
         assert row["compression_vs_dense"] == logs[-1]["comm/compression_vs_dense_ratio"]
         assert result["bars"][f"{name} analytic"] == {c: row["bytes_per_token"][c] for c in CIRCUITS}
         assert row["measured_bytes_per_token"] is None
@@ -127,7 +161,9 @@ def test_tensorboard_event_files_carry_the_byte_ledger(trained):
             scalars = [(event.step, event.value) for event in accumulator.Scalars(f"train/{key}")]
             assert scalars == [(entry["step"], float(np.float32(entry[key]))) for entry in logs], key
         evaluation = trainer.state.log_history[-1]
-        assert [(e.step, e.value) for e in accumulator.Scalars("eval/loss")] == [(4, float(np.float32(evaluation["eval_loss"])))]
+        assert [(e.step, e.value) for e in accumulator.Scalars("eval/loss")] == [
+            (4, float(np.float32(evaluation["eval_loss"])))
+        ]
     assert "train/anchor/staleness_steps" in accumulator.Tags()["scalars"]  # the last run has the anchor
 
 
@@ -152,15 +188,32 @@ def test_mesh_summary_puts_measured_bytes_in_the_report_and_the_bars(tmp_path, c
 
 
 def test_demo_summary_is_a_run(tmp_path):
-    last_log = {"loss": 5.87, "comm/pp_fwd_bytes_per_token": 348.0, "comm/pp_bwd_bytes_per_token": 348.0,
-                "comm/dp_bytes_per_token": 50.0, "comm/anchor_bytes_per_token": 9000.0,
-                "comm/total_bytes_per_token": 9746.0, "comm/compression_vs_dense_ratio": 3.5, "step": 60}
-    summary = {"masked_train_loss_first_log": 10.3, "masked_train_loss_last_log": 5.87, "dense_eval_loss_before": 1.518,
-               "dense_eval_loss_after": 1.446, "last_log": last_log}
+    last_log = {
+        "loss": 5.87,
+        "comm/pp_fwd_bytes_per_token": 348.0,
+        "comm/pp_bwd_bytes_per_token": 348.0,
+        "comm/dp_bytes_per_token": 50.0,
+        "comm/anchor_bytes_per_token": 9000.0,
+        "comm/total_bytes_per_token": 9746.0,
+        "comm/compression_vs_dense_ratio": 3.5,
+        "step": 60,
+    }
+    summary = {
+        "masked_train_loss_first_log": 10.3,
+        "masked_train_loss_last_log": 5.87,
+        "dense_eval_loss_before": 1.518,
+        "dense_eval_loss_after": 1.446,
+        "last_log": last_log,
+    }
     (tmp_path / "summary.json").write_text(json.dumps(summary))
     row = write_report(tmp_path)["rows"][0]
     assert row["run"] == tmp_path.name and row["sources"] == ["summary.json"]
-    assert (row["steps"], row["first_train_loss"], row["last_train_loss"], row["last_eval_loss"]) == (60, 10.3, 5.87, 1.446)
+    assert (row["steps"], row["first_train_loss"], row["last_train_loss"], row["last_eval_loss"]) == (
+        60,
+        10.3,
+        5.87,
+        1.446,
+    )
     assert row["bytes_per_token"] == {"pp_fwd": 348.0, "pp_bwd": 348.0, "dp": 50.0, "anchor": 9000.0, "total": 9746.0}
     assert row["compression_vs_dense"] == 3.5
 
@@ -193,7 +246,8 @@ def test_bad_run_dir_exits_2_with_the_reason(tmp_path, capsys, case):
     err = capsys.readouterr().err
     expected = {
         "missing": f"run_dir={str(run_dir)!r} is invalid: it must be an existing folder",
-        "empty": f"run_dir={str(run_dir)!r} is invalid: it must contain at least one run: a folder with {TRAINER_STATE_NAME}",
+        "empty": f"run_dir={str(run_dir)!r} is invalid: it must contain at least one run: a folder with "
+        f"{TRAINER_STATE_NAME}",
         "corrupt": f"file={str(run_dir / 'run' / TRAINER_STATE_NAME)!r} is invalid: it must hold valid JSON",
     }[case]
     assert err.startswith(f"meshtune report: error: {expected}"), err

@@ -15,8 +15,21 @@ from tests.tiny import make_tiny_causal_lm
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 
-MESH = ["--use_cpu", "--report_to", "none", "--num_stages", "2", "--anchor_every", "1", "--anchor_delay", "1",
-        "--num_replicas", "3", "--logging_steps", "1"]
+MESH = [
+    "--use_cpu",
+    "--report_to",
+    "none",
+    "--num_stages",
+    "2",
+    "--anchor_every",
+    "1",
+    "--anchor_delay",
+    "1",
+    "--num_replicas",
+    "3",
+    "--logging_steps",
+    "1",
+]
 
 
 @pytest.fixture(scope="module")
@@ -24,8 +37,15 @@ def tiny_dir(tmp_path_factory):
     """A tiny random Llama with SmolLM2's tokenizer and chat template, saved like any local model."""
     path = tmp_path_factory.mktemp("tiny")
     tokenizer = AutoTokenizer.from_pretrained(smollm2_checkpoint())
-    model = make_tiny_causal_lm("llama", hidden=32, layers=4, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
-                                bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    model = make_tiny_causal_lm(
+        "llama",
+        hidden=32,
+        layers=4,
+        vocab_size=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
@@ -33,10 +53,27 @@ def tiny_dir(tmp_path_factory):
 
 def test_gspo_recipe_trains_scores_and_saves_a_plain_checkpoint(tiny_dir, tmp_path):
     out = tmp_path / "gspo"
-    metrics = load_script("recipes/gspo.py").main([
-        "--output_dir", str(out), "--model_name_or_path", str(tiny_dir), "--max_steps", "2", "--num_generations", "4",
-        "--per_device_train_batch_size", "4", "--max_completion_length", "8", "--eval_items", "4", "--save_strategy", "no",
-        *MESH])
+    metrics = load_script("recipes/gspo.py").main(
+        [
+            "--output_dir",
+            str(out),
+            "--model_name_or_path",
+            str(tiny_dir),
+            "--max_steps",
+            "2",
+            "--num_generations",
+            "4",
+            "--per_device_train_batch_size",
+            "4",
+            "--max_completion_length",
+            "8",
+            "--eval_items",
+            "4",
+            "--save_strategy",
+            "no",
+            *MESH,
+        ]
+    )
     assert 0.0 <= metrics["eval_exact_match_before"] <= 1.0 and 0.0 <= metrics["eval_exact_match_after"] <= 1.0
     assert json.loads((out / "gspo_results.json").read_text()) == metrics
     args = json.loads((out / "trainer_state.json").read_text())
@@ -57,9 +94,25 @@ def test_sft_then_gspo_with_lora_continues_from_the_saved_adapter(tiny_dir, tmp_
     from peft import PeftModel
 
     out = tmp_path / "chain"
-    result = load_script("examples/sft_to_gspo.py").main([
-        "--output_dir", str(out), "--model_name_or_path", str(tiny_dir), "--use_peft", "--sft_steps", "2", "--gspo_steps", "2",
-        "--num_generations", "4", "--eval_items", "4", "--", *MESH])
+    result = load_script("examples/sft_to_gspo.py").main(
+        [
+            "--output_dir",
+            str(out),
+            "--model_name_or_path",
+            str(tiny_dir),
+            "--use_peft",
+            "--sft_steps",
+            "2",
+            "--gspo_steps",
+            "2",
+            "--num_generations",
+            "4",
+            "--eval_items",
+            "4",
+            "--",
+            *MESH,
+        ]
+    )
     assert set(result) >= {"exact_match_base", "exact_match_after_sft", "exact_match_after_gspo", "gspo_reward_last"}
     assert math.isfinite(result["sft_eval_loss"])
     assert json.loads((out / "chain.json").read_text())["exact_match_after_gspo"] == result["exact_match_after_gspo"]

@@ -268,6 +268,7 @@ def test_diagnostics_empty_before_anchor_and_cosine_one_when_aligned() -> None:
 
 # --- guards: rejected deliveries, failed SVDs, stale bases ----------------------------------------
 
+
 def _guarded(max_staleness=None, alpha=0.3):
     gen = torch.Generator().manual_seed(7)
     w = torch.nn.Parameter(torch.randn(6, 4, generator=gen, dtype=torch.float64))
@@ -333,7 +334,9 @@ def test_a_basis_past_max_staleness_fades_linearly_to_plain_adamw(monkeypatch, c
     w, opt, gen = _guarded(max_staleness=2, alpha=0.3)
     alphas = []
     real_filter = spectral._filter_gradient
-    monkeypatch.setattr(spectral, "_filter_gradient", lambda g, u, d, v, a: alphas.append(a) or real_filter(g, u, d, v, a))
+    monkeypatch.setattr(
+        spectral, "_filter_gradient", lambda g, u, d, v, a: alphas.append(a) or real_filter(g, u, d, v, a)
+    )
     opt.update_anchor({w: torch.randn(6, 4, generator=gen, dtype=torch.float64)})
     with caplog.at_level("WARNING", logger="hf_meshtune.optim.spectral"):
         for _ in range(6):  # ages 0..5 at the six steps

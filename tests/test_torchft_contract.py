@@ -25,8 +25,13 @@ def _diloco() -> DiLoCo:
     manager = create_autospec(Manager, instance=True)
     manager._use_async_quorum = False
     fragment = nn.Linear(4, 4)
-    return DiLoCo(manager, [fragment], torch.optim.AdamW(fragment.parameters()),
-                  [torch.optim.SGD(fragment.parameters(), lr=0.7)], sync_every=2)
+    return DiLoCo(
+        manager,
+        [fragment],
+        torch.optim.AdamW(fragment.parameters()),
+        [torch.optim.SGD(fragment.parameters(), lr=0.7)],
+        sync_every=2,
+    )
 
 
 def test_every_private_torchft_attribute_the_adapter_uses_exists():
@@ -39,8 +44,10 @@ def test_every_private_torchft_attribute_the_adapter_uses_exists():
     assert owners == {"torchft.local_sgd", "_StreamingDiLoCoFragment", "fragment", "DiLoCo", "HTTPTransport"}
 
 
-@pytest.mark.parametrize(("owner", "attribute"), [("_StreamingDiLoCoFragment", "_average_grads"),
-                                                  ("fragment", "_allreduce_work"), ("DiLoCo", "_local_step")])
+@pytest.mark.parametrize(
+    ("owner", "attribute"),
+    [("_StreamingDiLoCoFragment", "_average_grads"), ("fragment", "_allreduce_work"), ("DiLoCo", "_local_step")],
+)
 def test_a_moved_attribute_fails_loudly_naming_it(monkeypatch, owner, attribute):
     diloco = _diloco()
     if owner == "_StreamingDiLoCoFragment":

@@ -14,8 +14,15 @@ from hf_meshtune.trainer import MESH_STATE_NAME
 from tests.tiny import pattern_dataset, tiny_llama
 
 BASE = dict(
-    per_device_train_batch_size=4, learning_rate=3e-3, logging_steps=1, report_to=[], use_cpu=True,
-    disable_tqdm=True, save_strategy="no", seed=0, lr_scheduler_type="constant",
+    per_device_train_batch_size=4,
+    learning_rate=3e-3,
+    logging_steps=1,
+    report_to=[],
+    use_cpu=True,
+    disable_tqdm=True,
+    save_strategy="no",
+    seed=0,
+    lr_scheduler_type="constant",
 )
 MESH = dict(num_stages=2, mask_ratio=0.5, anchor_every=2, anchor_delay=1)
 
@@ -80,8 +87,11 @@ def test_evaluation_is_dense(tmp_path):
     trainer = make_trainer(tmp_path)
     mesh_eval = trainer.evaluate()["eval_loss"]
     trainer.mesh_boundaries.remove()
-    plain = transformers.Trainer(model=trainer.model, args=transformers.TrainingArguments(
-        output_dir=str(tmp_path / "plain"), report_to=[], use_cpu=True), eval_dataset=trainer.eval_dataset)
+    plain = transformers.Trainer(
+        model=trainer.model,
+        args=transformers.TrainingArguments(output_dir=str(tmp_path / "plain"), report_to=[], use_cpu=True),
+        eval_dataset=trainer.eval_dataset,
+    )
     assert mesh_eval == plain.evaluate()["eval_loss"]
 
 
@@ -101,7 +111,9 @@ def test_saved_model_loads_in_plain_transformers_with_same_logits(tmp_path):
     card = ModelCard.load(tmp_path / "final" / "README.md")  # the model card names the mesh settings
     assert "hf_meshtune" in card.data.tags and "## Trained with hf_meshtune" in card.text
     cfg = trainer.mesh_config
-    assert f"| `mask_ratio` | {cfg.mask_ratio!r} |" in card.text and f"| `num_stages` | {cfg.num_stages!r} |" in card.text
+    assert (
+        f"| `mask_ratio` | {cfg.mask_ratio!r} |" in card.text and f"| `num_stages` | {cfg.num_stages!r} |" in card.text
+    )
     logged = [e for e in trainer.state.log_history if "comm/pp_fwd_bytes_per_token" in e][-1]
     assert f"| pp_fwd | {logged['comm/pp_fwd_bytes_per_token']:,.1f} |" in card.text
 
@@ -109,8 +121,15 @@ def test_saved_model_loads_in_plain_transformers_with_same_logits(tmp_path):
 def test_resume_reproduces_next_losses_exactly(tmp_path):
     """Checkpoint at step 4 holds a pending anchor gradient (every 2, Δ = 3), a mean fill and the
     protected dims chosen at the start (recalibrating on the resumed weights would differ)."""
-    knobs = dict(max_steps=8, anchor_every=2, anchor_delay=3, mask_fill="mean", mask_protect_dims=4,
-                 save_strategy="steps", save_steps=4)
+    knobs = dict(
+        max_steps=8,
+        anchor_every=2,
+        anchor_delay=3,
+        mask_fill="mean",
+        mask_protect_dims=4,
+        save_strategy="steps",
+        save_steps=4,
+    )
     full = make_trainer(tmp_path / "full", **knobs)
     full.train()
     checkpoint = tmp_path / "full" / "out" / "checkpoint-4"
@@ -146,7 +165,13 @@ def test_gradient_accumulation_advances_microbatch_and_step(tmp_path):
     seen = []
     trainer = make_trainer(tmp_path, max_steps=3, gradient_accumulation_steps=3)
     layer = trainer.model.model.layers[0]
-    layer.register_forward_hook(lambda m, a, o: seen.append((trainer.mesh_boundaries.step, trainer.mesh_boundaries.microbatch)) if m.training and trainer.mesh_boundaries.enabled else None)
+    layer.register_forward_hook(
+        lambda m, a, o: (
+            seen.append((trainer.mesh_boundaries.step, trainer.mesh_boundaries.microbatch))
+            if m.training and trainer.mesh_boundaries.enabled
+            else None
+        )
+    )
     trainer.train()
     fast = [s for s in seen if s[1] >= 0]
     assert fast == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2), (2, 0), (2, 1), (2, 2)]
@@ -177,20 +202,26 @@ def test_anchor_with_a_custom_non_spectral_optimizer_is_rejected(tmp_path):
     custom = torch.optim.SGD(model.parameters(), lr=0.1)
     trainer = make_trainer(tmp_path, model=model)
     trainer.optimizer = custom
-    with pytest.raises(ValueError, match=r"optimizers\[0\]='SGD' is invalid: it must be a SpectralAdamW when anchor=True"):
+    with pytest.raises(
+        ValueError, match=r"optimizers\[0\]='SGD' is invalid: it must be a SpectralAdamW when anchor=True"
+    ):
         trainer.create_optimizer()
 
 
 def test_a_lagging_anchor_past_max_staleness_is_rejected_and_reported(tmp_path):
     """Every delivery lands 3 steps after its snapshot, over anchor_max_staleness = 2: none is applied,
     each is counted in the logs, and training carries on with the plain masked gradient."""
-    trainer = make_trainer(tmp_path, max_steps=6, anchor_every=1, anchor_delay=3, anchor_max_staleness=2, logging_steps=1)
+    trainer = make_trainer(
+        tmp_path, max_steps=6, anchor_every=1, anchor_delay=3, anchor_max_staleness=2, logging_steps=1
+    )
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
     assert all(math.isfinite(h["loss"]) for h in logs)
     assert [h.get("anchor/rejected_stale", 0) for h in logs] == [0, 0, 0, 1, 2, 3]  # deliveries from step 3 on
     optimizer = trainer.spectral_optimizer
-    assert optimizer.max_staleness == 2 and not any("anchor_momentum" in optimizer.state[p] for p in trainer.model.parameters())
+    assert optimizer.max_staleness == 2 and not any(
+        "anchor_momentum" in optimizer.state[p] for p in trainer.model.parameters()
+    )
 
 
 def test_a_process_killed_while_saving_leaves_the_previous_checkpoint_to_resume_from(tmp_path):
@@ -205,8 +236,13 @@ def test_a_process_killed_while_saving_leaves_the_previous_checkpoint_to_resume_
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = tmp_path / "killed"
-    proc = subprocess.run([sys.executable, os.path.join(root, "tests", "scripts", "killed_save.py"), str(out)],
-                          env={**os.environ, "PYTHONPATH": root}, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(root, "tests", "scripts", "killed_save.py"), str(out)],
+        env={**os.environ, "PYTHONPATH": root},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == -9, proc.stderr[-2000:]
     assert (out / CHECKPOINT_STAGING / "checkpoint-4" / "model.safetensors").is_file()  # the save was cut mid-way
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2"]

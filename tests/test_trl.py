@@ -37,15 +37,24 @@ def tokenizer():
 
 
 def tiny(tokenizer, seed: int = 0):
-    return make_tiny_causal_lm("llama", hidden=32, layers=4, seed=seed, vocab_size=len(tokenizer),
-                               pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-                               eos_token_id=tokenizer.eos_token_id)
+    return make_tiny_causal_lm(
+        "llama",
+        hidden=32,
+        layers=4,
+        seed=seed,
+        vocab_size=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
 
 
 def lora(**kwargs):
     from peft import LoraConfig
 
-    return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], task_type="CAUSAL_LM", **kwargs)
+    return LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], task_type="CAUSAL_LM", **kwargs
+    )
 
 
 def length_reward(completions, **kwargs) -> list[float]:
@@ -54,19 +63,40 @@ def length_reward(completions, **kwargs) -> list[float]:
 
 
 def sft(tokenizer, out, peft_config=None, steps: int = 3, **knobs):
-    args = MeshSFTConfig(str(out), max_steps=steps, per_device_train_batch_size=4, learning_rate=1e-3, **{**COMMON, **MESH, **knobs})
-    return MeshSFTTrainer(model=tiny(tokenizer), args=args, train_dataset=sft_dataset(32), processing_class=tokenizer,
-                          peft_config=peft_config)
+    args = MeshSFTConfig(
+        str(out), max_steps=steps, per_device_train_batch_size=4, learning_rate=1e-3, **{**COMMON, **MESH, **knobs}
+    )
+    return MeshSFTTrainer(
+        model=tiny(tokenizer),
+        args=args,
+        train_dataset=sft_dataset(32),
+        processing_class=tokenizer,
+        peft_config=peft_config,
+    )
 
 
 def grpo(tokenizer, out, model=None, peft_config=None, reward=length_reward, **knobs):
-    args = MeshGSPOConfig(str(out), max_steps=2, per_device_train_batch_size=4, num_generations=4,
-                               max_completion_length=8, learning_rate=1e-3, **{**COMMON, **MESH, **knobs})
-    return MeshGRPOTrainer(model=model if model is not None else tiny(tokenizer), reward_funcs=reward, args=args,
-                           train_dataset=prompt_dataset(16), processing_class=tokenizer, peft_config=peft_config)
+    args = MeshGSPOConfig(
+        str(out),
+        max_steps=2,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=8,
+        learning_rate=1e-3,
+        **{**COMMON, **MESH, **knobs},
+    )
+    return MeshGRPOTrainer(
+        model=model if model is not None else tiny(tokenizer),
+        reward_funcs=reward,
+        args=args,
+        train_dataset=prompt_dataset(16),
+        processing_class=tokenizer,
+        peft_config=peft_config,
+    )
 
 
 # --- the arithmetic task ------------------------------------------------------------------------
+
 
 def test_arithmetic_problems_are_exact_and_the_reward_reads_the_last_integer():
     items = problems(50, seed=3, max_operand=30, operators="+-*")
@@ -75,13 +105,18 @@ def test_arithmetic_problems_are_exact_and_the_reward_reads_the_last_integer():
         assert int(item["answer"]) == eval(f"{a}{op}{b}")  # noqa: S307 - our own digits and operator
     assert problems(5, seed=3) == problems(5, seed=3) and problems(5, seed=3) != problems(5, seed=4)
     assert extract_answer("3 + 4 = 7. The answer is 1,234.") == "1234" and extract_answer("none") is None
-    completions = [[{"role": "assistant", "content": "The answer is 12."}], [{"role": "assistant", "content": "12 + 1 = 13"}], "-5"]
+    completions = [
+        [{"role": "assistant", "content": "The answer is 12."}],
+        [{"role": "assistant", "content": "12 + 1 = 13"}],
+        "-5",
+    ]
     assert exact_answer_reward(completions, answer=["12", "12", "-5"]) == [1.0, 0.0, 1.0]
     with pytest.raises(ValueError, match="operators='/' is invalid"):
         problems(3, operators="/")
 
 
 # --- SFT ------------------------------------------------------------------------------------
+
 
 def test_mesh_sft_trains_through_masked_boundaries_and_logs_the_mesh(tokenizer, tmp_path):
     trainer = sft(tokenizer, tmp_path / "sft")
@@ -98,8 +133,17 @@ def test_mesh_sft_trains_through_masked_boundaries_and_logs_the_mesh(tokenizer, 
 def test_mesh_sft_with_the_mask_off_is_trl_sft_exactly_and_the_anchor_does_not_touch_its_metrics(tokenizer, tmp_path):
     from trl import SFTConfig, SFTTrainer
 
-    plain_args = SFTConfig(str(tmp_path / "plain"), max_steps=3, per_device_train_batch_size=4, learning_rate=1e-3, optim="adamw_torch", **COMMON)
-    plain = SFTTrainer(model=tiny(tokenizer), args=plain_args, train_dataset=sft_dataset(32), processing_class=tokenizer)
+    plain_args = SFTConfig(
+        str(tmp_path / "plain"),
+        max_steps=3,
+        per_device_train_batch_size=4,
+        learning_rate=1e-3,
+        optim="adamw_torch",
+        **COMMON,
+    )
+    plain = SFTTrainer(
+        model=tiny(tokenizer), args=plain_args, train_dataset=sft_dataset(32), processing_class=tokenizer
+    )
     plain.train()
     off = sft(tokenizer, tmp_path / "off", mask_ratio=0.0, anchor=False, optim="adamw_torch")
     off.train()
@@ -108,7 +152,9 @@ def test_mesh_sft_with_the_mask_off_is_trl_sft_exactly_and_the_anchor_does_not_t
     masked = sft(tokenizer, tmp_path / "masked")  # anchor every step: its dense passes are not training tokens
     masked.train()
     assert masked._total_train_tokens == off._total_train_tokens
-    assert [e.get("num_tokens") for e in masked.state.log_history] == [e.get("num_tokens") for e in off.state.log_history]
+    assert [e.get("num_tokens") for e in masked.state.log_history] == [
+        e.get("num_tokens") for e in off.state.log_history
+    ]
     assert not torch.equal(next(masked.model.parameters()), next(off.model.parameters()))
 
 
@@ -145,7 +191,9 @@ def test_peft_methods_without_weight_matrices_are_refused_with_the_spectral_opti
     from peft import IA3Config
 
     ia3 = IA3Config(target_modules=["q_proj", "down_proj"], feedforward_modules=["down_proj"], task_type="CAUSAL_LM")
-    with pytest.raises(ValueError, match=r"peft_config\['default'\].peft_type='IA3' is invalid: it must be one of \['LORA'\]"):
+    with pytest.raises(
+        ValueError, match=r"peft_config\['default'\].peft_type='IA3' is invalid: it must be one of \['LORA'\]"
+    ):
         sft(tokenizer, tmp_path / "ia3", peft_config=ia3)
     trainer = sft(tokenizer, tmp_path / "ia3-adamw", peft_config=ia3, optim="adamw_torch", anchor=False)
     assert trainer.mesh_boundaries.masks  # another optimizer: the boundaries still compress
@@ -157,11 +205,20 @@ def test_trl_configs_are_refused_where_the_mesh_config_is_needed(tokenizer, tmp_
     with pytest.raises(ValueError, match="spectral_adamw"):
         SFTConfig(str(tmp_path), optim="spectral_adamw", **COMMON)
     with pytest.raises(ValueError, match="args='SFTConfig' is invalid: it must be a MeshSFTConfig for MeshSFTTrainer"):
-        MeshSFTTrainer(model=tiny(tokenizer), args=SFTConfig(str(tmp_path), **COMMON), train_dataset=sft_dataset(8),
-                       processing_class=tokenizer)
+        MeshSFTTrainer(
+            model=tiny(tokenizer),
+            args=SFTConfig(str(tmp_path), **COMMON),
+            train_dataset=sft_dataset(8),
+            processing_class=tokenizer,
+        )
     with pytest.raises(ValueError, match="args='MeshTrainingArguments' is invalid: it must be a MeshGRPOConfig"):
-        MeshGRPOTrainer(model=tiny(tokenizer), reward_funcs=length_reward, args=MeshTrainingArguments(str(tmp_path), **COMMON),
-                        train_dataset=prompt_dataset(8), processing_class=tokenizer)
+        MeshGRPOTrainer(
+            model=tiny(tokenizer),
+            reward_funcs=length_reward,
+            args=MeshTrainingArguments(str(tmp_path), **COMMON),
+            train_dataset=prompt_dataset(8),
+            processing_class=tokenizer,
+        )
 
 
 def test_meshtrainer_takes_peft_config_too(tokenizer, tmp_path):
@@ -174,6 +231,7 @@ def test_meshtrainer_takes_peft_config_too(tokenizer, tmp_path):
 
 
 # --- GRPO / GSPO ------------------------------------------------------------------------------
+
 
 def test_gspo_trains_the_masked_policy_while_generation_stays_dense(tokenizer, tmp_path, monkeypatch):
     applied, forwards = [], []
@@ -232,11 +290,29 @@ def test_gspo_with_lora_saves_an_adapter_and_uses_the_disabled_adapter_as_refere
 
 
 def test_grpo_settings_that_mix_dense_and_masked_policies_are_refused(tokenizer, tmp_path, monkeypatch):
-    with pytest.raises(ValueError, match=r"gradient_accumulation_steps=2 is invalid: it must be a multiple of steps_per_generation·num_iterations = 4"):
-        MeshGSPOConfig(str(tmp_path), per_device_train_batch_size=4, num_generations=4, gradient_accumulation_steps=2,
-                            steps_per_generation=4, **COMMON)
-    MeshGSPOConfig(str(tmp_path), per_device_train_batch_size=4, num_generations=4, gradient_accumulation_steps=2,
-                        steps_per_generation=4, mask_ratio=0.0, anchor=False, **COMMON)  # dense policy: TRL's own rule
+    with pytest.raises(
+        ValueError,
+        match=r"gradient_accumulation_steps=2 is invalid: it must be a multiple of "
+        r"steps_per_generation·num_iterations = 4",
+    ):
+        MeshGSPOConfig(
+            str(tmp_path),
+            per_device_train_batch_size=4,
+            num_generations=4,
+            gradient_accumulation_steps=2,
+            steps_per_generation=4,
+            **COMMON,
+        )
+    MeshGSPOConfig(
+        str(tmp_path),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        gradient_accumulation_steps=2,
+        steps_per_generation=4,
+        mask_ratio=0.0,
+        anchor=False,
+        **COMMON,
+    )  # dense policy: TRL's own rule
     with pytest.raises(ValueError, match="generation_batch_size .* must be divisible by num_generations"):
         MeshGSPOConfig(str(tmp_path), per_device_train_batch_size=4, num_generations=3, **COMMON)  # TRL's check
     with pytest.raises(ValueError, match="mask_protect_dims=4 is invalid"):
@@ -249,5 +325,7 @@ def test_grpo_settings_that_mix_dense_and_masked_policies_are_refused(tokenizer,
 def test_the_gspo_anchor_refuses_to_run_before_any_rollout_exists(tokenizer, tmp_path):
     trainer = grpo(tokenizer, tmp_path / "early")
     trainer.create_optimizer()  # builds the anchor, as train() does
-    with pytest.raises(ValueError, match=r"anchor rollouts=None is invalid: it must exist before the first optimizer step"):
+    with pytest.raises(
+        ValueError, match=r"anchor rollouts=None is invalid: it must exist before the first optimizer step"
+    ):
         trainer.mesh_anchor.dense_gradient(0)

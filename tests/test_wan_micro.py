@@ -12,8 +12,14 @@ from benchmarks.wan import gpu_check, ledger_1b, micro
 from hf_meshtune.boundary.masking import keep_count
 from hf_meshtune.cli import main as cli_main
 
-_CIRCUIT_KEYS = ("pp_fwd_bytes_per_token", "pp_bwd_bytes_per_token", "dp_bytes_per_token",
-                 "anchor_bytes_per_token", "total_bytes_per_token", "compression_vs_dense")
+_CIRCUIT_KEYS = (
+    "pp_fwd_bytes_per_token",
+    "pp_bwd_bytes_per_token",
+    "dp_bytes_per_token",
+    "anchor_bytes_per_token",
+    "total_bytes_per_token",
+    "compression_vs_dense",
+)
 
 
 def test_micro_smoke_writes_the_expected_keys(tmp_path):
@@ -37,8 +43,15 @@ def test_micro_smoke_writes_the_expected_keys(tmp_path):
         assert result["adamw"]["state_over_params"] == pytest.approx(2.0, rel=1e-2)  # exp_avg, exp_avg_sq
         assert set(result["spectral"]) == {"full", "rank32", "rank8"}
         for spec in result["spectral"].values():
-            assert {"no_basis_step", "cached_step", "svd_step", "amortised_s", "amortised_over_adamw",
-                    "meets_target", "state_over_params"} <= set(spec)
+            assert {
+                "no_basis_step",
+                "cached_step",
+                "svd_step",
+                "amortised_s",
+                "amortised_over_adamw",
+                "meets_target",
+                "state_over_params",
+            } <= set(spec)
             assert spec["state_over_params"] > 2.0  # + M_anc and the cached basis
     md = (tmp_path / "micro.md").read_text()
     assert "(a) Masking as a share" in md and "(b, c) SpectralAdamW vs AdamW" in md

@@ -17,8 +17,10 @@ import pytest
 
 from benchmarks.wan import netns
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
-                                reason="network namespaces need root and iproute2 (ip, tc)")
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
+    reason="network namespaces need root and iproute2 (ip, tc)",
+)
 
 _SERVER = """
 import socket, sys
@@ -53,10 +55,16 @@ def star(monkeypatch):
 
 
 def _measure(server_node: int, client_node: int, nbytes: int) -> dict:
-    server = subprocess.Popen([*netns.exec_prefix(server_node), sys.executable, "-c", _SERVER, netns.node_ip(server_node)])
+    server = subprocess.Popen(
+        [*netns.exec_prefix(server_node), sys.executable, "-c", _SERVER, netns.node_ip(server_node)]
+    )
     try:
-        out = subprocess.run([*netns.exec_prefix(client_node), sys.executable, "-c", _CLIENT,
-                              netns.node_ip(server_node), str(nbytes)], capture_output=True, text=True, timeout=60)
+        out = subprocess.run(
+            [*netns.exec_prefix(client_node), sys.executable, "-c", _CLIENT, netns.node_ip(server_node), str(nbytes)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert out.returncode == 0, out.stderr
         return json.loads(out.stdout)
     finally:
@@ -94,9 +102,14 @@ def test_bad_settings_and_a_non_root_user_are_refused_naming_the_rule(star, monk
         star.up(2, rate_mbit=0)
     with pytest.raises(ValueError, match=r"delay_ms=-1 is invalid"):
         star.up(2, rate_mbit=1.0, delay_ms=-1)
-    with pytest.raises(ValueError, match=r"rate_mbit=-4 is invalid: it must be > 0 \(Mbit/s of the link, each direction\)"):
+    with pytest.raises(
+        ValueError, match=r"rate_mbit=-4 is invalid: it must be > 0 \(Mbit/s of the link, each direction\)"
+    ):
         star.set_rate(0, -4)
-    with monkeypatch.context() as patch, pytest.raises(ValueError, match=r"it must be root: network namespaces and tc need CAP_NET_ADMIN"):
+    with (
+        monkeypatch.context() as patch,
+        pytest.raises(ValueError, match=r"it must be root: network namespaces and tc need CAP_NET_ADMIN"),
+    ):
         patch.setattr(os, "geteuid", lambda: 1000)
         star.up(2, rate_mbit=8.0)
 
@@ -120,7 +133,9 @@ def test_a_mesh_row_trains_across_namespaces_and_the_wire_matches_the_kernel_cou
     assert b["anchor"] == 0
     # headers, handshakes and torchft's control traffic come on top of the tensors, never less
     assert b["total"] <= result["kernel_bytes_per_token"] <= 3 * b["total"] + 200
-    assert sorted(os.listdir(tmp_path / "m95" / "params")) == [f"step0000{s}_stage{t}.pt" for s in (2, 4) for t in (0, 1)]
+    assert sorted(os.listdir(tmp_path / "m95" / "params")) == [
+        f"step0000{s}_stage{t}.pt" for s in (2, 4) for t in (0, 1)
+    ]
 
 
 def test_netns_refuses_a_row_larger_than_the_network(star, tmp_path):
@@ -182,8 +197,9 @@ def test_a_straggler_link_at_a_tenth_of_the_rate_slows_the_mesh_but_it_completes
     run_row("m95", str(tmp_path / "m95"), str(tmp_path / "data.pt"), 6, timeout_s=240, link_timeout_s=60.0)
     result = read_run(str(tmp_path / "m95"), "m95")
     assert result["steps"] == 6 and len(result["losses"]) == 6
-    shaped = subprocess.run([*star.exec_prefix(5), "tc", "qdisc", "show", "dev", "eth0"], capture_output=True,
-                            text=True, check=True).stdout
+    shaped = subprocess.run(
+        [*star.exec_prefix(5), "tc", "qdisc", "show", "dev", "eth0"], capture_output=True, text=True, check=True
+    ).stdout
     assert "rate 4Mbit" in shaped, shaped
 
 
@@ -201,8 +217,9 @@ def test_the_dense_row_all_reduces_every_gradient_every_step_across_namespaces(s
     result = read_run(str(tmp_path / "dense"), "dense")
     params = sum(t.numel() for name, t in data["init"].items() if "rotary" not in name)
     replicas, tokens = 3, result["tokens_per_step"]
-    assert result["bytes_per_token"]["dp"] == pytest.approx(replicas * params * 4 * 2 * (replicas - 1) / replicas / tokens,
-                                                             rel=1e-9)
+    assert result["bytes_per_token"]["dp"] == pytest.approx(
+        replicas * params * 4 * 2 * (replicas - 1) / replicas / tokens, rel=1e-9
+    )
     records = [json.loads((tmp_path / "dense" / f"rank{r}.json").read_text()) for r in range(6)]
     assert all(r["dp_syncs"] == 3 and len(r["dp_sync_bytes"]) == 3 for r in records)
     assert torch.isfinite(torch.tensor(result["losses"])).all()

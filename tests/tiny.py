@@ -43,7 +43,9 @@ def make_tiny_causal_lm(arch: str, hidden: int = 32, layers: int = 4, seed: int 
         }
         if arch != "gpt_neox":
             sizes["num_key_value_heads"] = 2
-    config = AutoConfig.for_model(arch, **{"vocab_size": TINY_VOCAB, **sizes, **_TINY_ARCH_OVERRIDES[arch], **overrides})
+    config = AutoConfig.for_model(
+        arch, **{"vocab_size": TINY_VOCAB, **sizes, **_TINY_ARCH_OVERRIDES[arch], **overrides}
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return AutoModelForCausalLM.from_config(config)
@@ -51,7 +53,9 @@ def make_tiny_causal_lm(arch: str, hidden: int = 32, layers: int = 4, seed: int 
 
 def tiny_llama(seed: int = 0, layers: int = 4, hidden: int = 64) -> torch.nn.Module:
     """The trainer tests' model: a 4-layer Llama with H = 64 and valid special-token ids."""
-    return make_tiny_causal_lm("llama", hidden=hidden, layers=layers, seed=seed, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return make_tiny_causal_lm(
+        "llama", hidden=hidden, layers=layers, seed=seed, pad_token_id=0, bos_token_id=1, eos_token_id=2
+    )
 
 
 def pattern_dataset(n: int = 64, length: int = 16, vocab: int = TINY_VOCAB) -> datasets.Dataset:

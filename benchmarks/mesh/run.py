@@ -21,9 +21,31 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 OUT = os.path.join(ROOT, "benchmarks", "mesh", "results")
-COMMON = ["--num_stages", "2", "--max_steps", "8", "--max_length", "64", "--per_device_train_batch_size", "1",
-          "--gradient_accumulation_steps", "2", "--learning_rate", "5e-5", "--eval_items", "4", "--logging_steps", "1",
-          "--freeze_embeddings", "--dp_sync_every", "4", "--anchor_every", "2", "--report_to", "none"]
+COMMON = [
+    "--num_stages",
+    "2",
+    "--max_steps",
+    "8",
+    "--max_length",
+    "64",
+    "--per_device_train_batch_size",
+    "1",
+    "--gradient_accumulation_steps",
+    "2",
+    "--learning_rate",
+    "5e-5",
+    "--eval_items",
+    "4",
+    "--logging_steps",
+    "1",
+    "--freeze_embeddings",
+    "--dp_sync_every",
+    "4",
+    "--anchor_every",
+    "2",
+    "--report_to",
+    "none",
+]
 ROWS = {
     "m95_ap": [],
     "m95_ap_dense_dp": ["--dp_powersgd_rank", "0"],
@@ -33,8 +55,19 @@ ROWS = {
 
 def run_row(name: str, extra: list[str], workdir: str) -> dict:
     out = os.path.join(workdir, name)
-    command = [os.path.join(os.path.dirname(sys.executable), "meshtune"), "launch", "--mesh", "3x2", "--cpu", "--",
-               "recipes/sft.py", "--output_dir", out, *COMMON, *extra]
+    command = [
+        os.path.join(os.path.dirname(sys.executable), "meshtune"),
+        "launch",
+        "--mesh",
+        "3x2",
+        "--cpu",
+        "--",
+        "recipes/sft.py",
+        "--output_dir",
+        out,
+        *COMMON,
+        *extra,
+    ]
     start = time.perf_counter()
     proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "RUST_LOG": "warn"})
     wall = time.perf_counter() - start
@@ -45,7 +78,9 @@ def run_row(name: str, extra: list[str], workdir: str) -> dict:
     eval_loss = [line for line in proc.stdout.splitlines() if "eval_loss" in line]
     summary["eval_loss"] = float(eval_loss[-1].split("=")[-1]) if eval_loss else None
     summary["wall_seconds"] = wall
-    summary["command"] = "meshtune launch --mesh 3x2 --cpu -- recipes/sft.py --output_dir OUT " + " ".join(COMMON + extra)
+    summary["command"] = "meshtune launch --mesh 3x2 --cpu -- recipes/sft.py --output_dir OUT " + " ".join(
+        COMMON + extra
+    )
     return summary
 
 
@@ -53,13 +88,26 @@ def table(results: dict[str, dict]) -> str:
     lines = ["| row | circuit | measured B/token | analytic B/token |", "|---|---|---:|---:|"]
     for name, s in results.items():
         for circuit in ("pp_fwd", "pp_bwd", "dp", "anchor", "total"):
-            lines.append(f"| {name} | {circuit} | {s['measured_bytes_per_token'][circuit]:,.1f} | {s['analytic_bytes_per_token'][circuit]:,.1f} |")
-    lines += ["", "| row | DP bytes per sync per rank | syncs per rank | anchor rounds | staleness mean / max | step s | eval loss |",
-              "|---|---:|---:|---:|---|---:|---:|"]
+            lines.append(
+                f"| {name} | {circuit} | {s['measured_bytes_per_token'][circuit]:,.1f} | "
+                f"{s['analytic_bytes_per_token'][circuit]:,.1f} |"
+            )
+    lines += [
+        "",
+        "| row | DP bytes per sync per rank | syncs per rank | anchor rounds | staleness mean / max | step s | "
+        "eval loss |",
+        "|---|---:|---:|---:|---|---:|---:|",
+    ]
     for name, s in results.items():
-        stale = "–" if s["anchor_staleness_mean"] is None else f"{s['anchor_staleness_mean']:.2f} / {s['anchor_staleness_max']}"
-        lines.append(f"| {name} | {s['dp_bytes_per_sync_per_rank']:,.0f} | {s['dp_syncs_per_rank']:.0f} | {s['anchor_rounds']} | "
-                     f"{stale} | {s['step_seconds_mean']:.1f} | {s['eval_loss']:.4f} |")
+        stale = (
+            "–"
+            if s["anchor_staleness_mean"] is None
+            else f"{s['anchor_staleness_mean']:.2f} / {s['anchor_staleness_max']}"
+        )
+        lines.append(
+            f"| {name} | {s['dp_bytes_per_sync_per_rank']:,.0f} | {s['dp_syncs_per_rank']:.0f} | "
+            f"{s['anchor_rounds']} | {stale} | {s['step_seconds_mean']:.1f} | {s['eval_loss']:.4f} |"
+        )
     return "\n".join(lines) + "\n"
 
 

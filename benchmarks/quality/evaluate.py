@@ -36,10 +36,17 @@ def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, batch_si
     tokenizer.padding_side = "left"
     outputs = []
     for start in range(0, len(prompts), batch_size):
-        batch = tokenizer(prompts[start:start + batch_size], return_tensors="pt", padding=True, add_special_tokens=False)
-        tokens = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False,
-                                pad_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id)
-        for row in tokens[:, batch["input_ids"].shape[1]:]:
+        batch = tokenizer(
+            prompts[start : start + batch_size], return_tensors="pt", padding=True, add_special_tokens=False
+        )
+        tokens = model.generate(
+            **batch,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=tokenizer.eos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
+        for row in tokens[:, batch["input_ids"].shape[1] :]:
             outputs.append(tokenizer.decode(row, skip_special_tokens=True))
     return outputs
 
@@ -50,7 +57,7 @@ def continuation_logprobs(model, tokenizer, pairs: list[tuple[str, str]], batch_
     model.eval()
     scores = []
     for start in range(0, len(pairs), batch_size):
-        rows = [sft_row(tokenizer, p, c, 10_000) for p, c in pairs[start:start + batch_size]]
+        rows = [sft_row(tokenizer, p, c, 10_000) for p, c in pairs[start : start + batch_size]]
         for row in rows:  # score the continuation alone, not the EOS sft_row appends
             row["labels"][-1] = -100
         width = max(len(r["input_ids"]) for r in rows)
@@ -71,10 +78,10 @@ def perplexity(model, tokenizer, documents: list[str], seq_len: int, batch_size:
     windows = []
     for doc in documents:
         ids = tokenizer(doc, add_special_tokens=False)["input_ids"]
-        windows.extend(ids[i:i + seq_len] for i in range(0, len(ids) - 1, seq_len) if len(ids[i:i + seq_len]) > 1)
+        windows.extend(ids[i : i + seq_len] for i in range(0, len(ids) - 1, seq_len) if len(ids[i : i + seq_len]) > 1)
     total, count = 0.0, 0
     for start in range(0, len(windows), batch_size):
-        chunk = windows[start:start + batch_size]
+        chunk = windows[start : start + batch_size]
         width = max(map(len, chunk))
         ids = torch.tensor([w + [tokenizer.eos_token_id] * (width - len(w)) for w in chunk])
         labels = torch.tensor([w + [-100] * (width - len(w)) for w in chunk])

@@ -45,7 +45,11 @@ def _pad(rows: list[dict], pad: int) -> dict:
     """Right-pad SFT rows into a batch (labels -100, attention 0 on the padding)."""
     width = max(len(r["input_ids"]) for r in rows)
     fill = lambda key, value: torch.tensor([r[key] + [value] * (width - len(r[key])) for r in rows])  # noqa: E731
-    return {"input_ids": fill("input_ids", pad), "attention_mask": fill("attention_mask", 0), "labels": fill("labels", -100)}
+    return {
+        "input_ids": fill("input_ids", pad),
+        "attention_mask": fill("attention_mask", 0),
+        "labels": fill("labels", -100),
+    }
 
 
 def _without_labels(batch: dict) -> dict:
@@ -55,7 +59,9 @@ def _without_labels(batch: dict) -> dict:
 def _grad(model, batch, params: list) -> tuple[float, torch.Tensor]:
     loss = model(**batch).loss
     grads = torch.autograd.grad(loss, params, allow_unused=True)
-    return loss.item(), torch.cat([(g if g is not None else torch.zeros_like(p)).flatten() for g, p in zip(grads, params)])
+    return loss.item(), torch.cat(
+        [(g if g is not None else torch.zeros_like(p)).flatten() for g, p in zip(grads, params)]
+    )
 
 
 def probe(model, batch: dict, calibration: dict, stages: int = 4) -> dict[str, dict]:
@@ -112,9 +118,12 @@ def write(results: dict[str, dict]) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "gradient_probe.json").write_text(json.dumps(results, indent=1))
     models = list(results)
-    lines = ["One batch at the base model, Y = 4 unless named; loss through the scheme / cos(∇θ, dense ∇θ).", "",
-             "| scheme | " + " | ".join(f"{m} loss | {m} cos" for m in models) + " |",
-             "|---|" + "---:|---:|" * len(models)]
+    lines = [
+        "One batch at the base model, Y = 4 unless named; loss through the scheme / cos(∇θ, dense ∇θ).",
+        "",
+        "| scheme | " + " | ".join(f"{m} loss | {m} cos" for m in models) + " |",
+        "|---|" + "---:|---:|" * len(models),
+    ]
     for scheme in results[models[0]]:
         cells = [f"{results[m][scheme]['loss']:.2f} | {results[m][scheme]['cos']:.3f}" for m in models]
         lines.append(f"| {scheme} | " + " | ".join(cells) + " |")

@@ -59,17 +59,18 @@ def _train_tokenizer(text: str, vocab_size: int):
     core = Tokenizer(models.BPE())
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     core.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=[EOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     # digits one by one would make numbers long; BPE learns the frequent ones from the text
-    core.train_from_iterator((text[i:i + 100_000] for i in range(0, len(text), 100_000)), trainer=trainer)
+    core.train_from_iterator((text[i : i + 100_000] for i in range(0, len(text), 100_000)), trainer=trainer)
     return PreTrainedTokenizerFast(tokenizer_object=core, eos_token=EOS, pad_token=EOS, bos_token=EOS)
 
 
 def _token_blocks(tokenizer, text: str, seq_len: int) -> torch.Tensor:
     ids: list[int] = []
     for start in range(0, len(text), 1_000_000):
-        ids.extend(tokenizer(text[start:start + 1_000_000], add_special_tokens=False)["input_ids"])
+        ids.extend(tokenizer(text[start : start + 1_000_000], add_special_tokens=False)["input_ids"])
     usable = len(ids) // seq_len * seq_len
     return torch.tensor(ids[:usable]).view(-1, seq_len)
 
@@ -78,11 +79,17 @@ def _build_model(settings: PretrainSettings, tokenizer):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=settings.vocab_size, hidden_size=settings.hidden_size,
-        intermediate_size=settings.intermediate_size, num_hidden_layers=settings.num_layers,
-        num_attention_heads=settings.num_heads, num_key_value_heads=settings.num_heads,
-        max_position_embeddings=1024, tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id,
+        vocab_size=settings.vocab_size,
+        hidden_size=settings.hidden_size,
+        intermediate_size=settings.intermediate_size,
+        num_hidden_layers=settings.num_layers,
+        num_attention_heads=settings.num_heads,
+        num_key_value_heads=settings.num_heads,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.eos_token_id,
     )
     return LlamaForCausalLM(config)
 
@@ -90,8 +97,10 @@ def _build_model(settings: PretrainSettings, tokenizer):
 @torch.no_grad()
 def _held_out_loss(model, blocks: torch.Tensor, batch_size: int) -> float:
     model.eval()
-    losses = [model(input_ids=blocks[i:i + batch_size], labels=blocks[i:i + batch_size]).loss.item()
-              for i in range(0, len(blocks), batch_size)]
+    losses = [
+        model(input_ids=blocks[i : i + batch_size], labels=blocks[i : i + batch_size]).loss.item()
+        for i in range(0, len(blocks), batch_size)
+    ]
     model.train()
     return sum(losses) / len(losses)
 
@@ -118,8 +127,11 @@ def _pretrain(settings: PretrainSettings, model, train: torch.Tensor, held_out: 
         if step % 100 == 0 or step == settings.steps - 1:
             curve.append({"step": step, "train_loss": loss.item(), "elapsed_s": time.time() - started})
             print(f"pretrain step {step}: loss {loss.item():.3f} ({time.time() - started:.0f} s)", flush=True)
-    return {"curve": curve, "pretrain_s": time.time() - started,
-            "held_out_loss": _held_out_loss(model, held_out, settings.batch_size)}
+    return {
+        "curve": curve,
+        "pretrain_s": time.time() - started,
+        "held_out_loss": _held_out_loss(model, held_out, settings.batch_size),
+    }
 
 
 def tiny_llama(settings: PretrainSettings = PretrainSettings()) -> Path:
@@ -144,12 +156,21 @@ def tiny_llama(settings: PretrainSettings = PretrainSettings()) -> Path:
     shutil.rmtree(target, ignore_errors=True)
     os.replace(tmp, target)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "pretrain.json").write_text(json.dumps({
-        "settings": asdict(settings), "parameters": sum(p.numel() for p in model.parameters()),
-        "corpus_chars": len(text), "train_tokens_available": train.numel(),
-        "tokens_seen": settings.steps * settings.batch_size * settings.seq_len,
-        "tokenize_s": prep_s, "torch_threads": torch.get_num_threads(), **report,
-    }, indent=2))
+    (RESULTS / "pretrain.json").write_text(
+        json.dumps(
+            {
+                "settings": asdict(settings),
+                "parameters": sum(p.numel() for p in model.parameters()),
+                "corpus_chars": len(text),
+                "train_tokens_available": train.numel(),
+                "tokens_seen": settings.steps * settings.batch_size * settings.seq_len,
+                "tokenize_s": prep_s,
+                "torch_threads": torch.get_num_threads(),
+                **report,
+            },
+            indent=2,
+        )
+    )
     return target
 
 
@@ -158,7 +179,9 @@ def load_tiny_llama(settings: PretrainSettings = PretrainSettings()):
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
     path = tiny_llama(settings)
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), PreTrainedTokenizerFast.from_pretrained(path)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), PreTrainedTokenizerFast.from_pretrained(
+        path
+    )
 
 
 if __name__ == "__main__":

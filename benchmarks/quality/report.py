@@ -64,11 +64,19 @@ def table1(runs: list[dict]) -> list[str]:
     if not grouped:
         return []
     tasks = [t for t in TASK_ORDER if any(task == t for _, task in grouped)]
-    dense = {t: statistics.mean(_metric(r)[1] for r in grouped.get(("Dense", t), [])) for t in tasks if ("Dense", t) in grouped}
+    dense = {
+        t: statistics.mean(_metric(r)[1] for r in grouped.get(("Dense", t), []))
+        for t in tasks
+        if ("Dense", t) in grouped
+    }
     seeds = sorted({r["spec"]["seed"] for rs in grouped.values() for r in rs})
     head = ["row"] + [f"{t} {METRIC_NAMES[_metric(grouped[(_rows_in_order(grouped)[0], t)][0])[0]]}" for t in tasks]
-    lines = [f"Seeds {seeds}; mean ± half-range over seeds; (gap vs Dense, + = worse). Evaluated dense.", "",
-             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines = [
+        f"Seeds {seeds}; mean ± half-range over seeds; (gap vs Dense, + = worse). Evaluated dense.",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+    ]
     for row in _rows_in_order(grouped):
         cells = [row]
         for t in tasks:
@@ -88,10 +96,12 @@ def diagnostics(runs: list[dict], table: str) -> list[str]:
     grouped = _by(runs, table)
     if not grouped:
         return []
-    lines = ["| row | task | metric | dense eval loss before → after | masked train loss (last) | cos(masked, anchor) | "
-             "cos(filtered, anchor) | mean d | step s | optimizer s/step | anchor s/step |",
-             "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for (row, task) in sorted(grouped, key=lambda key: (TASK_ORDER.index(key[1]), _rows_in_order(grouped).index(key[0]))):
+    lines = [
+        "| row | task | metric | dense eval loss before → after | masked train loss (last) | cos(masked, anchor) | "
+        "cos(filtered, anchor) | mean d | step s | optimizer s/step | anchor s/step |",
+        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row, task in sorted(grouped, key=lambda key: (TASK_ORDER.index(key[1]), _rows_in_order(grouped).index(key[0]))):
         r = min(grouped[(row, task)], key=lambda r: r["spec"]["seed"])
         evals, train = _logs(r, "eval_loss"), _logs(r, "loss")
         cos_m = _logs(r, "spectral/cos_masked_vs_anchor")
@@ -100,9 +110,11 @@ def diagnostics(runs: list[dict], table: str) -> list[str]:
         steps = max(1, r["timing"]["steps"])
         fmt = lambda xs: f"{statistics.mean(xs):.3f}" if xs else "–"  # noqa: E731
         lines.append(
-            f"| {row} | {task} | {METRIC_NAMES[_metric(r)[0]]} {_metric(r)[1]:.3f} | {r['eval_loss_before']:.3f} → {evals[-1]:.3f} | {train[-1]:.3f} | {fmt(cos_m)} | "
-            f"{fmt(cos_f)} | {fmt(mean_d)} | {r['timing']['mean_step_s']:.3f} | "
-            f"{r['timing']['optimizer_s'] / steps:.4f} | {r['timing']['anchor_s'] / steps:.4f} |")
+            f"| {row} | {task} | {METRIC_NAMES[_metric(r)[0]]} {_metric(r)[1]:.3f} | "
+            f"{r['eval_loss_before']:.3f} → {evals[-1]:.3f} | {train[-1]:.3f} | {fmt(cos_m)} | {fmt(cos_f)} | "
+            f"{fmt(mean_d)} | {r['timing']['mean_step_s']:.3f} | {r['timing']['optimizer_s'] / steps:.4f} | "
+            f"{r['timing']['anchor_s'] / steps:.4f} |"
+        )
     return lines
 
 
@@ -117,8 +129,11 @@ def codecs(runs: list[dict]) -> list[str]:
     for row in _rows_in_order(grouped):
         r0 = next(iter(grouped[(row, t)][0] for t in tasks if (row, t) in grouped))
         wire = r0["codec_wire_bytes_per_token"]
-        cells = [row, f"{wire['dense'] / wire['fwd']:.1f}× (run: {wire['dense'] / wire['measured_fwd']:.1f}×)",
-                 f"{wire['dense'] / wire['bwd']:.1f}× (run: {wire['dense'] / wire['measured_bwd']:.1f}×)"]
+        cells = [
+            row,
+            f"{wire['dense'] / wire['fwd']:.1f}× (run: {wire['dense'] / wire['measured_fwd']:.1f}×)",
+            f"{wire['dense'] / wire['bwd']:.1f}× (run: {wire['dense'] / wire['measured_bwd']:.1f}×)",
+        ]
         cells += [f"{_metric(grouped[(row, t)][0])[1]:.3f}" if (row, t) in grouped else "–" for t in tasks]
         lines.append("| " + " | ".join(cells) + " |")
     hidden = int(r0["codec_wire_bytes_per_token"]["dense"] // 2)
@@ -136,15 +151,25 @@ def ablations(runs: list[dict]) -> list[str]:
     grouped = _by(runs, "ablations")
     if not grouped:
         return []
-    base = [r for r in runs if r["spec"]["table"] == "table1" and r["spec"]["row"] in ("M95+AP", "Dense")
-            and r["spec"]["task"] == next(iter(grouped))[1] and r["spec"]["seed"] == 0]
-    lines = ["| setting | metric | dense eval loss | masked train loss | cos(filtered, anchor) | mean d |",
-             "|---|---:|---:|---:|---:|---:|"]
+    base = [
+        r
+        for r in runs
+        if r["spec"]["table"] == "table1"
+        and r["spec"]["row"] in ("M95+AP", "Dense")
+        and r["spec"]["task"] == next(iter(grouped))[1]
+        and r["spec"]["seed"] == 0
+    ]
+    lines = [
+        "| setting | metric | dense eval loss | masked train loss | cos(filtered, anchor) | mean d |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     for r in sorted(base, key=lambda r: r["spec"]["row"]) + [rs[0] for rs in grouped.values()]:
         label = r["spec"]["row"] if r["spec"]["table"] == "ablations" else f"{r['spec']['row']} (table 1)"
         cos, d = _logs(r, "spectral/cos_filtered_vs_anchor"), _logs(r, "spectral/filter_mean_d")
-        lines.append(f"| {label} | {_metric(r)[1]:.3f} | {_logs(r, 'eval_loss')[-1]:.3f} | {_logs(r, 'loss')[-1]:.3f} | "
-                     f"{statistics.mean(cos) if cos else float('nan'):.3f} | {statistics.mean(d) if d else float('nan'):.3f} |")
+        lines.append(
+            f"| {label} | {_metric(r)[1]:.3f} | {_logs(r, 'eval_loss')[-1]:.3f} | {_logs(r, 'loss')[-1]:.3f} | "
+            f"{statistics.mean(cos) if cos else float('nan'):.3f} | {statistics.mean(d) if d else float('nan'):.3f} |"
+        )
     return lines
 
 
@@ -152,8 +177,12 @@ def pruning(runs: list[dict]) -> list[str]:
     pruned = [r for r in runs if "pruned" in r]
     if not pruned:
         return []
-    lines = ["| task | row | unpruned | " + " | ".join(f"{int(float(s) * 100)} % pruned (rel. drop)" for s in pruned[0]["pruned"]) + " |",
-             "|---|---|---:|" + "---:|" * len(pruned[0]["pruned"])]
+    lines = [
+        "| task | row | unpruned | "
+        + " | ".join(f"{int(float(s) * 100)} % pruned (rel. drop)" for s in pruned[0]["pruned"])
+        + " |",
+        "|---|---|---:|" + "---:|" * len(pruned[0]["pruned"]),
+    ]
     groups = defaultdict(list)
     for r in pruned:
         groups[(r["spec"]["task"], r["spec"]["row"])].append(r)
@@ -171,34 +200,56 @@ def pruning(runs: list[dict]) -> list[str]:
 def overhead(runs: list[dict]) -> list[str]:
     """Per-step cost of the anchor prior: M95+AP against M95 (same masks, no anchor, no filter)."""
     grouped = _by(runs, "table1")
-    lines = ["| task | M95 step s | M95+AP step s | overhead | optimizer s/step (M95 → M95+AP) | anchor gradient s/step |",
-             "|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| task | M95 step s | M95+AP step s | overhead | optimizer s/step (M95 → M95+AP) | anchor gradient s/step |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     for task in TASK_ORDER:
         if ("M95", task) not in grouped or ("M95+AP", task) not in grouped:
             continue
-        plain, ap = (statistics.mean(r["timing"]["mean_step_s"] for r in grouped[(row, task)]) for row in ("M95", "M95+AP"))
-        per_step = lambda row, key: statistics.mean(r["timing"][key] / max(1, r["timing"]["steps"]) for r in grouped[(row, task)])  # noqa: E731
-        lines.append(f"| {task} | {plain:.3f} | {ap:.3f} | {100 * (ap - plain) / plain:+.0f} % | "
-                     f"{per_step('M95', 'optimizer_s'):.4f} → {per_step('M95+AP', 'optimizer_s'):.4f} | "
-                     f"{per_step('M95+AP', 'anchor_s'):.4f} |")
+        plain, ap = (
+            statistics.mean(r["timing"]["mean_step_s"] for r in grouped[(row, task)]) for row in ("M95", "M95+AP")
+        )
+        per_step = lambda row, key: statistics.mean(  # noqa: E731
+            r["timing"][key] / max(1, r["timing"]["steps"]) for r in grouped[(row, task)]
+        )
+        lines.append(
+            f"| {task} | {plain:.3f} | {ap:.3f} | {100 * (ap - plain) / plain:+.0f} % | "
+            f"{per_step('M95', 'optimizer_s'):.4f} → {per_step('M95+AP', 'optimizer_s'):.4f} | "
+            f"{per_step('M95+AP', 'anchor_s'):.4f} |"
+        )
     return lines if len(lines) > 2 else []
 
 
 def smollm2(probe_dir: Path = Path(__file__).resolve().parent / "smollm2_probe") -> list[str]:
     """Base model (a): the real SmolLM2-135M rows of smollm2_probe.py (GSM8K SFT, dense eval loss)."""
-    names = {"dense": "Dense", "m95": "M95", "m90_ap": "M90+AP", "m95_ap": "M95+AP", "m95_ap_rescale": "M95+AP rescale",
-             "m95_gaussian_fill": "M95 gaussian fill", "m95_ap_gaussian_fill": "M95+AP gaussian fill"}
+    names = {
+        "dense": "Dense",
+        "m95": "M95",
+        "m90_ap": "M90+AP",
+        "m95_ap": "M95+AP",
+        "m95_ap_rescale": "M95+AP rescale",
+        "m95_gaussian_fill": "M95 gaussian fill",
+        "m95_ap_gaussian_fill": "M95+AP gaussian fill",
+    }
     rows = {n: json.loads((probe_dir / f"{n}.json").read_text()) for n in names if (probe_dir / f"{n}.json").exists()}
     if "dense" not in rows:
         return []
     before = rows["dense"]["dense_eval_loss_before"]
     gain = before - rows["dense"]["dense_eval_loss_after"]
-    lines = [f"SmolLM2-135M-Instruct, SFT on GSM8K (last 8 layers trainable, 60 steps, seed 0), dense eval loss "
-             f"on 32 held-out items, before training {before:.3f}. Retained = share of Dense's improvement.", "",
-             "| row | dense eval loss after | retained | masked train loss (last) |", "|---|---:|---:|---:|"]
+    lines = [
+        f"SmolLM2-135M-Instruct, SFT on GSM8K (last 8 layers trainable, 60 steps, seed 0), dense eval loss "
+        f"on 32 held-out items, before training {before:.3f}. Retained = share of Dense's improvement.",
+        "",
+        "| row | dense eval loss after | retained | masked train loss (last) |",
+        "|---|---:|---:|---:|",
+    ]
     for name, r in rows.items():
         after = r["dense_eval_loss_after"]
-        lines.append(f"| {names[name]} | {after:.3f} | {100 * (before - after) / gain:.0f} % | {r['masked_train_loss_last_log']:.2f} |")
+        lines.append(
+            f"| {names[name]} | {after:.3f} | {100 * (before - after) / gain:.0f} % | "
+            f"{r['masked_train_loss_last_log']:.2f} |"
+        )
     return lines
 
 
@@ -248,18 +299,24 @@ def write_report(root: Path = RESULTS) -> None:
             continue
         mode = runs[0]["mode"]
         total = sum(r["train_s"] for r in runs)
-        sections = [f"# Quality benchmark, mode `{mode_dir.name}`", "",
-                    f"Tiny Llama (pretrain.py), {mode['steps']} steps × batch {mode['batch_size']} × ≤{mode['seq_len']} "
-                    f"tokens, lr {mode['learning_rate']} cosine, Y = 4 (3 boundaries), anchor every 20 with Δ = 20. "
-                    f"{len(runs)} runs, {total / 60:.0f} min of training.", ""]
-        for title, lines in (("Table 1: Dense vs masked", table1(runs)),
-                             ("Table 1 diagnostics (seed 0)", diagnostics(runs, "table1")),
-                             ("Variants of the masked method (seed 0)", diagnostics(runs, "variants")),
-                             ("Table 2: boundary codecs (seed 0)", codecs(runs)),
-                             ("Ablations (arithmetic, seed 0)", ablations(runs)),
-                             ("Pruning robustness", pruning(runs)),
-                             ("Anchor prior overhead per step", overhead(runs)),
-                             ("Base model (a): SmolLM2-135M", smollm2())):
+        sections = [
+            f"# Quality benchmark, mode `{mode_dir.name}`",
+            "",
+            f"Tiny Llama (pretrain.py), {mode['steps']} steps × batch {mode['batch_size']} × ≤{mode['seq_len']} "
+            f"tokens, lr {mode['learning_rate']} cosine, Y = 4 (3 boundaries), anchor every 20 with Δ = 20. "
+            f"{len(runs)} runs, {total / 60:.0f} min of training.",
+            "",
+        ]
+        for title, lines in (
+            ("Table 1: Dense vs masked", table1(runs)),
+            ("Table 1 diagnostics (seed 0)", diagnostics(runs, "table1")),
+            ("Variants of the masked method (seed 0)", diagnostics(runs, "variants")),
+            ("Table 2: boundary codecs (seed 0)", codecs(runs)),
+            ("Ablations (arithmetic, seed 0)", ablations(runs)),
+            ("Pruning robustness", pruning(runs)),
+            ("Anchor prior overhead per step", overhead(runs)),
+            ("Base model (a): SmolLM2-135M", smollm2()),
+        ):
             if lines:
                 sections += [f"## {title}", "", *lines, ""]
         sections += [f"![{name}]({name})" for name in plots(runs, mode_dir)]

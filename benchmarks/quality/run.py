@@ -59,7 +59,9 @@ class Mode:
 MODES = {
     "quick": Mode(steps=150, tables=("table1",)),
     "standard": Mode(steps=150, tables=("table1", "variants", "codecs", "ablations")),
-    "full": Mode(steps=400, seeds=(0, 1, 2), tables=("table1", "variants", "codecs", "ablations", "smollm2"), folder="full"),
+    "full": Mode(
+        steps=400, seeds=(0, 1, 2), tables=("table1", "variants", "codecs", "ablations", "smollm2"), folder="full"
+    ),
 }
 
 # Mesh knobs of MeshTrainingArguments (paper defaults unless named); Y = 4 stages, 3 boundaries.
@@ -70,7 +72,8 @@ TABLE1 = {
     "M90+AP": dict(mask_ratio=0.90),
     "M95+AP": dict(mask_ratio=0.95),
 }
-VARIANTS = {  # no-extra-traffic changes to the literal method (benchmarks/quality/README.md), wire still K values per token
+# no-extra-traffic changes to the literal method (benchmarks/quality/README.md), wire still K values per token
+VARIANTS = {
     "M95+AP rescale": dict(mask_ratio=0.95, mask_rescale=True),
     "M95 rescale": dict(mask_ratio=0.95, mask_rescale=True, anchor=False),
     "M95+AP protect4 rescale": dict(mask_ratio=0.95, mask_rescale=True, mask_protect_dims=4),
@@ -89,11 +92,15 @@ CODECS = {  # boundary codecs, dense optimizer (plain AdamW: no anchor); see hf_
     "pca": dict(codec="pca"),
 }
 ABLATIONS = {
-    "p=0.90": dict(mask_ratio=0.90), "p=0.99": dict(mask_ratio=0.99),
-    "Δ=10": dict(anchor_every=10, anchor_delay=10), "Δ=50": dict(anchor_delay=50),
-    "τ=1e-5": dict(spectral_tau=1e-5), "τ=1e-1": dict(spectral_tau=1e-1),
+    "p=0.90": dict(mask_ratio=0.90),
+    "p=0.99": dict(mask_ratio=0.99),
+    "Δ=10": dict(anchor_every=10, anchor_delay=10),
+    "Δ=50": dict(anchor_delay=50),
+    "τ=1e-5": dict(spectral_tau=1e-5),
+    "τ=1e-1": dict(spectral_tau=1e-1),
     "relative τ=0.1": dict(spectral_relative_tau=True, spectral_tau=0.1),
-    "α=0": dict(spectral_alpha=0.0), "α=1": dict(spectral_alpha=1.0),
+    "α=0": dict(spectral_alpha=0.0),
+    "α=1": dict(spectral_alpha=1.0),
     "rescale": dict(mask_rescale=True),
 }
 ABLATION_TASK = "arithmetic"
@@ -119,8 +126,9 @@ class RunSpec:
 
 def build_task(name: str, mode: Mode) -> task_lib.Task:
     if name == "cpt":
-        return task_lib.continued_pretraining(0, n_train_chars=mode.n_train * 600, n_eval_docs=64,
-                                              cache=cache_dir() / "quality")
+        return task_lib.continued_pretraining(
+            0, n_train_chars=mode.n_train * 600, n_eval_docs=64, cache=cache_dir() / "quality"
+        )
     # "choice" is the category task: sequence_choice stays at chance (0.19-0.22) for every row at this scale
     builder = {"arithmetic": task_lib.arithmetic, "sql": task_lib.text_to_sql, "choice": task_lib.category_choice}[name]
     return builder(0, mode.n_train, mode.n_eval)
@@ -136,8 +144,12 @@ def _datasets(task: task_lib.Task, tokenizer, mode: Mode) -> tuple[datasets.Data
         held_out = [sft_row(tokenizer, it.prompt, it.answer, mode.seq_len) for it in task.eval[:64]]
     # a prompt longer than seq_len leaves no answer token to learn from or score
     train, held_out = ([r for r in rows if any(x != -100 for x in r["labels"])] for rows in (train, held_out))
-    require(len(train) >= len(task.train) // 2 and held_out, "seq_len", mode.seq_len,
-            f"leave answer tokens in most {task.name} examples (only {len(train)} of {len(task.train)} train rows do)")
+    require(
+        len(train) >= len(task.train) // 2 and held_out,
+        "seq_len",
+        mode.seq_len,
+        f"leave answer tokens in most {task.name} examples (only {len(train)} of {len(task.train)} train rows do)",
+    )
     return datasets.Dataset.from_list(train), datasets.Dataset.from_list(held_out)
 
 
@@ -157,6 +169,7 @@ class StepTimer(TrainerCallback):
                 return fn(*args, **kwargs)
             finally:
                 self.totals[key] += time.perf_counter() - start
+
         return wrapper
 
     def on_train_begin(self, args, state, control, **kwargs):
@@ -191,6 +204,7 @@ def _calibration_batches(train: datasets.Dataset, collator, batch_size: int):
         rows = torch.randperm(len(train), generator=torch.Generator().manual_seed(10_000 + round_index))[:batch_size]
         features = [{k: train[int(i)][k] for k in ("input_ids", "attention_mask", "labels")} for i in rows]
         return {k: v for k, v in collator(features).items() if k != "labels"}
+
     return batch
 
 
@@ -202,8 +216,12 @@ def run_one(spec: RunSpec, mode: Mode, load: Callable = load_tiny_llama) -> dict
     train, held_out = _datasets(task, tokenizer, mode)
     # AQ-SGD keys its per-sample buffers by the padded row, so a sample must keep its shape
     fixed = spec.codec is not None and spec.codec["codec"] == "delta_quant"
-    collator = DataCollatorForSeq2Seq(tokenizer, padding="max_length" if fixed else True,
-                                      max_length=mode.seq_len if fixed else None, label_pad_token_id=-100)
+    collator = DataCollatorForSeq2Seq(
+        tokenizer,
+        padding="max_length" if fixed else True,
+        max_length=mode.seq_len if fixed else None,
+        label_pad_token_id=-100,
+    )
     knobs = dict(spec.knobs)
     codec_handle = None
     calibrate = _calibration_batches(train, collator, 32)
@@ -213,13 +231,28 @@ def run_one(spec: RunSpec, mode: Mode, load: Callable = load_tiny_llama) -> dict
         codec_handle.fit(model, calibrate(0))
     with tempfile.TemporaryDirectory() as tmp:
         args = MeshTrainingArguments(
-            output_dir=tmp, max_steps=mode.steps, per_device_train_batch_size=mode.batch_size,
-            per_device_eval_batch_size=32, learning_rate=mode.learning_rate, lr_scheduler_type="cosine",
-            warmup_steps=mode.steps // 10, weight_decay=0.0, logging_steps=mode.eval_every, eval_strategy="steps",
-            eval_steps=mode.eval_every, save_strategy="no", report_to=[], seed=spec.seed, use_cpu=True,
-            disable_tqdm=True, mask_seed=spec.seed, **{"anchor_every": 20, "anchor_delay": 20, **knobs},
+            output_dir=tmp,
+            max_steps=mode.steps,
+            per_device_train_batch_size=mode.batch_size,
+            per_device_eval_batch_size=32,
+            learning_rate=mode.learning_rate,
+            lr_scheduler_type="cosine",
+            warmup_steps=mode.steps // 10,
+            weight_decay=0.0,
+            logging_steps=mode.eval_every,
+            eval_strategy="steps",
+            eval_steps=mode.eval_every,
+            save_strategy="no",
+            report_to=[],
+            seed=spec.seed,
+            use_cpu=True,
+            disable_tqdm=True,
+            mask_seed=spec.seed,
+            **{"anchor_every": 20, "anchor_delay": 20, **knobs},
         )
-        trainer = MeshTrainer(model=model, args=args, train_dataset=train, eval_dataset=held_out, data_collator=collator)
+        trainer = MeshTrainer(
+            model=model, args=args, train_dataset=train, eval_dataset=held_out, data_collator=collator
+        )
         timer = StepTimer(trainer)
         trainer.add_callback(timer)
         if spec.codec is not None and spec.codec["codec"] == "pca":
@@ -231,8 +264,12 @@ def run_one(spec: RunSpec, mode: Mode, load: Callable = load_tiny_llama) -> dict
     model.eval()
     metric = task_metric(model, tokenizer, task, mode.seq_len)
     result = {
-        "spec": dataclasses.asdict(spec), "mode": dataclasses.asdict(mode), "task_kind": task.kind,
-        "eval_loss_before": eval_before, "metric": metric, "train_s": train_s,
+        "spec": dataclasses.asdict(spec),
+        "mode": dataclasses.asdict(mode),
+        "task_kind": task.kind,
+        "eval_loss_before": eval_before,
+        "metric": metric,
+        "train_s": train_s,
         "timing": {**timer.totals, "mean_step_s": sum(timer.step_s) / max(1, len(timer.step_s))},
         "log_history": trainer.state.log_history,
         "ledger": trainer.mesh_ledger(mode.batch_size * mode.seq_len).to_dict(),
@@ -253,24 +290,41 @@ def _codec_wire(handle, model) -> dict:
     hidden, boundaries, counter = model.config.hidden_size, len(handle.codecs), handle.counter
     fwd, bwd = handle.codecs[0].wire_bytes_per_token(hidden, 2)
     per_token = max(1, counter.tokens * boundaries)
-    return {"dense": 2.0 * hidden, "fwd": fwd, "bwd": bwd,
-            "measured_fwd": counter.fwd_bytes / per_token, "measured_bwd": counter.bwd_bytes / per_token}
+    return {
+        "dense": 2.0 * hidden,
+        "fwd": fwd,
+        "bwd": bwd,
+        "measured_fwd": counter.fwd_bytes / per_token,
+        "measured_bwd": counter.bwd_bytes / per_token,
+    }
 
 
 def plan(mode: Mode, tables: tuple[str, ...]) -> list[RunSpec]:
     specs = []
     if "table1" in tables:
-        specs += [RunSpec("table1", row, task, seed, knobs)
-                  for seed in mode.seeds for task in TASK_NAMES for row, knobs in TABLE1.items()]
+        specs += [
+            RunSpec("table1", row, task, seed, knobs)
+            for seed in mode.seeds
+            for task in TASK_NAMES
+            for row, knobs in TABLE1.items()
+        ]
     if "variants" in tables:
-        specs += [RunSpec("variants", row, task, mode.seeds[0], knobs)
-                  for task in VARIANT_TASKS for row, knobs in VARIANTS.items()]
+        specs += [
+            RunSpec("variants", row, task, mode.seeds[0], knobs)
+            for task in VARIANT_TASKS
+            for row, knobs in VARIANTS.items()
+        ]
     if "codecs" in tables:
-        specs += [RunSpec("codecs", row, task, mode.seeds[0], dict(DENSE), codec)
-                  for task in TASK_NAMES for row, codec in CODECS.items()]
+        specs += [
+            RunSpec("codecs", row, task, mode.seeds[0], dict(DENSE), codec)
+            for task in TASK_NAMES
+            for row, codec in CODECS.items()
+        ]
     if "ablations" in tables:
-        specs += [RunSpec("ablations", row, ABLATION_TASK, mode.seeds[0], {"mask_ratio": 0.95, **knobs})
-                  for row, knobs in ABLATIONS.items()]
+        specs += [
+            RunSpec("ablations", row, ABLATION_TASK, mode.seeds[0], {"mask_ratio": 0.95, **knobs})
+            for row, knobs in ABLATIONS.items()
+        ]
     return specs
 
 
@@ -291,6 +345,7 @@ def main(argv: list[str] | None = None) -> None:
     started = time.time()
     if "smollm2" in tables:  # base model (a): the real SmolLM2-135M main rows, ~12 min; skips finished rows
         from . import smollm2_probe
+
         smollm2_probe.run(["dense", "m95", "m90_ap", "m95_ap", "m95_gaussian_fill", "m95_ap_gaussian_fill"])
     for number, spec in enumerate(specs, 1):
         target = out / f"{spec.run_id}.json"
@@ -300,9 +355,13 @@ def main(argv: list[str] | None = None) -> None:
         tmp = target.with_suffix(".tmp")
         tmp.write_text(json.dumps(result, indent=1, default=str))
         os.replace(tmp, target)
-        print(f"[{number}/{len(specs)}] {spec.run_id}: {result['metric']} "
-              f"train {result['train_s']:.0f} s (total {time.time() - started:.0f} s)", flush=True)
+        print(
+            f"[{number}/{len(specs)}] {spec.run_id}: {result['metric']} "
+            f"train {result['train_s']:.0f} s (total {time.time() - started:.0f} s)",
+            flush=True,
+        )
     from .report import write_report
+
     write_report()
 
 

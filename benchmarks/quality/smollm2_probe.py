@@ -58,7 +58,8 @@ def table() -> str:
     dense = rows.get("dense")
     gain = dense["dense_eval_loss_before"] - dense["dense_eval_loss_after"] if dense else None
     lines = [
-        "| variant | knobs | dense eval loss after | retained | masked train loss (last) | cos(masked, anchor) | cos(filtered, anchor) | mean d | train s |",
+        "| variant | knobs | dense eval loss after | retained | masked train loss (last) | cos(masked, anchor) | "
+        "cos(filtered, anchor) | mean d | train s |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name in VARIANTS:
@@ -68,9 +69,11 @@ def table() -> str:
         retained = (r["dense_eval_loss_before"] - r["dense_eval_loss_after"]) / gain if gain else float("nan")
         knobs = ", ".join(f"{k}={v}" for k, v in VARIANTS[name].items()) or "defaults"
         lines.append(
-            f"| {name} | {knobs} | {r['dense_eval_loss_after']:.3f} | {retained:.0%} | {r['masked_train_loss_last_log']:.2f} | "
-            f"{log.get('spectral/cos_masked_vs_anchor', float('nan')):.3f} | {log.get('spectral/cos_filtered_vs_anchor', float('nan')):.3f} | "
-            f"{log.get('spectral/filter_mean_d', float('nan')):.3f} | {r['train_runtime_s']:.0f} |")
+            f"| {name} | {knobs} | {r['dense_eval_loss_after']:.3f} | {retained:.0%} | "
+            f"{r['masked_train_loss_last_log']:.2f} | {log.get('spectral/cos_masked_vs_anchor', float('nan')):.3f} | "
+            f"{log.get('spectral/cos_filtered_vs_anchor', float('nan')):.3f} | "
+            f"{log.get('spectral/filter_mean_d', float('nan')):.3f} | {r['train_runtime_s']:.0f} |"
+        )
     before = next(iter(rows.values()))["dense_eval_loss_before"] if rows else float("nan")
     return f"Dense eval loss before training: {before:.3f}\n\n" + "\n".join(lines) + "\n"
 

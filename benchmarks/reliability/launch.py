@@ -33,12 +33,23 @@ def main(argv: list[str] | None = None) -> int:
 
     def hook(rank: int) -> tuple[list[str], dict[str, str]]:
         master = (rank // stages) * stages if jobs else 0  # the replica's own stage 0, or global rank 0
-        return netns.exec_prefix(rank), {"MESHTUNE_HOST": netns.node_ip(rank), "GLOO_SOCKET_IFNAME": "eth0",
-                                         "MASTER_ADDR": netns.node_ip(master), "OMP_NUM_THREADS": "1"}
+        return netns.exec_prefix(rank), {
+            "MESHTUNE_HOST": netns.node_ip(rank),
+            "GLOO_SOCKET_IFNAME": "eth0",
+            "MASTER_ADDR": netns.node_ip(master),
+            "OMP_NUM_THREADS": "1",
+        }
 
-    return launch_mesh((replicas, stages), ["tests/scripts/mesh_run.py", args.out, str(args.steps), args.config],
-                       cpu=True, max_restarts=args.max_restarts, host=netns.node_ip(args.service_node),
-                       rank_hook=hook, log_dir=os.path.join(args.out, "logs"), optional_replicas=args.optional_replica)
+    return launch_mesh(
+        (replicas, stages),
+        ["tests/scripts/mesh_run.py", args.out, str(args.steps), args.config],
+        cpu=True,
+        max_restarts=args.max_restarts,
+        host=netns.node_ip(args.service_node),
+        rank_hook=hook,
+        log_dir=os.path.join(args.out, "logs"),
+        optional_replicas=args.optional_replica,
+    )
 
 
 if __name__ == "__main__":

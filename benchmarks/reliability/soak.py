@@ -122,17 +122,33 @@ class Launch:
     """One ``benchmarks.reliability.launch`` run in the service namespace, its output timestamped."""
 
     def __init__(self, phase: Phase, env: dict[str, str], resume_from: str | None = None) -> None:
-        argv = [*netns.exec_prefix(SERVICE), sys.executable, "-m", "benchmarks.reliability.launch",
-                "--mesh", f"{MESH[0]}x{MESH[1]}", "--out", phase.out, "--steps", str(phase.steps),
-                "--max-restarts", "3" if phase.replica_jobs else "0", "--config", json.dumps(phase.config),
-                "--service-node", str(SERVICE)]
+        argv = [
+            *netns.exec_prefix(SERVICE),
+            sys.executable,
+            "-m",
+            "benchmarks.reliability.launch",
+            "--mesh",
+            f"{MESH[0]}x{MESH[1]}",
+            "--out",
+            phase.out,
+            "--steps",
+            str(phase.steps),
+            "--max-restarts",
+            "3" if phase.replica_jobs else "0",
+            "--config",
+            json.dumps(phase.config),
+            "--service-node",
+            str(SERVICE),
+        ]
         if phase.config.get("anchor"):
             argv += ["--optional-replica", str(MESH[0] - 1)]  # the fast circuit trains on without a dead anchor
         full_env = {**os.environ, **env, "PYTHONPATH": ROOT, "RUST_LOG": "warn"}
         if resume_from:
             full_env["RESUME_FROM"] = resume_from
         self.phase = phase
-        self.proc = subprocess.Popen(argv, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.proc = subprocess.Popen(
+            argv, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
         self.log = open(os.path.join(phase.out, f"launcher{phase.launches}.log"), "w")
         phase.launches += 1
         self.reader = threading.Thread(target=self._read, daemon=True)
@@ -235,9 +251,12 @@ def inject(phase: Phase, fault: Fault, launch: Launch) -> Launch:
         healed = _await_heal(phase, replica, fault.injected_at_step, timeout=120)
         fault.survived = healed is not None and replica in _restarts_since(phase, start)
         fault.replica_steps_skipped = (healed or 0) - fault.injected_at_step
-        fault.outcome = (f"rank {fault.target} (pid {pid}) SIGKILLed at step {fault.injected_at_step}; replica {replica} "
-                         f"restarted and healed from a peer at step {healed}" if fault.survived else
-                         f"rank {fault.target} SIGKILLed; replica {replica} did not heal within 120 s")
+        fault.outcome = (
+            f"rank {fault.target} (pid {pid}) SIGKILLed at step {fault.injected_at_step}; replica {replica} "
+            f"restarted and healed from a peer at step {healed}"
+            if fault.survived
+            else f"rank {fault.target} SIGKILLed; replica {replica} did not heal within 120 s"
+        )
     elif fault.kind in ("cut", "straggler"):
         before = _fast_step(phase)
         if fault.kind == "cut":
@@ -253,9 +272,15 @@ def inject(phase: Phase, fault: Fault, launch: Launch) -> Launch:
         moving = _fast_step(phase) > fault.injected_at_step
         fault.survived = moving and all(h is not None for h in healed) and launch.proc.poll() in (None, 0)
         what = "link cut" if fault.kind == "cut" else "link at a tenth of the rate"
-        how = (f"replica(s) {restarted} failed past the {LINK_TIMEOUT_S:.0f} s timeout, were restarted and healed at "
-               f"step(s) {healed}" if restarted else "no process failed; the mesh waited it out")
-        fault.outcome = f"node {fault.target}: {what} for {fault.duration_s:.0f} s ({during} fast steps meanwhile); {how}"
+        how = (
+            f"replica(s) {restarted} failed past the {LINK_TIMEOUT_S:.0f} s timeout, were restarted and healed at "
+            f"step(s) {healed}"
+            if restarted
+            else "no process failed; the mesh waited it out"
+        )
+        fault.outcome = (
+            f"node {fault.target}: {what} for {fault.duration_s:.0f} s ({during} fast steps meanwhile); {how}"
+        )
         fault.replica_steps_skipped = sum((h or 0) - fault.injected_at_step for h in healed)
     elif fault.kind == "sigstop_anchor":
         pids = [pid_of(phase.out, r) for r in range(NODES - MESH[1], NODES)]
@@ -267,8 +292,10 @@ def inject(phase: Phase, fault: Fault, launch: Launch) -> Launch:
         for pid in pids:
             os.kill(pid, signal.SIGCONT)
         fault.survived = during > 0 and launch.proc.poll() in (None, 0)
-        fault.outcome = (f"anchor replica (pids {pids}) SIGSTOPped for {fault.duration_s:.0f} s: the fast circuit took "
-                         f"{during} steps meanwhile; SIGCONT")
+        fault.outcome = (
+            f"anchor replica (pids {pids}) SIGSTOPped for {fault.duration_s:.0f} s: the fast circuit took "
+            f"{during} steps meanwhile; SIGCONT"
+        )
     elif fault.kind == "kill_anchor":
         pid = pid_of(phase.out, fault.target)
         os.kill(pid, signal.SIGKILL)
@@ -276,9 +303,11 @@ def inject(phase: Phase, fault: Fault, launch: Launch) -> Launch:
         after = _fast_step(phase)
         lost = any("optional replica" in line and "is lost" in line for t, line in phase.lines if t >= start)
         fault.survived = lost and after > fault.injected_at_step + 5 and launch.proc.poll() is None
-        fault.outcome = (f"anchor rank {fault.target} (pid {pid}) SIGKILLed at step {fault.injected_at_step}: the launcher "
-                         f"{'stopped the rest of the anchor replica' if lost else 'did not give the anchor up'}; the fast "
-                         f"circuit reached step {after} 20 s later without it (the anchor comes back with the next relaunch)")
+        fault.outcome = (
+            f"anchor rank {fault.target} (pid {pid}) SIGKILLed at step {fault.injected_at_step}: the launcher "
+            f"{'stopped the rest of the anchor replica' if lost else 'did not give the anchor up'}; the fast "
+            f"circuit reached step {after} 20 s later without it (the anchor comes back with the next relaunch)"
+        )
     elif fault.kind == "crash":
         pid = pid_of(phase.out, fault.target)
         os.kill(pid, signal.SIGKILL)
@@ -287,23 +316,37 @@ def inject(phase: Phase, fault: Fault, launch: Launch) -> Launch:
         from hf_meshtune.topology import MeshTopology
 
         crashed_at = _fast_step(phase)
-        checkpoint = latest_complete_checkpoint(phase.out, MeshTopology(*MESH, anchor=phase.config.get("anchor", False)))
+        checkpoint = latest_complete_checkpoint(
+            phase.out, MeshTopology(*MESH, anchor=phase.config.get("anchor", False))
+        )
         resumed_from = int(checkpoint.rsplit("-", 1)[1]) if checkpoint else 0
         launch = Launch(phase, _env(phase), resume_from=checkpoint)
         fault.steps_lost = crashed_at - resumed_from
         fault.survived = checkpoint is not None and code != 0
-        fault.outcome = (f"rank {fault.target} (pid {pid}) SIGKILLed at step {crashed_at}: the mesh stopped (exit {code}); "
-                         f"relaunched from {os.path.basename(checkpoint or 'nothing')}, recomputing {fault.steps_lost} steps")
+        fault.outcome = (
+            f"rank {fault.target} (pid {pid}) SIGKILLed at step {crashed_at}: the mesh stopped (exit {code}); "
+            f"relaunched from {os.path.basename(checkpoint or 'nothing')}, recomputing {fault.steps_lost} steps"
+        )
     else:
-        raise ValueError(f"fault kind={fault.kind!r} is invalid: it must be kill, cut, straggler, sigstop_anchor, "
-                         "kill_anchor or crash")
-    print(f"[soak {phase.name}] {fault.kind}: {fault.outcome} → {'survived' if fault.survived else 'NOT survived'}", flush=True)
+        raise ValueError(
+            f"fault kind={fault.kind!r} is invalid: it must be kill, cut, straggler, sigstop_anchor, "
+            "kill_anchor or crash"
+        )
+    print(
+        f"[soak {phase.name}] {fault.kind}: {fault.outcome} → {'survived' if fault.survived else 'NOT survived'}",
+        flush=True,
+    )
     return launch
 
 
 def _env(phase: Phase) -> dict[str, str]:
-    return {"STEP_SECONDS": str(STEP_SECONDS), "CHECKPOINT_EVERY": str(CHECKPOINT_EVERY), "CHECKPOINT_KEEP": str(CHECKPOINT_KEEP),
-            "LINK_TIMEOUT_S": str(LINK_TIMEOUT_S), "RESTART_DELAY_S": "5"}
+    return {
+        "STEP_SECONDS": str(STEP_SECONDS),
+        "CHECKPOINT_EVERY": str(CHECKPOINT_EVERY),
+        "CHECKPOINT_KEEP": str(CHECKPOINT_KEEP),
+        "LINK_TIMEOUT_S": str(LINK_TIMEOUT_S),
+        "RESTART_DELAY_S": "5",
+    }
 
 
 def run_phase(phase: Phase) -> None:
@@ -317,8 +360,10 @@ def run_phase(phase: Phase) -> None:
     launch = Launch(phase, _env(phase))
     while _fast_step(phase) < 5:
         if launch.proc.poll() is not None:
-            raise RuntimeError(f"phase {phase.name}: the mesh exited with {launch.proc.returncode} before step 5; "
-                               f"see {phase.out}/launcher0.log")
+            raise RuntimeError(
+                f"phase {phase.name}: the mesh exited with {launch.proc.returncode} before step 5; "
+                f"see {phase.out}/launcher0.log"
+            )
         time.sleep(0.5)
     t0 = time.monotonic()
     for fault in sorted(phase.faults, key=lambda f: f.at_s):
@@ -353,14 +398,22 @@ def _final(phase: Phase, code: int, unreadable: int) -> dict:
     fast = [r for r in results if r is not None and r.role == "fast"]
     equal = None
     if fast and all(r.global_params is not None for r in fast):
-        equal = all(all(torch.equal(a, b) for a, b in zip(fast[0 if r.stage == 0 else 1].global_params, r.global_params))
-                    for r in fast)
+        equal = all(
+            all(torch.equal(a, b) for a, b in zip(fast[0 if r.stage == 0 else 1].global_params, r.global_params))
+            for r in fast
+        )
     losses = [r.losses for r in fast if r.losses]
-    return {"exit_code": code, "steps": phase.steps, "fast_steps_done": [r.steps for r in fast],
-            "identical_theta_global_across_replicas": equal, "unreadable_checkpoint_files": unreadable,
-            "complete_checkpoints_seen": sorted(phase.complete_seen),
-            "first_last_loss": [[round(x[0], 3), round(x[-1], 3)] for x in losses],
-            "heals_in_final_processes": [r.heals for r in fast], "launches": phase.launches}
+    return {
+        "exit_code": code,
+        "steps": phase.steps,
+        "fast_steps_done": [r.steps for r in fast],
+        "identical_theta_global_across_replicas": equal,
+        "unreadable_checkpoint_files": unreadable,
+        "complete_checkpoints_seen": sorted(phase.complete_seen),
+        "first_last_loss": [[round(x[0], 3), round(x[-1], 3)] for x in losses],
+        "heals_in_final_processes": [r.heals for r in fast],
+        "launches": phase.launches,
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -372,33 +425,65 @@ def phases(smoke: bool, out: str) -> list[Phase]:
         b = [Fault(15, "sigstop_anchor", 0, 8.0), Fault(40, "kill_anchor", 4), Fault(75, "crash", 1)]
         steps_a, steps_b = 260, 260
     else:
-        a = [Fault(45, "kill", 3), Fault(120, "cut", 4, 4.0), Fault(190, "straggler", 2, 30.0), Fault(280, "kill", 4),
-             Fault(370, "cut", 1, 25.0), Fault(480, "kill", 0), Fault(560, "cut", 3, 3.0)]
-        b = [Fault(40, "sigstop_anchor", 0, 20.0), Fault(110, "cut", 4, 5.0), Fault(170, "sigstop_anchor", 0, 20.0),
-             Fault(240, "kill_anchor", 4), Fault(320, "crash", 1), Fault(420, "sigstop_anchor", 0, 10.0)]
+        a = [
+            Fault(45, "kill", 3),
+            Fault(120, "cut", 4, 4.0),
+            Fault(190, "straggler", 2, 30.0),
+            Fault(280, "kill", 4),
+            Fault(370, "cut", 1, 25.0),
+            Fault(480, "kill", 0),
+            Fault(560, "cut", 3, 3.0),
+        ]
+        b = [
+            Fault(40, "sigstop_anchor", 0, 20.0),
+            Fault(110, "cut", 4, 5.0),
+            Fault(170, "sigstop_anchor", 0, 20.0),
+            Fault(240, "kill_anchor", 4),
+            Fault(320, "crash", 1),
+            Fault(420, "sigstop_anchor", 0, 10.0),
+        ]
         steps_a, steps_b = 1100, 1050
     anchor = {"anchor": True, "anchor_every": 4, "anchor_delay": 0, "spectral_tau": 1e-3, "anchor_max_staleness": 40}
-    return [Phase("A", True, {"anchor": False}, steps_a, a, out=os.path.join(out, "phase_a")),
-            Phase("B", False, anchor, steps_b, b, out=os.path.join(out, "phase_b"))]
+    return [
+        Phase("A", True, {"anchor": False}, steps_a, a, out=os.path.join(out, "phase_a")),
+        Phase("B", False, anchor, steps_b, b, out=os.path.join(out, "phase_b")),
+    ]
 
 
 def report(ran: list[Phase]) -> dict:
     faults = [(p.name, f) for p in ran for f in p.faults]
     injected = [f for _, f in faults if f.injected_at_step is not None]
     return {
-        "setup": {"mesh": f"{MESH[0]}x{MESH[1]}", "model": "tiny Llama (H=64, 4 layers)", "rate_mbit": RATE_MBIT,
-                  "delay_ms": DELAY_MS, "link_timeout_s": LINK_TIMEOUT_S, "checkpoint_every": CHECKPOINT_EVERY,
-                  "checkpoint_keep": CHECKPOINT_KEEP, "step_pacing_s": STEP_SECONDS},
+        "setup": {
+            "mesh": f"{MESH[0]}x{MESH[1]}",
+            "model": "tiny Llama (H=64, 4 layers)",
+            "rate_mbit": RATE_MBIT,
+            "delay_ms": DELAY_MS,
+            "link_timeout_s": LINK_TIMEOUT_S,
+            "checkpoint_every": CHECKPOINT_EVERY,
+            "checkpoint_keep": CHECKPOINT_KEEP,
+            "step_pacing_s": STEP_SECONDS,
+        },
         "faults_injected": len(injected),
         "faults_survived": sum(f.survived for f in injected),
         "optimizer_steps_lost": sum(f.steps_lost for f in injected),
         "replica_steps_skipped_by_healing": sum(f.replica_steps_skipped for f in injected),
         "checkpoints_lost": sum(len(p.checkpoints_lost) for p in ran),
         "wall_minutes": round(sum(p.wall_s for p in ran) / 60, 1),
-        "phases": [{"name": p.name, "replica_jobs": p.replica_jobs, "config": p.config, "wall_s": round(p.wall_s, 1),
-                    "checkpoints_lost": p.checkpoints_lost, **p.final,
-                    "faults": [asdict(f) for f in p.faults], "fault_windows": p.fault_windows,
-                    "timeline": p.timeline} for p in ran],
+        "phases": [
+            {
+                "name": p.name,
+                "replica_jobs": p.replica_jobs,
+                "config": p.config,
+                "wall_s": round(p.wall_s, 1),
+                "checkpoints_lost": p.checkpoints_lost,
+                **p.final,
+                "faults": [asdict(f) for f in p.faults],
+                "fault_windows": p.fault_windows,
+                "timeline": p.timeline,
+            }
+            for p in ran
+        ],
     }
 
 
@@ -431,22 +516,34 @@ def plot(summary: dict, path: str) -> None:
 
 
 def markdown(summary: dict) -> str:
-    lines = ["# Soak", "", f"{summary['wall_minutes']} min on 2 CPU cores; `sudo bash benchmarks/reliability/soak.sh`.", "",
-             "| faults injected | survived | optimizer steps lost | replica steps skipped by healing | checkpoints lost |",
-             "|---:|---:|---:|---:|---:|",
-             f"| {summary['faults_injected']} | {summary['faults_survived']} | {summary['optimizer_steps_lost']} | "
-             f"{summary['replica_steps_skipped_by_healing']} | {summary['checkpoints_lost']} |", "",
-             "| phase | fault | at step | survived | outcome |", "|---|---|---:|---|---|"]
+    lines = [
+        "# Soak",
+        "",
+        f"{summary['wall_minutes']} min on 2 CPU cores; `sudo bash benchmarks/reliability/soak.sh`.",
+        "",
+        "| faults injected | survived | optimizer steps lost | replica steps skipped by healing | checkpoints lost |",
+        "|---:|---:|---:|---:|---:|",
+        f"| {summary['faults_injected']} | {summary['faults_survived']} | {summary['optimizer_steps_lost']} | "
+        f"{summary['replica_steps_skipped_by_healing']} | {summary['checkpoints_lost']} |",
+        "",
+        "| phase | fault | at step | survived | outcome |",
+        "|---|---|---:|---|---|",
+    ]
     for phase in summary["phases"]:
         for f in phase["faults"]:
-            lines.append(f"| {phase['name']} | {f['kind']} | {f['injected_at_step']} | {'yes' if f['survived'] else 'no'} | "
-                         f"{f['outcome']} |")
+            lines.append(
+                f"| {phase['name']} | {f['kind']} | {f['injected_at_step']} | {'yes' if f['survived'] else 'no'} | "
+                f"{f['outcome']} |"
+            )
     lines += ["", "Setup: " + json.dumps(summary["setup"]), ""]
     for phase in summary["phases"]:
-        lines.append(f"Phase {phase['name']}: exit {phase['exit_code']}, {phase['launches']} launch(es), "
-                     f"{phase['wall_s']} s, identical θ_global across replicas: {phase['identical_theta_global_across_replicas']}, "
-                     f"complete checkpoints seen: {len(phase['complete_checkpoints_seen'])}, first/last loss per fast "
-                     f"last stage: {phase['first_last_loss']}.")
+        lines.append(
+            f"Phase {phase['name']}: exit {phase['exit_code']}, {phase['launches']} launch(es), "
+            f"{phase['wall_s']} s, identical θ_global across replicas: "
+            f"{phase['identical_theta_global_across_replicas']}, complete checkpoints seen: "
+            f"{len(phase['complete_checkpoints_seen'])}, first/last loss per fast last stage: "
+            f"{phase['first_last_loss']}."
+        )
     return "\n".join(lines) + "\n"
 
 

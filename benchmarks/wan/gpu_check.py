@@ -53,9 +53,13 @@ NUM_BOUNDARIES = 3  # Y = 4 stages
 def require_cuda() -> torch.device:
     """The CUDA device, or ``ValueError`` naming the rule (no CPU fallback: the CPU numbers are micro.py's)."""
     available = torch.cuda.is_available()
-    require(available, "torch.cuda.is_available()", available,
-            f"be True: gpu_check times bf16 kernels on a CUDA device and never falls back to the CPU "
-            f"(torch {torch.__version__}); run `python -m benchmarks.wan.micro` for the CPU numbers")
+    require(
+        available,
+        "torch.cuda.is_available()",
+        available,
+        f"be True: gpu_check times bf16 kernels on a CUDA device and never falls back to the CPU "
+        f"(torch {torch.__version__}); run `python -m benchmarks.wan.micro` for the CPU numbers",
+    )
     return torch.device("cuda", torch.cuda.current_device())
 
 
@@ -67,8 +71,17 @@ def default_out() -> str:
 
 def masking_work(device: torch.device) -> dict[str, Any]:
     """Section 1: the masking work of one step alone at the paper's shapes."""
-    return time_masking_work(NUM_BOUNDARIES, MICROBATCHES, BATCH, SEQ_LEN, L.PRESETS[PRESET].hidden_size,
-                             mask_ratio=MASK_RATIO, device=device, dtype=DTYPE, reps=10)
+    return time_masking_work(
+        NUM_BOUNDARIES,
+        MICROBATCHES,
+        BATCH,
+        SEQ_LEN,
+        L.PRESETS[PRESET].hidden_size,
+        mask_ratio=MASK_RATIO,
+        device=device,
+        dtype=DTYPE,
+        reps=10,
+    )
 
 
 def masked_step(device: torch.device) -> dict[str, Any]:
@@ -77,8 +90,15 @@ def masked_step(device: torch.device) -> dict[str, Any]:
     with torch.device(device):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=DTYPE)
     try:
-        return time_masked_step(model, microbatches=MICROBATCHES, batch=BATCH, seq_len=SEQ_LEN,
-                                vocab=config.vocab_size, device=device, reps=5)
+        return time_masked_step(
+            model,
+            microbatches=MICROBATCHES,
+            batch=BATCH,
+            seq_len=SEQ_LEN,
+            vocab=config.vocab_size,
+            device=device,
+            reps=5,
+        )
     finally:
         del model
         torch.cuda.empty_cache()
@@ -87,15 +107,24 @@ def masked_step(device: torch.device) -> dict[str, Any]:
 def optimizer(device: torch.device) -> dict[str, Any]:
     """Section 3: AdamW vs SpectralAdamW (full SVD, rank caps) on one decoder layer's parameters in bf16."""
     shapes = decoder_layer_shapes(L.PRESETS[PRESET])
-    out = compare_optimizers(list(shapes.values()), device=device, dtype=DTYPE, ranks=SPECTRAL_RANKS, reps=10,
-                             svd_reps=3, adamw_variants={"single_tensor": {"foreach": False}})
+    out = compare_optimizers(
+        list(shapes.values()),
+        device=device,
+        dtype=DTYPE,
+        ranks=SPECTRAL_RANKS,
+        reps=10,
+        svd_reps=3,
+        adamw_variants={"single_tensor": {"foreach": False}},
+    )
     out["shapes"] = shapes
     torch.cuda.empty_cache()
     return out
 
 
 SECTIONS: dict[str, Callable[[torch.device], dict[str, Any]]] = {
-    "masking_work": masking_work, "masked_step": masked_step, "optimizer": optimizer,
+    "masking_work": masking_work,
+    "masked_step": masked_step,
+    "optimizer": optimizer,
 }
 
 

@@ -13,8 +13,16 @@ from . import netns
 from .rows import ROWS, Shape
 
 
-def run_row(row_name: str, out: str, data: str, steps: int, *, save_every: int = 0, timeout_s: float = 1800.0,
-            link_timeout_s: float | None = None) -> float:
+def run_row(
+    row_name: str,
+    out: str,
+    data: str,
+    steps: int,
+    *,
+    save_every: int = 0,
+    timeout_s: float = 1800.0,
+    link_timeout_s: float | None = None,
+) -> float:
     """Run ``row_name`` for ``steps`` fast steps on the namespaces that are up; returns wall seconds.
 
     Raises RuntimeError naming the first rank that failed (its log is ``out/rank{k}.log``).
@@ -23,8 +31,10 @@ def run_row(row_name: str, out: str, data: str, steps: int, *, save_every: int =
     world = row.replicas * shape.stages
     state = netns.read_state()
     if state is None or state.nodes < world:
-        raise RuntimeError(f"row {row_name} needs {world} nodes but the emulated network has "
-                           f"{0 if state is None else state.nodes}: run `python -m benchmarks.wan.netns up` first")
+        raise RuntimeError(
+            f"row {row_name} needs {world} nodes but the emulated network has "
+            f"{0 if state is None else state.nodes}: run `python -m benchmarks.wan.netns up` first"
+        )
     os.makedirs(out, exist_ok=True)
     port = free_port()
     base = {k: v for k, v in os.environ.items() if k != "TORCHFT_LIGHTHOUSE"}
@@ -32,15 +42,40 @@ def run_row(row_name: str, out: str, data: str, steps: int, *, save_every: int =
     start = time.perf_counter()
     for rank in range(world):
         env = child_env((row.replicas, shape.stages), rank, cpu=True, master_port=port, lighthouse=None, base=base)
-        env.update(MASTER_ADDR=netns.node_ip(0), GLOO_SOCKET_IFNAME="eth0", MESHTUNE_HOST=netns.node_ip(rank),
-                   OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-        argv = [*netns.exec_prefix(rank), sys.executable, "-m", "benchmarks.wan.worker", "--row", row_name,
-                "--data", data, "--out", out, "--steps", str(steps), "--save-every", str(save_every)]
+        env.update(
+            MASTER_ADDR=netns.node_ip(0),
+            GLOO_SOCKET_IFNAME="eth0",
+            MESHTUNE_HOST=netns.node_ip(rank),
+            OMP_NUM_THREADS="1",
+            TOKENIZERS_PARALLELISM="false",
+        )
+        argv = [
+            *netns.exec_prefix(rank),
+            sys.executable,
+            "-m",
+            "benchmarks.wan.worker",
+            "--row",
+            row_name,
+            "--data",
+            data,
+            "--out",
+            out,
+            "--steps",
+            str(steps),
+            "--save-every",
+            str(save_every),
+        ]
         if link_timeout_s is not None:
             argv += ["--link-timeout", str(link_timeout_s)]
         log = open(os.path.join(out, f"rank{rank}.log"), "w")
-        procs.append((subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                       cwd=netns._repo_root()), log))
+        procs.append(
+            (
+                subprocess.Popen(
+                    argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=netns._repo_root()
+                ),
+                log,
+            )
+        )
     try:
         deadline = time.monotonic() + timeout_s
         while True:

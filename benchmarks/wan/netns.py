@@ -76,8 +76,12 @@ class Links:
 
 
 def require_root() -> None:
-    require(os.geteuid() == 0, "user", os.getenv("USER", os.geteuid()),
-            "be root: network namespaces and tc need CAP_NET_ADMIN (run the benchmark as root, e.g. sudo)")
+    require(
+        os.geteuid() == 0,
+        "user",
+        os.getenv("USER", os.geteuid()),
+        "be root: network namespaces and tc need CAP_NET_ADMIN (run the benchmark as root, e.g. sudo)",
+    )
 
 
 def _ip(*args: str, ns: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
@@ -122,8 +126,21 @@ def _shape(ns: str, dev: str, rate_mbit: float) -> None:
     rate_bit = int(rate_mbit * 1e6)
     burst = max(2 * MTU + 100, rate_bit // 8 // 100)  # ≥ two frames, ≥ 10 ms at the rate
     limit = max(4 * burst, rate_bit // 8 * 2)
-    _tc(ns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{rate_bit}bit",
-        "burst", str(burst), "limit", str(limit))
+    _tc(
+        ns,
+        "qdisc",
+        "replace",
+        "dev",
+        dev,
+        "root",
+        "tbf",
+        "rate",
+        f"{rate_bit}bit",
+        "burst",
+        str(burst),
+        "limit",
+        str(limit),
+    )
 
 
 def up(nodes: int, rate_mbit: float, delay_ms: float = 0.0) -> Links:
@@ -142,8 +159,25 @@ def up(nodes: int, rate_mbit: float, delay_ms: float = 0.0) -> Links:
         ns = node_ns(i)
         _ip("netns", "add", ns)
         _ip("link", "set", "lo", "up", ns=ns)
-        _ip("link", "add", "eth0", "netns", ns, "mtu", str(MTU), "type", "veth",
-            "peer", "name", f"p{i}", "netns", hub_ns(), "mtu", str(MTU), ns=hub_ns())
+        _ip(
+            "link",
+            "add",
+            "eth0",
+            "netns",
+            ns,
+            "mtu",
+            str(MTU),
+            "type",
+            "veth",
+            "peer",
+            "name",
+            f"p{i}",
+            "netns",
+            hub_ns(),
+            "mtu",
+            str(MTU),
+            ns=hub_ns(),
+        )
         _ip("addr", "add", f"{node_ip(i)}/24", "dev", "eth0", ns=ns)
         _ip("link", "set", "eth0", "up", ns=ns)
         _ip("link", "set", f"p{i}", "up", ns=hub_ns())
@@ -157,10 +191,27 @@ def up(nodes: int, rate_mbit: float, delay_ms: float = 0.0) -> Links:
     links = Links(nodes, rate_mbit, delay_ms)
     if delay_ms > 0:
         ports = ",".join(f"p{i}" for i in range(nodes))
-        proc = subprocess.Popen(["ip", "netns", "exec", hub_ns(), sys.executable, "-m", "benchmarks.wan.bridge", "forward",
-                                 "--ports", ports, "--delay-ms", str(delay_ms)],
-                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=None,
-                                start_new_session=True, cwd=_repo_root())
+        proc = subprocess.Popen(
+            [
+                "ip",
+                "netns",
+                "exec",
+                hub_ns(),
+                sys.executable,
+                "-m",
+                "benchmarks.wan.bridge",
+                "forward",
+                "--ports",
+                ports,
+                "--delay-ms",
+                str(delay_ms),
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=None,
+            start_new_session=True,
+            cwd=_repo_root(),
+        )
         links.bridge_pid = proc.pid
     with open(state_file(), "w") as fh:
         json.dump(asdict(links), fh)
@@ -173,33 +224,60 @@ def _repo_root() -> str:
 
 
 def _run_in(ns: str, args: list[str]) -> None:
-    subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-m", "benchmarks.wan.bridge", *args],
-                   check=True, capture_output=True, text=True, cwd=_repo_root())
+    subprocess.run(
+        ["ip", "netns", "exec", ns, sys.executable, "-m", "benchmarks.wan.bridge", *args],
+        check=True,
+        capture_output=True,
+        text=True,
+        cwd=_repo_root(),
+    )
 
 
 _PROBE_PORT = 29400
-_LISTEN = ("import socket,sys; s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); "
-           "s.bind((sys.argv[1], int(sys.argv[2]))); s.listen(64); s.settimeout(float(sys.argv[4]))\n"
-           "for _ in range(int(sys.argv[3])): s.accept()[0].close()")
-_CONNECT = ("import socket,sys,time; d=time.monotonic()+float(sys.argv[3])\n"
-            "while True:\n"
-            "    try: socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=1).close(); break\n"
-            "    except OSError:\n"
-            "        if time.monotonic() > d: sys.exit(1)\n"
-            "        time.sleep(0.1)")
+_LISTEN = (
+    "import socket,sys; s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); "
+    "s.bind((sys.argv[1], int(sys.argv[2]))); s.listen(64); s.settimeout(float(sys.argv[4]))\n"
+    "for _ in range(int(sys.argv[3])): s.accept()[0].close()"
+)
+_CONNECT = (
+    "import socket,sys,time; d=time.monotonic()+float(sys.argv[3])\n"
+    "while True:\n"
+    "    try: socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=1).close(); break\n"
+    "    except OSError:\n"
+    "        if time.monotonic() > d: sys.exit(1)\n"
+    "        time.sleep(0.1)"
+)
 
 
 def _wait_reachable(links: Links, timeout_s: float = 20.0) -> None:
     """Every node opens a TCP connection to node 0 (the links and the switch work) before ``up`` returns."""
-    listener = subprocess.Popen([*exec_prefix(0), sys.executable, "-c", _LISTEN, node_ip(0), str(_PROBE_PORT),
-                                 str(links.nodes - 1), str(timeout_s)], stderr=subprocess.DEVNULL)
+    listener = subprocess.Popen(
+        [
+            *exec_prefix(0),
+            sys.executable,
+            "-c",
+            _LISTEN,
+            node_ip(0),
+            str(_PROBE_PORT),
+            str(links.nodes - 1),
+            str(timeout_s),
+        ],
+        stderr=subprocess.DEVNULL,
+    )
     try:
         for i in range(1, links.nodes):
-            ok = subprocess.run([*exec_prefix(i), sys.executable, "-c", _CONNECT, node_ip(0), str(_PROBE_PORT),
-                                 str(timeout_s)], capture_output=True).returncode == 0
+            ok = (
+                subprocess.run(
+                    [*exec_prefix(i), sys.executable, "-c", _CONNECT, node_ip(0), str(_PROBE_PORT), str(timeout_s)],
+                    capture_output=True,
+                ).returncode
+                == 0
+            )
             if not ok:
-                raise RuntimeError(f"node {i} ({node_ip(i)}) cannot reach node 0 ({node_ip(0)}) after "
-                                   f"{timeout_s:.0f} s: the emulated network did not come up")
+                raise RuntimeError(
+                    f"node {i} ({node_ip(i)}) cannot reach node 0 ({node_ip(0)}) after "
+                    f"{timeout_s:.0f} s: the emulated network did not come up"
+                )
         listener.wait(timeout=timeout_s)
     finally:
         if listener.poll() is None:
@@ -225,8 +303,9 @@ def exec_prefix(i: int) -> list[str]:
 
 def tx_bytes(i: int) -> int:
     """Bytes node ``i`` has sent on its link (the kernel's counter, headers included)."""
-    out = subprocess.run([*exec_prefix(i), "cat", "/sys/class/net/eth0/statistics/tx_bytes"],
-                         check=True, capture_output=True, text=True).stdout
+    out = subprocess.run(
+        [*exec_prefix(i), "cat", "/sys/class/net/eth0/statistics/tx_bytes"], check=True, capture_output=True, text=True
+    ).stdout
     return int(out)
 
 

@@ -62,10 +62,19 @@ class Shape:
 def build_model(shape: Shape, vocab_size: int):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=vocab_size, hidden_size=shape.hidden, intermediate_size=4 * shape.hidden,
-                         num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
-                         num_key_value_heads=shape.heads, max_position_embeddings=shape.seq_len,
-                         tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=shape.hidden,
+        intermediate_size=4 * shape.hidden,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.heads,
+        max_position_embeddings=shape.seq_len,
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
     return LlamaForCausalLM(config)
 
 
@@ -79,7 +88,11 @@ def prepare_data(shape: Shape, path: str, eval_blocks: int = 64) -> dict:
     blocks = _token_blocks(tokenizer, text, shape.seq_len)
     torch.manual_seed(0)
     model = build_model(shape, len(tokenizer))
-    data = {"train": blocks[:-eval_blocks], "eval": blocks[-eval_blocks:], "vocab_size": len(tokenizer),
-            "init": model.state_dict()}
+    data = {
+        "train": blocks[:-eval_blocks],
+        "eval": blocks[-eval_blocks:],
+        "vocab_size": len(tokenizer),
+        "init": model.state_dict(),
+    }
     torch.save(data, path)
     return data

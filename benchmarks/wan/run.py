@@ -45,10 +45,15 @@ from .mesh import run_row
 from .rows import ROWS, Shape, build_model, prepare_data
 
 RESULTS = Path(__file__).resolve().parent / "results"
-PAPER = {"rate_mbit": 200.0, "dense_over_compute": 48.9 / 1.1, "tokens_per_step": 32 * 2048, "m95_tokens_s": 48_900.0,
-         "delay_ms": 20.0,
-         "tokens_s": {"dense": 1_100, "dp": 3_600, "m95": 48_900, "m90_ap": 27_800, "m95_ap": 46_500},
-         "bytes_per_token": {"dense": 22_900, "dp": 6_900, "m95": 370, "m90_ap": 790, "m95_ap": 446}}
+PAPER = {
+    "rate_mbit": 200.0,
+    "dense_over_compute": 48.9 / 1.1,
+    "tokens_per_step": 32 * 2048,
+    "m95_tokens_s": 48_900.0,
+    "delay_ms": 20.0,
+    "tokens_s": {"dense": 1_100, "dp": 3_600, "m95": 48_900, "m90_ap": 27_800, "m95_ap": 46_500},
+    "bytes_per_token": {"dense": 22_900, "dp": 6_900, "m95": 370, "m90_ap": 790, "m95_ap": 446},
+}
 SYNC_ROWS = ["dense", "dp", "m95", "torchft_diloco", "powersgd_hook"]
 ANCHOR_ROWS = ["m95_ap", "m90_ap"]
 TIMING_STEPS = {"dense": 8, "dp": 45, "m95": 45, "torchft_diloco": 45, "powersgd_hook": 25}
@@ -76,18 +81,28 @@ def read_run(out: str, row_name: str) -> dict:
         warm = max(warm, 3)  # torch's hook all-reduces densely for its first start_powerSGD_iter steps
     window = shape.sync_every // shape.fragments if steps - warm >= 2 * (shape.sync_every // shape.fragments) else 1
     timed = per_step[warm:]
-    windows = [sum(timed[i:i + window]) / window for i in range(0, len(timed) - window + 1, window)]
+    windows = [sum(timed[i : i + window]) / window for i in range(0, len(timed) - window + 1, window)]
     step_s = statistics.median(windows)
     arrivals = [a for r in fast for a in r["arrivals"] if r["replica"] == 0 and r["stage"] == 0]
     staleness = [s - snap for s, snap in arrivals if snap > 0]
     busiest = max(r["tx_bytes"] for r in ranks) / steps
-    return {"row": row_name, "label": row.label, "steps": steps, "tokens_per_step": tokens_per_step,
-            "step_seconds": step_s, "tokens_per_s": tokens_per_step / step_s, "window_steps": window,
-            "warmup_steps": warm, "bytes_per_token": circuits, "kernel_bytes_per_token": kernel,
-            "busiest_link_bytes_per_step": busiest, "anchor_deliveries": len(staleness),
-            "staleness_mean": statistics.fmean(staleness) if staleness else None,
-            "staleness_max": max(staleness) if staleness else None,
-            "losses": [statistics.fmean(r["losses"][i] for r in fast if r["losses"]) for i in range(steps)]}
+    return {
+        "row": row_name,
+        "label": row.label,
+        "steps": steps,
+        "tokens_per_step": tokens_per_step,
+        "step_seconds": step_s,
+        "tokens_per_s": tokens_per_step / step_s,
+        "window_steps": window,
+        "warmup_steps": warm,
+        "bytes_per_token": circuits,
+        "kernel_bytes_per_token": kernel,
+        "busiest_link_bytes_per_step": busiest,
+        "anchor_deliveries": len(staleness),
+        "staleness_mean": statistics.fmean(staleness) if staleness else None,
+        "staleness_max": max(staleness) if staleness else None,
+        "losses": [statistics.fmean(r["losses"][i] for r in fast if r["losses"]) for i in range(steps)],
+    }
 
 
 @torch.no_grad()
@@ -100,8 +115,10 @@ def evaluate(out: str, data: dict) -> dict[int, float]:
     blocks = data["eval"]
 
     def loss() -> float:
-        return statistics.fmean(model(input_ids=blocks[i:i + 16], labels=blocks[i:i + 16]).loss.item()
-                                for i in range(0, len(blocks), 16))
+        return statistics.fmean(
+            model(input_ids=blocks[i : i + 16], labels=blocks[i : i + 16]).loss.item()
+            for i in range(0, len(blocks), 16)
+        )
 
     curve = {0: loss()}
     params = os.path.join(out, "params")
@@ -126,8 +143,11 @@ def _run(name: str, row: str, work: Path, data_path: str, steps: int, save_every
     print(f"[wan] {name}: {row} for {steps} steps", flush=True)
     wall = run_row(row, out, data_path, steps, save_every=save_every)
     result = read_run(out, row) | {"wall_seconds": wall}
-    print(f"[wan]   {result['tokens_per_s']:.0f} tokens/s, {result['bytes_per_token']['total']:.0f} B/token, "
-          f"{wall:.0f} s", flush=True)
+    print(
+        f"[wan]   {result['tokens_per_s']:.0f} tokens/s, {result['bytes_per_token']['total']:.0f} B/token, "
+        f"{wall:.0f} s",
+        flush=True,
+    )
     return result
 
 
@@ -138,9 +158,18 @@ def run(work: Path, steps: int, save_every: int) -> dict:
     data_path = str(work / "data.pt")
     data = prepare_data(shape, data_path)
     nodes = 8
-    report: dict = {"shape": shape.__dict__, "steps": steps, "paper": PAPER,
-                    "machine": {"cpus": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
-                                "date": time.strftime("%Y-%m-%d")}, "phases": {}}
+    report: dict = {
+        "shape": shape.__dict__,
+        "steps": steps,
+        "paper": PAPER,
+        "machine": {
+            "cpus": os.cpu_count(),
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "date": time.strftime("%Y-%m-%d"),
+        },
+        "phases": {},
+    }
     started = time.perf_counter()
 
     netns.up(nodes, 10_000.0, 0.0)
@@ -152,11 +181,20 @@ def run(work: Path, steps: int, save_every: int) -> dict:
     rate_mbit = rate_bytes * 8 / 1e6
     tau_paper = PAPER["tokens_per_step"] / PAPER["m95_tokens_s"]
     delay_ms = PAPER["delay_ms"] * tau / tau_paper
-    report["regime"] = {"tau_s": tau, "dense_busiest_link_bytes_per_step": dense["busiest_link_bytes_per_step"],
-                        "rate_mbit": rate_mbit, "scale": rate_mbit / PAPER["rate_mbit"], "delay_ms": delay_ms,
-                        "tau_paper_s": tau_paper, "time_scale": tau / tau_paper}
-    print(f"[wan] regime: τ = {tau:.3f} s, R = {rate_mbit:.3f} Mbit/s (scale {rate_mbit / 200:.2e}), "
-          f"D = {delay_ms:.2f} ms", flush=True)
+    report["regime"] = {
+        "tau_s": tau,
+        "dense_busiest_link_bytes_per_step": dense["busiest_link_bytes_per_step"],
+        "rate_mbit": rate_mbit,
+        "scale": rate_mbit / PAPER["rate_mbit"],
+        "delay_ms": delay_ms,
+        "tau_paper_s": tau_paper,
+        "time_scale": tau / tau_paper,
+    }
+    print(
+        f"[wan] regime: τ = {tau:.3f} s, R = {rate_mbit:.3f} Mbit/s (scale {rate_mbit / 200:.2e}), "
+        f"D = {delay_ms:.2f} ms",
+        flush=True,
+    )
 
     netns.up(nodes, rate_mbit, delay_ms)
     shaped = {row: _run("shaped", row, work, data_path, steps, save_every) for row in ANCHOR_ROWS}
@@ -203,15 +241,24 @@ def summarize(report: dict) -> dict:
         ideal = min(blocking_ratio, compute_cap)
         speedup = run_["tokens_per_s"] / dense["tokens_per_s"]
         rows[name] = {
-            "label": run_["label"], "tokens_per_s": run_["tokens_per_s"],
-            "speedup": speedup, "byte_ratio_all_circuits": byte_ratio, "byte_ratio_blocking": blocking_ratio,
-            "compute_bound_speedup": compute_cap, "ideal_speedup": ideal, "share_of_ideal": speedup / ideal,
+            "label": run_["label"],
+            "tokens_per_s": run_["tokens_per_s"],
+            "speedup": speedup,
+            "byte_ratio_all_circuits": byte_ratio,
+            "byte_ratio_blocking": blocking_ratio,
+            "compute_bound_speedup": compute_cap,
+            "ideal_speedup": ideal,
+            "share_of_ideal": speedup / ideal,
             "compute_bound_tokens_per_s": compute[name]["tokens_per_s"],
-            "bytes_per_token": long_bytes, "kernel_bytes_per_token": long_run["kernel_bytes_per_token"],
-            "final_eval_loss": curve[max(curve)], "steps_to_dense_quality": steps_to,
+            "bytes_per_token": long_bytes,
+            "kernel_bytes_per_token": long_run["kernel_bytes_per_token"],
+            "final_eval_loss": curve[max(curve)],
+            "steps_to_dense_quality": steps_to,
             "time_to_quality_s": steps_to * run_["step_seconds"] if steps_to else None,
-            "staleness_mean": run_.get("staleness_mean"), "staleness_max": run_.get("staleness_max"),
-            "paper_tokens_per_s": PAPER["tokens_s"].get(name), "paper_bytes_per_token": PAPER["bytes_per_token"].get(name),
+            "staleness_mean": run_.get("staleness_mean"),
+            "staleness_max": run_.get("staleness_max"),
+            "paper_tokens_per_s": PAPER["tokens_s"].get(name),
+            "paper_bytes_per_token": PAPER["bytes_per_token"].get(name),
         }
     dense_ttq = rows["dense"]["time_to_quality_s"]
     dense_curve = sorted(curves["dense"].items())
@@ -224,8 +271,11 @@ def summarize(report: dict) -> dict:
         dense_steps = _steps_to(dense_curve, level)
         r["own_steps_to_its_final_loss"] = own_steps
         r["dense_steps_to_this_final_loss"] = dense_steps
-        r["equal_quality_speedup"] = (dense_steps * shaped["dense"]["step_seconds"]
-                                      / (own_steps * shaped[name]["step_seconds"])) if dense_steps and own_steps else None
+        r["equal_quality_speedup"] = (
+            (dense_steps * shaped["dense"]["step_seconds"] / (own_steps * shaped[name]["step_seconds"]))
+            if dense_steps and own_steps
+            else None
+        )
     return {"target_eval_loss": target, "rows": rows}
 
 
@@ -247,47 +297,76 @@ def write_report(report: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "wan.json").write_text(json.dumps(report, indent=1))
     reg = report["regime"]
-    lines = ["# WAN benchmark: measured on emulated links", "",
-             f"Command: `sudo .venv/bin/python -m benchmarks.wan.run` ({report['seconds'] / 60:.0f} min on "
-             f"{report['machine']['cpus']} cores, torch {report['machine']['torch']}, {report['machine']['date']}).", "",
-             f"Mesh: 3 fast replicas × 2 stages (+1 anchor replica for +AP rows), one network namespace per process; "
-             f"tiny Llama (H={report['shape']['hidden']}, {report['shape']['layers']} layers) trained from scratch on "
-             f"GSM8K text, {Shape().tokens_per_replica_step} tokens per replica step, {report['steps']} steps.", "",
-             f"**Regime:** Dense's compute-bound step τ = {reg['tau_s']:.3f} s; its busiest link carries "
-             f"{reg['dense_busiest_link_bytes_per_step'] / 1e6:.2f} MB per step. Link rate R = {reg['rate_mbit']:.3f} Mbit/s "
-             f"(**scale {reg['scale']:.2e}** of the paper's 200 Mbit/s) so that Dense's link time is "
-             f"{PAPER['dense_over_compute']:.1f} τ as on the paper's mesh; one-way delay {reg['delay_ms']:.2f} ms "
-             f"(20 ms × τ/τ_paper, time scale {reg['time_scale']:.3f}).", "",
-             f"Time-to-quality target: Dense's final held-out loss {summary['target_eval_loss']:.4f}. "
-             "\"Speedup at this loss\": at the row's own quality L = its final loss + 0.01, Dense's time to reach L "
-             "(linear between saved steps) over the row's (first saved step at or below L), both at shaped "
-             "steady-state step times.", "",
-             "Ideal speedup = min(byte ratio of the circuits a fast step waits for (PP + DP), the row's compute-bound "
-             "throughput / Dense's shaped one); the byte ratio over all circuits (anchor included) is given too: the "
-             "anchor's bytes are asynchronous and leave from the anchor's own nodes.", "",
-             "| row | tokens/s | speedup vs Dense | ideal speedup | share of ideal | byte ratio (all circuits) | B/token total | pp_fwd | pp_bwd | dp | anchor | kernel B/token | final eval loss | steps to Dense's loss | time-to-quality (s) | TTQ gain | Dense steps to this loss + 0.01 | speedup at this loss | paper tokens/s | paper B/token |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "# WAN benchmark: measured on emulated links",
+        "",
+        f"Command: `sudo .venv/bin/python -m benchmarks.wan.run` ({report['seconds'] / 60:.0f} min on "
+        f"{report['machine']['cpus']} cores, torch {report['machine']['torch']}, {report['machine']['date']}).",
+        "",
+        f"Mesh: 3 fast replicas × 2 stages (+1 anchor replica for +AP rows), one network namespace per process; "
+        f"tiny Llama (H={report['shape']['hidden']}, {report['shape']['layers']} layers) trained from scratch on "
+        f"GSM8K text, {Shape().tokens_per_replica_step} tokens per replica step, {report['steps']} steps.",
+        "",
+        f"**Regime:** Dense's compute-bound step τ = {reg['tau_s']:.3f} s; its busiest link carries "
+        f"{reg['dense_busiest_link_bytes_per_step'] / 1e6:.2f} MB per step. Link rate R = {reg['rate_mbit']:.3f} "
+        f"Mbit/s (**scale {reg['scale']:.2e}** of the paper's 200 Mbit/s) so that Dense's link time is "
+        f"{PAPER['dense_over_compute']:.1f} τ as on the paper's mesh; one-way delay {reg['delay_ms']:.2f} ms (20 ms × "
+        f"τ/τ_paper, time scale {reg['time_scale']:.3f}).",
+        "",
+        f"Time-to-quality target: Dense's final held-out loss {summary['target_eval_loss']:.4f}. "
+        "\"Speedup at this loss\": at the row's own quality L = its final loss + 0.01, Dense's time to reach L "
+        "(linear between saved steps) over the row's (first saved step at or below L), both at shaped "
+        "steady-state step times.",
+        "",
+        "Ideal speedup = min(byte ratio of the circuits a fast step waits for (PP + DP), the row's compute-bound "
+        "throughput / Dense's shaped one); the byte ratio over all circuits (anchor included) is given too: the "
+        "anchor's bytes are asynchronous and leave from the anchor's own nodes.",
+        "",
+        "| row | tokens/s | speedup vs Dense | ideal speedup | share of ideal | byte ratio (all circuits) | "
+        "B/token total | pp_fwd | pp_bwd | dp | anchor | kernel B/token | final eval loss | steps to Dense's loss | "
+        "time-to-quality (s) | TTQ gain | Dense steps to this loss + 0.01 | speedup at this loss | paper tokens/s | "
+        "paper B/token |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in summary["rows"].values():
         b = r["bytes_per_token"]
         lines.append(
             f"| {r['label']} | {r['tokens_per_s']:,.0f} | {r['speedup']:.2f}× | {r['ideal_speedup']:.2f}× | "
-            f"{r['share_of_ideal']:.0%} | {r['byte_ratio_all_circuits']:.2f}× | {b['total']:,.0f} | {b['pp_fwd']:,.0f} | {b['pp_bwd']:,.0f} | {b['dp']:,.0f} | "
-            f"{b['anchor']:,.0f} | {r['kernel_bytes_per_token']:,.0f} | {r['final_eval_loss']:.4f} | "
+            f"{r['share_of_ideal']:.0%} | {r['byte_ratio_all_circuits']:.2f}× | {b['total']:,.0f} | "
+            f"{b['pp_fwd']:,.0f} | {b['pp_bwd']:,.0f} | {b['dp']:,.0f} | {b['anchor']:,.0f} | "
+            f"{r['kernel_bytes_per_token']:,.0f} | {r['final_eval_loss']:.4f} | "
             f"{_fmt(r['steps_to_dense_quality'], 'd', 'not reached')} | {_fmt(r['time_to_quality_s'], ',.1f')} | "
             f"{_fmt(r['time_to_quality_gain'], '.2f')}{'×' if r['time_to_quality_gain'] else ''} | "
             f"{_fmt(r['dense_steps_to_this_final_loss'], '.1f')} | "
             f"{_fmt(r['equal_quality_speedup'], '.2f')}{'×' if r['equal_quality_speedup'] else ''} | "
-            f"{_fmt(r['paper_tokens_per_s'])} | {_fmt(r['paper_bytes_per_token'])} |")
-    lines += ["", "Compute-bound (10 Gbit/s links) and unscaled (200 Mbit/s, 20 ms) runs:", "",
-              "| phase | row | tokens/s | step s | B/token |", "|---|---|---:|---:|---:|"]
+            f"{_fmt(r['paper_tokens_per_s'])} | {_fmt(r['paper_bytes_per_token'])} |"
+        )
+    lines += [
+        "",
+        "Compute-bound (10 Gbit/s links) and unscaled (200 Mbit/s, 20 ms) runs:",
+        "",
+        "| phase | row | tokens/s | step s | B/token |",
+        "|---|---|---:|---:|---:|",
+    ]
     for phase in ("compute", "unscaled"):
         for name, r in report["phases"][phase].items():
-            lines.append(f"| {phase} | {r['label']} | {r['tokens_per_s']:,.0f} | {r['step_seconds']:.3f} | "
-                         f"{r['bytes_per_token']['total']:,.0f} |")
-    lines += ["", "Anchor staleness on the shaped links (fast steps between snapshot and use): " + ", ".join(
-        f"{report['phases']['shaped'][n]['label']} mean {_fmt(report['phases']['shaped'][n]['staleness_mean'], '.1f')}"
-        f" / max {_fmt(report['phases']['shaped'][n]['staleness_max'], 'd')} over "
-        f"{report['phases']['shaped'][n]['anchor_deliveries']} deliveries" for n in ANCHOR_ROWS) + ".", ""]
+            lines.append(
+                f"| {phase} | {r['label']} | {r['tokens_per_s']:,.0f} | {r['step_seconds']:.3f} | "
+                f"{r['bytes_per_token']['total']:,.0f} |"
+            )
+    lines += [
+        "",
+        "Anchor staleness on the shaped links (fast steps between snapshot and use): "
+        + ", ".join(
+            f"{report['phases']['shaped'][n]['label']} mean "
+            f"{_fmt(report['phases']['shaped'][n]['staleness_mean'], '.1f')} / max "
+            f"{_fmt(report['phases']['shaped'][n]['staleness_max'], 'd')} over "
+            f"{report['phases']['shaped'][n]['anchor_deliveries']} deliveries"
+            for n in ANCHOR_ROWS
+        )
+        + ".",
+        "",
+    ]
     (out / "wan.md").write_text("\n".join(lines) + "\n")
     _plots(report, summary, out)
 
@@ -308,7 +387,12 @@ def _plots(report: dict, summary: dict, out: Path) -> None:
     for i, n in enumerate(names):
         axes[0].annotate(f"{rows[n]['speedup']:.1f}×", (i, rows[n]["tokens_per_s"]), ha="center", va="bottom")
     bottom = [0.0] * len(names)
-    for circuit, color in (("pp_fwd", "tab:orange"), ("pp_bwd", "tab:red"), ("dp", "tab:green"), ("anchor", "tab:purple")):
+    for circuit, color in (
+        ("pp_fwd", "tab:orange"),
+        ("pp_bwd", "tab:red"),
+        ("dp", "tab:green"),
+        ("anchor", "tab:purple"),
+    ):
         values = [rows[n]["bytes_per_token"][circuit] for n in names]
         axes[1].bar(labels, values, bottom=bottom, label=circuit, color=color)
         bottom = [b + v for b, v in zip(bottom, values)]
@@ -326,7 +410,12 @@ def _plots(report: dict, summary: dict, out: Path) -> None:
     shaped = report["phases"]["shaped"]
     for n in names:
         curve = sorted((int(k), v) for k, v in report["eval_loss"][n].items())
-        ax.plot([max(s, 0.5) * shaped[n]["step_seconds"] for s, _ in curve], [v for _, v in curve], marker=".", label=rows[n]["label"])
+        ax.plot(
+            [max(s, 0.5) * shaped[n]["step_seconds"] for s, _ in curve],
+            [v for _, v in curve],
+            marker=".",
+            label=rows[n]["label"],
+        )
     ax.axhline(summary["target_eval_loss"], color="gray", ls="--", lw=0.8, label="Dense final")
     ax.set_xscale("log")
     ax.set_xlabel("simulated wall-clock on the shaped links (s) = step × steady-state step time")

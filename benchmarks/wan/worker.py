@@ -41,6 +41,7 @@ def _batches(blocks: torch.Tensor, rows: int, seed: int):
         gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
         picked = blocks[torch.randint(0, len(blocks), (rows,), generator=gen)]
         return picked, picked.clone()
+
     return batches
 
 
@@ -65,9 +66,17 @@ def main() -> None:
     torch.manual_seed(0)
     model = build_model(shape, data["vocab_size"])
     model.load_state_dict(data["init"])
-    cfg = MeshConfig(num_stages=shape.stages, num_replicas=row.replicas, mask_ratio=row.mask_ratio, anchor=row.anchor,
-                     anchor_every=shape.anchor_every, dp_sync_every=shape.sync_every, dp_fragments=shape.fragments,
-                     dp_powersgd_rank=row.powersgd_rank, mask_seed=0)
+    cfg = MeshConfig(
+        num_stages=shape.stages,
+        num_replicas=row.replicas,
+        mask_ratio=row.mask_ratio,
+        anchor=row.anchor,
+        anchor_every=shape.anchor_every,
+        dp_sync_every=shape.sync_every,
+        dp_fragments=shape.fragments,
+        dp_powersgd_rank=row.powersgd_rank,
+        mask_seed=0,
+    )
     warmup = max(1, args.steps // 10)
 
     def scheduler(optimizer):
@@ -76,6 +85,7 @@ def main() -> None:
                 return (step + 1) / warmup
             progress = (step - warmup) / max(1, args.steps - warmup)
             return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
         return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
     replica, stage = topology.coords(rank)
@@ -88,15 +98,28 @@ def main() -> None:
                 os.makedirs(params_dir, exist_ok=True)
                 torch.save(view.parameters(), os.path.join(params_dir, f"step{step:05d}_stage{stage}.pt"))
 
-    settings = RunSettings(config=cfg, microbatch_size=shape.microbatch_size, microbatches=shape.microbatches,
-                           seq_len=shape.seq_len, max_steps=args.steps, lr=shape.lr, weight_decay=0.0,
-                           max_grad_norm=1.0, scheduler=scheduler, lighthouse=lighthouse, dp_timeout_s=600.0,
-                           dp_mode=row.dp_mode, callbacks=[SaveParameters()], link_timeout_s=args.link_timeout)
+    settings = RunSettings(
+        config=cfg,
+        microbatch_size=shape.microbatch_size,
+        microbatches=shape.microbatches,
+        seq_len=shape.seq_len,
+        max_steps=args.steps,
+        lr=shape.lr,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        scheduler=scheduler,
+        lighthouse=lighthouse,
+        dp_timeout_s=600.0,
+        dp_mode=row.dp_mode,
+        callbacks=[SaveParameters()],
+        link_timeout_s=args.link_timeout,
+    )
     rows = shape.microbatch_size * shape.microbatches
     fast_index = min(replica, len(topology.fast_replicas) - 1)
     tx0, start = _tx_bytes(), time.perf_counter()
-    result = run_worker(model, groups, settings, _batches(data["train"], rows, 1 + fast_index),
-                        _batches(data["train"], rows, 999))
+    result = run_worker(
+        model, groups, settings, _batches(data["train"], rows, 1 + fast_index), _batches(data["train"], rows, 999)
+    )
     wall, tx = time.perf_counter() - start, _tx_bytes() - tx0
     record = asdict(result) | {"wall_seconds": wall, "tx_bytes": tx, "tokens_per_step": rows * shape.seq_len}
     os.makedirs(args.out, exist_ok=True)

@@ -22,9 +22,23 @@ class KilledMidSave(MeshTrainer):
 
 
 def main(output_dir: str) -> None:
-    args = MeshTrainingArguments(output_dir, max_steps=6, per_device_train_batch_size=4, learning_rate=3e-3, seed=0,
-                                 report_to=[], use_cpu=True, logging_steps=1, save_strategy="steps", save_steps=2, lr_scheduler_type="constant",
-                                 num_stages=2, mask_ratio=0.5, anchor_every=2, anchor_delay=1)
+    args = MeshTrainingArguments(
+        output_dir,
+        max_steps=6,
+        per_device_train_batch_size=4,
+        learning_rate=3e-3,
+        seed=0,
+        report_to=[],
+        use_cpu=True,
+        logging_steps=1,
+        save_strategy="steps",
+        save_steps=2,
+        lr_scheduler_type="constant",
+        num_stages=2,
+        mask_ratio=0.5,
+        anchor_every=2,
+        anchor_delay=1,
+    )
     KilledMidSave(model=tiny_llama(), args=args, train_dataset=pattern_dataset()).train()
 
 

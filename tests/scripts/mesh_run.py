@@ -5,9 +5,10 @@
 Runs its stage (``runtime.bootstrap.run_worker``; the anchor's too when the config turns it on), writes
 ``OUT_DIR/progress/r{rank}.g{restart}`` = ``pid step`` after every step (what a test watches to kill
 it by PID) and, at the end, ``OUT_DIR/result{rank}.pt``: ``{"result": MeshResult, "params": the stage's
-parameters, "global_params": θ_global of every fragment}`` (through a ``StageCallback``, as any caller would). ``STEP_SECONDS`` in the environment paces the steps (a soak's timeline);
-``RESTART_DELAY_S`` holds a restarted process back before it joins (a machine that takes a while to
-come back: the others meanwhile sync without it). ``CHECKPOINT_EVERY`` writes mesh checkpoints to
+parameters, "global_params": θ_global of every fragment}`` (through a ``StageCallback``, as any caller
+would). ``STEP_SECONDS`` in the environment paces the steps (a soak's timeline); ``RESTART_DELAY_S``
+holds a restarted process back before it joins (a machine that takes a while to come back: the others
+meanwhile sync without it). ``CHECKPOINT_EVERY`` writes mesh checkpoints to
 OUT_DIR every that many steps (``CHECKPOINT_KEEP`` kept); ``RESUME_FROM`` continues from one;
 ``LINK_TIMEOUT_S`` bounds pipeline sends/receives (default 30).
 """
@@ -40,6 +41,7 @@ def batches(replica: int):
         start = torch.randint(3, 60, (MICRO * MICROBATCHES, 1), generator=gen)
         ids = (start + torch.arange(SEQ)) % 97 + 3
         return ids, ids.clone()
+
     return draw
 
 
@@ -51,7 +53,9 @@ def main(out: str, steps: int, overrides: dict) -> None:
     model = tiny_llama(seed=0, layers=4, hidden=64)
     stages = int(os.environ["MESHTUNE_MESH"].lower().split("x")[1])
     cfg = MeshConfig(num_stages=stages, **{**CONFIG, **overrides})
-    topology = MeshTopology.from_environment(dist.get_world_size(), stages, cfg.anchor, len(find_decoder_layers(model)[1]))
+    topology = MeshTopology.from_environment(
+        dist.get_world_size(), stages, cfg.anchor, len(find_decoder_layers(model)[1])
+    )
     timeout = float(os.environ.get("LINK_TIMEOUT_S", "30"))
     groups = topology.build_groups(timeout_s=timeout)
     rank, restart = groups.rank, os.environ.get("MESHTUNE_RESTART", "0")
@@ -73,11 +77,22 @@ def main(out: str, steps: int, overrides: dict) -> None:
 
     every = os.environ.get("CHECKPOINT_EVERY")
     keep = os.environ.get("CHECKPOINT_KEEP")
-    settings = RunSettings(config=cfg, microbatch_size=MICRO, microbatches=MICROBATCHES, seq_len=SEQ, max_steps=steps,
-                           lr=3e-3, lighthouse=os.environ["TORCHFT_LIGHTHOUSE"], dp_timeout_s=30.0,
-                           link_timeout_s=timeout, callbacks=[Progress(), recorder], checkpoint_dir=out,
-                           checkpoint_every=int(every) if every else None, checkpoint_keep=int(keep) if keep else None,
-                           resume_from=os.environ.get("RESUME_FROM") or None)
+    settings = RunSettings(
+        config=cfg,
+        microbatch_size=MICRO,
+        microbatches=MICROBATCHES,
+        seq_len=SEQ,
+        max_steps=steps,
+        lr=3e-3,
+        lighthouse=os.environ["TORCHFT_LIGHTHOUSE"],
+        dp_timeout_s=30.0,
+        link_timeout_s=timeout,
+        callbacks=[Progress(), recorder],
+        checkpoint_dir=out,
+        checkpoint_every=int(every) if every else None,
+        checkpoint_keep=int(keep) if keep else None,
+        resume_from=os.environ.get("RESUME_FROM") or None,
+    )
     result = run_worker(model, groups, settings, batches(groups.replica), batches(99))
     torch.save(recorder.record(result), os.path.join(out, f"result{rank}.pt"))
     dist.destroy_process_group()

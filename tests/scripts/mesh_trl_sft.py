@@ -22,8 +22,15 @@ from tests.tiny import make_tiny_causal_lm
 def main(argv: list[str]) -> None:
     (args,) = HfArgumentParser(MeshSFTConfig).parse_args_into_dataclasses(argv)
     tokenizer = AutoTokenizer.from_pretrained(smollm2_checkpoint())
-    model = make_tiny_causal_lm("llama", hidden=64, layers=4, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
-                                bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    model = make_tiny_causal_lm(
+        "llama",
+        hidden=64,
+        layers=4,
+        vocab_size=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     trainer = MeshSFTTrainer(model=model, args=args, train_dataset=sft_dataset(64), processing_class=tokenizer)
     trainer.train()
     trainer.save_model()

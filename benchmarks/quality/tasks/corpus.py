@@ -26,8 +26,30 @@ class _HTMLText(HTMLParser):
     script, style and the ``¶`` permalinks are skipped everywhere.
     """
 
-    BLOCKS = {"p", "div", "section", "li", "dt", "dd", "pre", "tr", "br", "table", "ul", "ol", "dl",
-              "h1", "h2", "h3", "h4", "h5", "h6", "blockquote", "title", "figcaption"}
+    BLOCKS = {
+        "p",
+        "div",
+        "section",
+        "li",
+        "dt",
+        "dd",
+        "pre",
+        "tr",
+        "br",
+        "table",
+        "ul",
+        "ol",
+        "dl",
+        "h1",
+        "h2",
+        "h3",
+        "h4",
+        "h5",
+        "h6",
+        "blockquote",
+        "title",
+        "figcaption",
+    }
     VOID = {"br", "img", "hr", "meta", "link", "input", "wbr", "col", "area", "base", "source"}
 
     def __init__(self) -> None:
@@ -82,8 +104,10 @@ def html_to_text(html: str) -> str:
 
 
 _GCIDE_SOURCE_TAG = re.compile(r"\[[^\]\n]*(?:Webster|WordNet|PJC)[^\]\n]*\]")
-_GCIDE_ACCENT = re.compile(r"\[[-*=.\"`'~^,]?([A-Za-z]{1,2})[=.\"`'~^,]?\]"
-                           r"|\[([A-Za-z])(?:mac|um|acute|grave|circ|tilde|cedil|breve|dot|ring)\]")
+_GCIDE_ACCENT = re.compile(
+    r"\[[-*=.\"`'~^,]?([A-Za-z]{1,2})[=.\"`'~^,]?\]"
+    r"|\[([A-Za-z])(?:mac|um|acute|grave|circ|tilde|cedil|breve|dot|ring)\]"
+)
 _GCIDE_SYMBOL = re.compile(r"\[(?:eth|thorn|root|deg|sect)\]|[ \t]*\(\?(?: or \?)*\)")
 _GCIDE_HEADWORD = re.compile(r"^\S[^\n]* \\[^\\\n]+\\", re.MULTILINE)
 
@@ -94,7 +118,7 @@ def clean_gcide(raw: str) -> str:
     reduced to their letter (``[a^]``, ``[imac]`` → ``a``, ``i``), each entry's wrapped lines joined
     into one line per sense; entries separated by blank lines."""
     first = _GCIDE_HEADWORD.search(raw)
-    text = raw[first.start():] if first else raw
+    text = raw[first.start() :] if first else raw
     text = _GCIDE_SOURCE_TAG.sub("", text)
     text = re.sub(r"[ \t]*\\[^\\\n]*\\", "", text)
     # the coded pronunciation after a headword: ([.a]*b[a^]n"d[u^]n)

