@@ -25,7 +25,7 @@ from .anchor.batches import AnchorBatches
 from .anchor.circuit import AnchorCircuit
 from .boundary.hooks import BoundaryHandle, attach_boundaries
 from .config import MeshArguments, require_saved_knobs
-from .ledger import Ledger, LedgerSettings, compute_ledger, param_shapes_of
+from .ledger import Ledger, compute_ledger, param_shapes_of, settings_from_knobs
 from .optim.spectral import SpectralAdamW
 
 __all__ = ["RESUME_KNOBS", "MeshEngine"]
@@ -124,21 +124,7 @@ class MeshEngine:
         """The analytic ledger of this model on the mesh the knobs describe, at ``tokens_per_step`` per fast replica."""
         cfg = self.config
         dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
-        settings = LedgerSettings(
-            num_replicas=cfg.num_replicas,
-            num_stages=cfg.num_stages,
-            mask_ratio=cfg.mask_ratio,
-            tokens_per_step=tokens_per_step,
-            activation_dtype=dtype,
-            grad_dtype=dtype,
-            param_dtype=dtype,
-            sync_every=cfg.dp_sync_every,
-            powersgd_rank=cfg.dp_powersgd_rank,
-            anchor=cfg.anchor,
-            anchor_every=cfg.anchor_every,
-            anchor_payload=cfg.anchor_payload,
-            anchor_rank=cfg.spectral_rank or 8,
-        )
+        settings = settings_from_knobs(cfg, dtype=dtype, tokens_per_step=tokens_per_step)
         return compute_ledger(param_shapes_of(self.model), self.boundaries.hidden_size, settings)
 
     # --- state ----------------------------------------------------------------------------------

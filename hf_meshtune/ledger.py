@@ -266,6 +266,28 @@ def ledger_for_config(config: transformers.PretrainedConfig, settings: LedgerSet
     return compute_ledger(param_shapes_of(model), hidden_size, settings)
 
 
+def settings_from_knobs(knobs: Any, *, dtype: str, tokens_per_step: int, **overrides: Any) -> LedgerSettings:
+    """The ledger's settings for the mesh the knobs (``config.MeshArguments``) describe, at
+    ``tokens_per_step`` tokens per fast replica step in ``dtype``; ``overrides`` replace fields (a mesh
+    run puts its real shape and anchor pace there). The one mapping from knobs to ledger settings."""
+    fields = {
+        "num_replicas": knobs.num_replicas,
+        "num_stages": knobs.num_stages,
+        "mask_ratio": knobs.mask_ratio,
+        "tokens_per_step": tokens_per_step,
+        "activation_dtype": dtype,
+        "grad_dtype": dtype,
+        "param_dtype": dtype,
+        "sync_every": knobs.dp_sync_every,
+        "powersgd_rank": knobs.dp_powersgd_rank,
+        "anchor": knobs.anchor,
+        "anchor_every": knobs.anchor_every,
+        "anchor_payload": knobs.anchor_payload,
+        "anchor_rank": knobs.spectral_rank or 8,
+    }
+    return LedgerSettings(**{**fields, **overrides})
+
+
 PRESETS: dict[str, transformers.PretrainedConfig] = {
     "llama-3.2-1b": transformers.LlamaConfig(
         hidden_size=2048,

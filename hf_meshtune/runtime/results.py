@@ -17,7 +17,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from ..comm.wire import CIRCUITS
-from ..ledger import LedgerSettings, compute_ledger, param_shapes_of
+from ..ledger import LedgerSettings, compute_ledger, param_shapes_of, settings_from_knobs
 from ..topology import MESH_ENV, MeshTopology
 
 __all__ = ["MeshResult", "gather_results", "log_history", "summarize"]
@@ -128,19 +128,13 @@ def _ledger_settings(topology: MeshTopology, trainer, seq_len: int, tokens_per_s
     cfg, args = trainer.args.mesh_config, trainer.args
     dtype = str(next(trainer.model.parameters()).dtype).removeprefix("torch.")
     anchor_tokens = args.per_device_train_batch_size * (cfg.anchor_microbatches or args.gradient_accumulation_steps)
-    return LedgerSettings(
+    return settings_from_knobs(
+        cfg,
+        dtype=dtype,
+        tokens_per_step=max(tokens_per_step, 1),
         num_replicas=topology.replicas,
         num_stages=topology.stages,
-        mask_ratio=cfg.mask_ratio,
-        tokens_per_step=max(tokens_per_step, 1),
-        activation_dtype=dtype,
-        grad_dtype=dtype,
-        param_dtype=dtype,
-        sync_every=cfg.dp_sync_every,
-        powersgd_rank=cfg.dp_powersgd_rank,
-        anchor=cfg.anchor,
         anchor_every=1,
-        anchor_payload=cfg.anchor_payload,
         anchor_tokens_per_round=anchor_tokens * seq_len,
     )
 
