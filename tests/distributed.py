@@ -14,6 +14,7 @@ import os
 import pickle
 import queue
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -21,7 +22,9 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-__all__ = ["DistributedFailure", "free_port", "launch"]
+from hf_meshtune.runtime.settings import StageCallback
+
+__all__ = ["DistributedFailure", "free_port", "launch", "mesh_launch"]
 
 
 class DistributedFailure(RuntimeError):
@@ -33,6 +36,12 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def mesh_launch(mesh: str, *flags: str) -> list[str]:
+    """``meshtune launch --mesh MESH --cpu FLAGS --`` as this interpreter runs it; the script and its
+    arguments follow."""
+    return [sys.executable, "-m", "hf_meshtune.cli", "launch", "--mesh", mesh, "--cpu", *flags, "--"]
 
 
 def _child(fn: Callable, rank: int, world_size: int, port: int, env: dict[str, str], results, args: tuple) -> None:
@@ -121,7 +130,7 @@ def launch(
     return [pickle.loads(outcomes[r][1]) for r in range(world_size)]
 
 
-class ParameterRecorder:
+class ParameterRecorder(StageCallback):
     """A ``StageCallback`` that keeps the stage's final parameters and θ_global (what tests compare).
 
     ``record(result)`` → ``RankRecord``: the process's ``MeshResult`` with ``params`` and
@@ -130,9 +139,6 @@ class ParameterRecorder:
     def __init__(self) -> None:
         self.params: dict | None = None
         self.global_params: list | None = None
-
-    def on_step_end(self, view) -> None:
-        pass
 
     def on_train_end(self, view) -> None:
         self.params, self.global_params = view.parameters(), view.global_parameters()

@@ -13,11 +13,12 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import torch
+
+from tests.distributed import mesh_launch
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS, KILL_AT = 40, 12
@@ -33,16 +34,7 @@ def _read(path: Path) -> str | None:
 
 def test_killing_the_anchor_leaves_the_fast_circuit_training_to_the_end(tmp_path):
     command = [
-        sys.executable,
-        "-m",
-        "hf_meshtune.cli",
-        "launch",
-        "--mesh",
-        "3x2",
-        "--cpu",
-        "--optional-replica",
-        "2",
-        "--",
+        *mesh_launch("3x2", "--optional-replica", "2"),
         "tests/scripts/mesh_run.py",
         str(tmp_path),
         str(STEPS),

@@ -6,13 +6,13 @@ import json
 import math
 import os
 import subprocess
-import sys
 
 import pytest
 import transformers
 
 from hf_meshtune.apps.assets import smollm2_checkpoint
 from hf_meshtune.boundary.masking import keep_count
+from tests.distributed import mesh_launch
 from tests.test_recipes import ROOT, load_script
 
 FAST = [
@@ -178,14 +178,7 @@ def test_cpt_recipe_runs_on_a_launched_3x2_mesh(tmp_path):
     out = tmp_path / "mesh"
     env = {**os.environ, "PYTHONPATH": ROOT, "RUST_LOG": "warn"}
     command = [
-        sys.executable,
-        "-m",
-        "hf_meshtune.cli",
-        "launch",
-        "--mesh",
-        "3x2",
-        "--cpu",
-        "--",
+        *mesh_launch("3x2"),
         os.path.join(ROOT, "recipes", "cpt.py"),
         "--output_dir",
         str(out),

@@ -11,7 +11,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from hf_meshtune.runtime.checkpoint import (
     save_rank_state,
 )
 from hf_meshtune.topology import MeshTopology
+from tests.distributed import mesh_launch
 
 REPO = Path(__file__).resolve().parents[1]
 MESH = MeshTopology(3, 2, anchor=True)  # fast ranks 0-3, anchor ranks 4-5
@@ -92,14 +92,7 @@ ANCHOR = {"anchor": True, "anchor_every": 2, "anchor_delay": 0, "spectral_tau": 
 
 def _launch(mesh: str, out: Path, config: dict, **env: str) -> subprocess.Popen:
     command = [
-        sys.executable,
-        "-m",
-        "hf_meshtune.cli",
-        "launch",
-        "--mesh",
-        mesh,
-        "--cpu",
-        "--",
+        *mesh_launch(mesh),
         "tests/scripts/mesh_run.py",
         str(out),
         str(STEPS),

@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from hf_meshtune.boundary.masking import keep_count
 from hf_meshtune.ledger import dp_payload_numel
+from tests.distributed import mesh_launch
 from tests.tiny import tiny_llama
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -50,15 +51,7 @@ FLAGS = [
 def _launch(mesh: str, output_dir: str, *extra: str, launcher: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": ROOT, "RUST_LOG": "warn"}
     command = [
-        sys.executable,
-        "-m",
-        "hf_meshtune.cli",
-        "launch",
-        "--mesh",
-        mesh,
-        "--cpu",
-        *launcher,
-        "--",
+        *mesh_launch(mesh, *launcher),
         os.path.join(ROOT, "tests", "scripts", "mesh_sft.py"),
         "--output_dir",
         output_dir,
@@ -130,14 +123,7 @@ def test_trl_sft_script_runs_unchanged_on_a_launched_mesh(tmp_path):
     out = tmp_path / "trl"
     env = {**os.environ, "PYTHONPATH": ROOT, "RUST_LOG": "warn"}
     command = [
-        sys.executable,
-        "-m",
-        "hf_meshtune.cli",
-        "launch",
-        "--mesh",
-        "3x2",
-        "--cpu",
-        "--",
+        *mesh_launch("3x2"),
         os.path.join(ROOT, "tests", "scripts", "mesh_trl_sft.py"),
         "--output_dir",
         str(out),
@@ -235,16 +221,7 @@ def test_meshtrainer_trains_on_when_the_anchor_replica_is_killed(tmp_path):
     env = {**os.environ, "PYTHONPATH": ROOT, "RUST_LOG": "warn"}
     flags = [*FLAGS, "--max_steps", "24", "--anchor_max_staleness", "4"]
     command = [
-        sys.executable,
-        "-m",
-        "hf_meshtune.cli",
-        "launch",
-        "--mesh",
-        "3x2",
-        "--cpu",
-        "--optional-replica",
-        "2",
-        "--",
+        *mesh_launch("3x2", "--optional-replica", "2"),
         os.path.join(ROOT, "tests", "scripts", "mesh_sft.py"),
         "--output_dir",
         str(out),

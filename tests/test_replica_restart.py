@@ -11,12 +11,13 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.distributed import mesh_launch
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS, KILL_AT = 80, 10
@@ -35,16 +36,7 @@ def killed_run(tmp_path_factory):
     """The whole run: replica 1's stage 1 (mesh rank 3) is SIGKILLed once it has taken KILL_AT steps."""
     out = tmp_path_factory.mktemp("replica_restart")
     command = [
-        sys.executable,
-        "-m",
-        "hf_meshtune.cli",
-        "launch",
-        "--mesh",
-        "3x2",
-        "--cpu",
-        "--max-restarts",
-        "1",
-        "--",
+        *mesh_launch("3x2", "--max-restarts", "1"),
         "tests/scripts/mesh_run.py",
         str(out),
         str(STEPS),
