@@ -227,6 +227,12 @@ class MeshTopology:
         """
         require(timeout_s is None or timeout_s > 0, "timeout_s", timeout_s, "be > 0 seconds (or None for the default)")
         require(
+            not dp_peers or self.job_replica is None,
+            "dp_peers",
+            dp_peers,
+            "be False when every replica is a job of its own (the per-step peers need one world)",
+        )
+        require(
             dist.is_initialized(),
             "torch.distributed",
             "not initialized",
@@ -251,12 +257,6 @@ class MeshTopology:
                     [self.process_rank(self.rank(r, s)) for r in self.fast_replicas for s in range(self.stages)]
                 )
         if dp_peers:
-            require(
-                self.job_replica is None,
-                "dp_peers",
-                dp_peers,
-                "be False when every replica is a job of its own (the per-step peers need one world)",
-            )
             built = {s: dist.new_group(self.dp_ranks(s)) for s in range(self.stages)}
             peers = built[stage] if not self.is_anchor(rank) else None
         return MeshGroups(self, rank, replica, stage, pp[replica], link, fast, peers)

@@ -520,6 +520,27 @@ def groups_without_process_group() -> None:
     MeshTopology(3, 2).build_groups()
 
 
+def dp_peers_in_a_replica_job() -> None:
+    MeshTopology(3, 2, anchor=False, job_replica=0).build_groups(dp_peers=True)
+
+
+def _allreduce_without_peer_groups() -> None:
+    from hf_meshtune.runtime.bootstrap import run_worker
+    from hf_meshtune.runtime.settings import RunSettings
+    from hf_meshtune.topology import MeshGroups
+
+    settings = RunSettings(
+        config=MeshConfig(anchor=False, num_stages=2),
+        microbatch_size=1,
+        microbatches=1,
+        seq_len=8,
+        max_steps=1,
+        dp_mode="allreduce",
+    )
+    groups = MeshGroups(MeshTopology(2, 2, anchor=False), rank=0, replica=0, stage=0, pp_group=None)
+    run_worker(tiny_llama(), groups, settings, lambda step: None)
+
+
 # --- model types --------------------------------------------------------------------------------------
 
 
@@ -1388,6 +1409,15 @@ def _cases() -> list[Case]:
             ValueError,
             "torch.distributed='not initialized' is invalid: it must be initialized before building the mesh's groups",
         ),
+        Case(
+            MESH,
+            "build_groups(dp_peers=True) in a replica job",
+            "`MeshTopology.build_groups`",
+            dp_peers_in_a_replica_job,
+            ValueError,
+            "dp_peers=True is invalid: it must be False when every replica is a job of its own (the per-step peers "
+            "need one world)",
+        ),
         # --- ranks started with different mesh settings --------------------------------------------------
         Case(
             RANKS,
@@ -1481,6 +1511,15 @@ def _cases() -> list[Case]:
             ValueError,
             "dp_mode='allreduce' is invalid: it must be 'streaming_diloco' when every replica is a job of its own "
             "(the per-step peers need one world)",
+        ),
+        Case(
+            RANKS,
+            "dp_mode='allreduce' with groups built without dp_peers",
+            "`runtime.bootstrap.run_worker` (every rank)",
+            _allreduce_without_peer_groups,
+            ValueError,
+            "dp_peer_group=None is invalid: it must be built (MeshTopology.build_groups(dp_peers=True)) for "
+            "dp_mode='allreduce'",
         ),
         Case(
             RANKS,

@@ -83,8 +83,9 @@ class FastAnchorLink:
         self.outbox.put(self.anchor_rank, UPDATES.payload_tag, payload)
 
     def close(self, step: int) -> None:
-        """The end of the run at fast step ``step``: STOP to the anchor, wait for its STOP back, apply
-        what arrived meanwhile; a link that broke means the anchor is gone, not a bug."""
+        """The end of the run at fast step ``step``: STOP to the anchor and wait for its STOP back (what
+        arrived meanwhile stays queued for a last ``drain``); a link that broke means the anchor is gone,
+        not a bug."""
         if self.outbox is not None:
             self.outbox.put(self.anchor_rank, UPDATES.header_tag, UPDATES.encode(STOP, step + 1, -1, 0))
             self._unless_lost(self.outbox.close, step)

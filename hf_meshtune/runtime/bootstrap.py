@@ -47,6 +47,12 @@ def run_worker(
         settings.dp_mode,
         "be 'streaming_diloco' when every replica is a job of its own (the per-step peers need one world)",
     )
+    require(
+        settings.dp_mode == "streaming_diloco" or groups.dp_peer_group is not None,
+        "dp_peer_group",
+        None,
+        f"be built (MeshTopology.build_groups(dp_peers=True)) for dp_mode={settings.dp_mode!r}",
+    )
     store = dist.distributed_c10d._get_default_store()
     store.set(_host_key(rank), advertised_host())  # every rank's address, for link errors
     shared = job_store(settings.dp_timeout_s) if topology.job_replica is not None else None

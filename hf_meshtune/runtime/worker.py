@@ -110,13 +110,7 @@ class FastWorker(StageWorker):
 
     def _setup_gradient_sync(self) -> None:
         s, cfg = self.settings, self.settings.config
-        require(
-            self.groups.dp_peer_group is not None,
-            "dp_peer_group",
-            None,
-            f"be built (MeshTopology.build_groups(dp_peers=True)) for dp_mode={s.dp_mode!r}",
-        )
-        peers = len(self.topology.fast_replicas)
+        peers = len(self.topology.fast_replicas)  # run_worker checked that dp_peer_group was built
         self.gradient_sync = GradientSync(
             s.dp_mode,
             self._trainable(),
@@ -274,9 +268,10 @@ class FastWorker(StageWorker):
                         self.topology,
                         s.checkpoint_keep,
                     )
-                view = self.view(self._step, loss)
-                for callback in s.callbacks:
-                    callback.on_step_end(view)
+                if s.callbacks:
+                    view = self.view(self._step, loss)
+                    for callback in s.callbacks:
+                        callback.on_step_end(view)
         return self._finish_fast()
 
     def _record_step(self, seconds: float, tokens: int, loss: float | None, logging: bool) -> None:
