@@ -42,7 +42,7 @@ from ._validation import require
 from .anchor.batches import AnchorBatches
 from .anchor.circuit import AnchorCircuit
 from .boundary.hooks import BoundaryHandle, find_decoder_layers
-from .config import MeshArguments
+from .config import MeshArguments, composed_codec
 from .engine import MeshEngine
 from .ledger import Ledger
 from .optim.replace import move_schedulers, spectral_adamw_like
@@ -253,6 +253,7 @@ class MeshAccelerator(Accelerator):
                 ("anchor=True", plugin.anchor),
                 ("mask_protect_dims > 0", plugin.mask_protect_dims > 0),
                 ("mask_fill='gaussian'", plugin.mask_fill == "gaussian"),
+                (f"boundary_codec={plugin.boundary_codec!r}", _codec_needs_fit(plugin)),
             )
             if wanted
         ]
@@ -381,3 +382,9 @@ class _MeshState:
         acc = self.accelerator
         acc.mesh_engine.load_state_dict(state, state["step"])
         acc.mesh_step = state["step"]
+
+
+def _codec_needs_fit(plugin) -> bool:
+    """A composed codec whose geometry (outlier dims, a basis) is fitted on a training batch."""
+    codec = composed_codec(plugin)
+    return codec is not None and codec.needs_fit

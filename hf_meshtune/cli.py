@@ -180,7 +180,7 @@ def _add_demo_parser(subparsers: argparse._SubParsersAction) -> None:
         if f.type in ("bool", bool):
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
         else:
-            kind = {"int": int, "float": float, "str": str}[str(f.type)]
+            kind = {"int": int, "float": float, "str": str, "str | None": str}[str(f.type)]
             p.add_argument(flag, type=kind, default=f.default, help=f"(default {f.default})")
     p.set_defaults(handler=run_demo)
 

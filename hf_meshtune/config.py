@@ -17,6 +17,7 @@ from transformers import TrainingArguments
 from transformers.training_args import OptimizerNames
 
 from ._validation import require
+from .boundary.compose.spec import CodecSpec, parse_codec
 from .boundary.fills import require_fill
 from .topology import in_replica_zero_job
 
@@ -70,6 +71,15 @@ class MeshArguments:
         metadata={
             "help": "Dims of largest RMS (measured once on a training batch at the start) that every token always "
             "keeps at each boundary; 0 = the paper's uniform mask."
+        },
+    )
+    boundary_codec: str | None = field(
+        default=None,
+        metadata={
+            "help": "What crosses every stage boundary, as one string (hf_meshtune.boundary.compose.spec): stages "
+            "joined by '+' from outliers<N>, pca<r>/spca<r>, int<b>[g<G>][sr] (b in 2,3,4,8), fp8[g<G>], e.g. "
+            "'outliers8+int4g71'; or 'mask<p>[+fill]' (the paper: 'mask0.95'), which sets mask_ratio and mask_fill. "
+            "None = the mask_* knobs."
         },
     )
     # --- anchor circuit ---
@@ -161,6 +171,7 @@ class MeshArguments:
         require(self.num_stages >= 1, "num_stages", self.num_stages, "be >= 1")
         require_fill(self.mask_fill, self.mask_rescale)
         require(self.mask_protect_dims >= 0, "mask_protect_dims", self.mask_protect_dims, "be >= 0")
+        _apply_boundary_codec(self)
         require(self.anchor_every >= 1, "anchor_every", self.anchor_every, "be >= 1")
         require(self.anchor_delay >= 0, "anchor_delay", self.anchor_delay, "be >= 0")
         require(0.0 <= self.anchor_beta <= 1.0, "anchor_beta", self.anchor_beta, "lie in [0, 1]")
@@ -272,6 +283,34 @@ def require_mesh_supported(cfg) -> None:
         cfg.anchor_payload,
         "be 'gradient' on the distributed mesh (the anchor sends its dense gradient)",
     )
+
+
+def composed_codec(cfg) -> CodecSpec | None:
+    """The composed codec the knobs name (``boundary_codec`` other than a mask spec), else None."""
+    text = getattr(cfg, "boundary_codec", None)
+    if text is None:
+        return None
+    spec = parse_codec(text)
+    return None if spec.is_mask else spec
+
+
+def _apply_boundary_codec(cfg) -> None:
+    """A mask spec sets mask_ratio and mask_fill; a composed codec refuses the knobs that act on masks."""
+    if cfg.boundary_codec is None:
+        return
+    spec = parse_codec(cfg.boundary_codec)
+    if spec.is_mask:
+        cfg.mask_ratio, cfg.mask_fill = spec.mask_ratio, spec.fill
+        require_fill(cfg.mask_fill, cfg.mask_rescale)
+        return
+    for knob, default in (("mask_fill", "zeros"), ("mask_rescale", False), ("mask_protect_dims", 0)):
+        require(
+            getattr(cfg, knob) == default,
+            knob,
+            getattr(cfg, knob),
+            f"stay {default!r} with boundary_codec={cfg.boundary_codec!r} (it acts on masks, and a composed codec "
+            "sends none; outliers<N> is the codec's way to keep the largest dims)",
+        )
 
 
 def _require_optional_positive(name: str, value: int | None) -> None:

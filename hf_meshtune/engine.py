@@ -23,8 +23,9 @@ from torch import nn
 
 from .anchor.batches import AnchorBatches
 from .anchor.circuit import AnchorCircuit
+from .boundary.compose.handle import ComposedHandle, attach_composed
 from .boundary.hooks import BoundaryHandle, attach_boundaries
-from .config import MeshArguments, require_saved_knobs
+from .config import MeshArguments, composed_codec, require_saved_knobs
 from .ledger import Ledger, compute_ledger, param_shapes_of, settings_from_knobs
 from .optim.spectral import SpectralAdamW
 
@@ -38,6 +39,7 @@ RESUME_KNOBS = (
     "mask_rescale",
     "mask_fill",
     "mask_protect_dims",
+    "boundary_codec",
     "anchor",
     "anchor_every",
     "anchor_delay",
@@ -61,8 +63,13 @@ class MeshEngine:
 
     def __init__(self, model: nn.Module, config: MeshArguments) -> None:
         self.model, self.config = model, config
-        self.boundaries: BoundaryHandle = attach_boundaries(
-            model, config.num_stages, config.mask_ratio, config.mask_seed, config.mask_rescale, config.mask_fill
+        codec = composed_codec(config)
+        self.boundaries: BoundaryHandle | ComposedHandle = (
+            attach_composed(model, config.num_stages, codec, config.mask_seed)
+            if codec is not None
+            else attach_boundaries(
+                model, config.num_stages, config.mask_ratio, config.mask_seed, config.mask_rescale, config.mask_fill
+            )
         )
         self.anchor: AnchorCircuit | None = None
         self._steps_logged = 0
@@ -83,8 +90,12 @@ class MeshEngine:
 
     def set_up_masks(self, first_batch: Callable[[], dict]) -> None:
         """Before training: the protected dims and a first Gaussian-fill estimate on one training batch
-        (``first_batch()``, drawn only when needed), unless a checkpoint restored them."""
+        (``first_batch()``, drawn only when needed), or a composed codec's geometry (a calibration pass on
+        that batch), unless a checkpoint restored them."""
         cfg = self.config
+        if isinstance(self.boundaries, ComposedHandle):
+            self.boundaries.set_up(self.model, first_batch)
+            return
         self.boundaries.set_up_masks(self.model, first_batch, cfg.mask_protect_dims, cfg.mask_fill)
 
     # --- one step -------------------------------------------------------------------------------
@@ -110,7 +121,7 @@ class MeshEngine:
         if counter.tokens:
             # Measured: frozen layers below a boundary mean no backward payload there, so pp_bwd can be lower.
             entries.update(self.ledger(max(counter.tokens // steps, 1)).log_dict())
-            if self.boundaries.masks:
+            if self.boundaries.boundary_layers:
                 entries["comm/measured_pp_fwd_bytes_per_token"] = counter.fwd_bytes / counter.tokens
                 entries["comm/measured_pp_bwd_bytes_per_token"] = counter.bwd_bytes / counter.tokens
             counter.reset()

@@ -27,9 +27,10 @@ import torch
 import transformers
 
 from ._validation import require
+from .boundary.compose.spec import parse_codec
 from .boundary.masking import keep_count
 from .comm.wire import CIRCUITS
-from .config import ANCHOR_PAYLOADS
+from .config import ANCHOR_PAYLOADS, composed_codec
 
 DTYPE_BYTES: dict[str, int] = {
     "float64": 8,
@@ -76,7 +77,8 @@ class LedgerSettings:
     anchor_payload: str = "gradient"
     anchor_rank: int = 8
     anchor_tokens_per_round: int | None = None
-    param_dtype: str = "bfloat16"  # last, so positional construction of the fields above still works
+    param_dtype: str = "bfloat16"  # after the fields above, so positional construction of them still works
+    boundary_codec: str | None = None  # a composed codec (compose.spec) instead of the mask p
 
     def __post_init__(self) -> None:
         _require_int("num_replicas", self.num_replicas, 1)
@@ -105,6 +107,13 @@ class LedgerSettings:
         _require_int("anchor_rank", self.anchor_rank, 1)
         if self.anchor_tokens_per_round is not None:
             _require_int("anchor_tokens_per_round", self.anchor_tokens_per_round, 1, "be None or an integer >= 1")
+        if self.boundary_codec is not None:
+            require(
+                not parse_codec(self.boundary_codec).is_mask,
+                "boundary_codec",
+                self.boundary_codec,
+                "be a composed codec (a mask is mask_ratio)",
+            )
 
     @property
     def fast_replicas(self) -> int:
@@ -218,8 +227,12 @@ def _anchor_bytes_per_token(
 def _circuits(
     shapes: Sequence[tuple[int, ...]], hidden_size: int, s: LedgerSettings
 ) -> tuple[float, float, float, float, int]:
-    keep = keep_count(hidden_size, s.mask_ratio)  # the wire's own K; raises naming mask_ratio if 0
-    boundary = (s.num_stages - 1) * keep * DTYPE_BYTES[s.activation_dtype]
+    value_bytes = DTYPE_BYTES[s.activation_dtype]
+    if s.boundary_codec is not None:  # the codec's message, padded to whole values: K = its width
+        keep = parse_codec(s.boundary_codec).payload_bytes(hidden_size, value_bytes) // value_bytes
+    else:
+        keep = keep_count(hidden_size, s.mask_ratio)  # the wire's own K; raises naming mask_ratio if 0
+    boundary = (s.num_stages - 1) * keep * value_bytes
     fast = s.fast_replicas
     payload = sum(dp_payload_numel(sh, s.powersgd_rank) for sh in shapes)
     # Ring all-reduce: each of X_f replicas sends 2·(X_f-1)/X_f of the payload, 2·(X_f-1)·P in all.
@@ -237,7 +250,13 @@ def dense_reference(settings: LedgerSettings) -> LedgerSettings:
     """
     tokens = max(1, round(settings.fast_replicas * settings.tokens_per_step / settings.num_replicas))
     return dataclasses.replace(
-        settings, mask_ratio=0.0, anchor=False, sync_every=1, powersgd_rank=None, tokens_per_step=tokens
+        settings,
+        mask_ratio=0.0,
+        boundary_codec=None,
+        anchor=False,
+        sync_every=1,
+        powersgd_rank=None,
+        tokens_per_step=tokens,
     )
 
 
@@ -274,6 +293,7 @@ def settings_from_knobs(knobs: Any, *, dtype: str, tokens_per_step: int, **overr
         "num_replicas": knobs.num_replicas,
         "num_stages": knobs.num_stages,
         "mask_ratio": knobs.mask_ratio,
+        "boundary_codec": None if composed_codec(knobs) is None else knobs.boundary_codec,
         "tokens_per_step": tokens_per_step,
         "activation_dtype": dtype,
         "grad_dtype": dtype,

@@ -17,7 +17,7 @@ from huggingface_hub import ModelCard, ModelCardData
 
 from ._version import __version__
 from .boundary.masking import keep_count
-from .config import MeshConfig
+from .config import MeshConfig, composed_codec
 
 __all__ = ["CARD_TAG", "mesh_card_section", "write_mesh_card"]
 
@@ -28,18 +28,26 @@ _SECTION = re.compile(re.escape(_BEGIN) + r".*?" + re.escape(_END), re.DOTALL)
 
 def mesh_card_section(config: MeshConfig, hidden_size: int | None, trainer: str, ledger: dict | None = None) -> str:
     """The Markdown section (between markers, so a later save replaces it)."""
-    kept = (
-        f"K = {keep_count(hidden_size, config.mask_ratio)} of H = {hidden_size}"
-        if hidden_size
-        else "K = round((1−p)·H)"
-    )
+    codec = composed_codec(config)
+    if codec is not None:
+        size = f" ({codec.payload_bytes(hidden_size, 2)} bytes per token on a bf16 wire)" if hidden_size else ""
+        boundary = f"every stage boundary carried the `{codec.text}` codec's message{size}"
+    else:
+        kept = (
+            f"K = {keep_count(hidden_size, config.mask_ratio)} of H = {hidden_size}"
+            if hidden_size
+            else "K = round((1−p)·H)"
+        )
+        boundary = (
+            f"every stage boundary carried {kept} hidden values per token (p = {config.mask_ratio}), chosen by "
+            "shared-seed random masks"
+        )
     lines = [
         _BEGIN,
         "## Trained with hf_meshtune",
         "",
         f"`{trainer}` (hf_meshtune {__version__}): the model was split into Y = {config.num_stages} pipeline stages "
-        f"and every stage boundary carried {kept} hidden values per token (p = {config.mask_ratio}), chosen by "
-        "shared-seed random masks. Evaluation, generation and these weights are the dense model: load them with "
+        f"and {boundary}. Evaluation, generation and these weights are the dense model: load them with "
         "plain transformers (or PEFT for an adapter).",
         "",
         "| setting | value |",

@@ -31,7 +31,7 @@ import torch
 from trl import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
 
 from ._validation import require
-from .config import SPECTRAL_ADAMW, MeshArguments
+from .config import SPECTRAL_ADAMW, MeshArguments, composed_codec
 from .trainer import MeshTrainerMixin
 
 __all__ = ["MeshGRPOConfig", "MeshGRPOTrainer", "MeshGSPOConfig", "MeshSFTConfig", "MeshSFTTrainer"]
@@ -102,13 +102,21 @@ class MeshGRPOConfig(MeshArguments, GRPOConfig):
             "be 'zeros' or 'mean' for GRPO/GSPO (the Gaussian fill is calibrated on a training batch before the first "
             "rollout exists)",
         )
-        if self.mask_ratio > 0:
+        codec = composed_codec(self)
+        require(
+            codec is None or not codec.needs_fit,
+            "boundary_codec",
+            self.boundary_codec,
+            "need no fitted geometry for GRPO/GSPO (outliers<N> and pca/spca are fitted on a training batch before "
+            "the first rollout exists); use a plain quantiser such as 'int8'",
+        )
+        if self.mask_ratio > 0 or codec is not None:
             every = self.steps_per_generation * self.num_iterations
             require(
                 self.gradient_accumulation_steps % every == 0,
                 "gradient_accumulation_steps",
                 self.gradient_accumulation_steps,
-                f"be a multiple of steps_per_generation·num_iterations = {every} when mask_ratio > 0 "
+                f"be a multiple of steps_per_generation·num_iterations = {every} when the boundaries compress "
                 "(otherwise TRL computes π_old in a separate dense forward and the importance ratio "
                 "compares the dense model with the masked one)",
             )

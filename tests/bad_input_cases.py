@@ -799,6 +799,19 @@ def codec(name: str, *args: object, **kwargs: object) -> Callable[[], object]:
     return lambda: getattr(codecs, name)(*args, **kwargs)
 
 
+def attach_composed_to_tiny(codec: str) -> Callable[[], object]:
+    """A trigger: ``attach_composed`` of ``codec`` on the tiny Llama (H = 64) split in 2 stages."""
+    from hf_meshtune.boundary.compose.handle import attach_composed
+
+    return lambda: attach_composed(tiny_llama(), 2, codec)
+
+
+def unfitted_codec_runs() -> object:
+    from hf_meshtune.boundary.compose import ComposedCodec, parse_codec
+
+    return ComposedCodec(parse_codec("outliers2+int4"), 0, 64).encode_activation(torch.zeros(1, 64))
+
+
 def attach_codec_twice() -> None:
     from hf_meshtune.boundary.codecs import attach_codec
 
@@ -953,6 +966,7 @@ ANCHOR = "anchor / AnchorBatches"
 MASKS = "masks and boundaries (attach_boundaries, keep_indices, fills)"
 LEDGER = "byte ledger API (LedgerSettings, settings_for_row)"
 CODECS = "boundary codecs (hf_meshtune.boundary.codecs)"
+COMPOSED = "composed boundary codec (boundary_codec)"
 INTERNALS = "mesh internals (dp, comm, pipeline)"
 
 GROUP_NOTES: dict[str, str] = {
@@ -989,6 +1003,9 @@ GROUP_NOTES: dict[str, str] = {
     MASKS: "The single-process pieces `MeshTrainer` is built from, called directly.",
     LEDGER: "`meshtune ledger` passes its flags to these; the CLI rows above show the flags.",
     CODECS: "Baseline boundary codecs (`attach_codec`), used by the quality benchmark.",
+    COMPOSED: "The `boundary_codec` string is parsed where the knobs are checked (`MeshConfig` and every config, "
+    "plugin and recipe flag built on the same knobs); the rules that need the hidden size H are checked where a "
+    "model meets the codec (`attach_composed`, `MeshTrainer`, every mesh rank's stage), before any step.",
     INTERNALS: "What every rank of the distributed mesh builds from the knobs: an error here, reached through "
     "`MeshTrainer`, would be a bug (the knobs are checked first), so these rows call the pieces directly.",
 }
@@ -2140,8 +2157,8 @@ def _cases() -> list[Case]:
             ),
             ValueError,
             "gradient_accumulation_steps=1 is invalid: it must be a multiple of steps_per_generation·num_iterations = "
-            "2 when mask_ratio > 0 (otherwise TRL computes π_old in a separate dense forward and the importance ratio "
-            "compares the dense model with the masked one)",
+            "2 when the boundaries compress (otherwise TRL computes π_old in a separate dense forward and the "
+            "importance ratio compares the dense model with the masked one)",
         ),
         Case(
             TRL,
@@ -2757,6 +2774,150 @@ def _cases() -> list[Case]:
             ValueError,
             "ledgers={} is invalid: it must hold at least one ledger",
         ),
+        # --- composed boundary codec ----------------------------------------------------------------------
+        Case(
+            COMPOSED,
+            "boundary_codec='int4+zip'",
+            "`MeshConfig(...)`",
+            lambda: MeshConfig(boundary_codec="int4+zip"),
+            ValueError,
+            "boundary_codec='int4+zip' is invalid: it must be stages joined by '+' from outliers<N>, pca<r>/spca<r>, "
+            "int<b>[g<G>][sr], fp8[g<G>], or mask<p>[+fill] ('zip' is none of them)",
+        ),
+        Case(
+            COMPOSED,
+            "boundary_codec=''",
+            "`MeshConfig(...)`",
+            lambda: MeshConfig(boundary_codec=""),
+            ValueError,
+            "boundary_codec='' is invalid: it must be a non-empty string such as 'outliers8+int4'",
+        ),
+        Case(
+            COMPOSED,
+            "boundary_codec='int4+outliers8'",
+            "`MeshConfig(...)`",
+            lambda: MeshConfig(boundary_codec="int4+outliers8"),
+            ValueError,
+            "boundary_codec='int4+outliers8' is invalid: it must order its stages as outliers, then a projection, then "
+            "a quantiser ('outliers8' comes too late)",
+        ),
+        Case(
+            COMPOSED,
+            "boundary_codec='outliers8+int8+int4'",
+            "`MeshConfig(...)`",
+            lambda: MeshConfig(boundary_codec="outliers8+int8+int4"),
+            ValueError,
+            "boundary_codec='outliers8+int8+int4' is invalid: it must have at most one quantiser (int/fp8)",
+        ),
+        Case(
+            COMPOSED,
+            "boundary_codec='int4+gaussian' (a fill without a mask)",
+            "`MeshConfig(...)`",
+            lambda: MeshConfig(boundary_codec="int4+gaussian"),
+            ValueError,
+            "boundary_codec='int4+gaussian' is invalid: it must use the fill 'gaussian' only after mask<p> (a fill "
+            "rebuilds the dims a mask dropped)",
+        ),
+        Case(
+            COMPOSED,
+            "boundary_codec='mask0.9+int4'",
+            "`MeshConfig(...)`",
+            lambda: MeshConfig(boundary_codec="mask0.9+int4"),
+            ValueError,
+            "boundary_codec='mask0.9+int4' is invalid: it must follow mask<p> with at most one fill, one of "
+            "['gaussian', 'mean', 'zeros'] (a mask composes with nothing else yet)",
+        ),
+        Case(
+            COMPOSED,
+            "boundary_codec='mask1.5'",
+            "`MeshConfig(...)`",
+            lambda: MeshConfig(boundary_codec="mask1.5"),
+            ValueError,
+            "boundary_codec='mask1.5' is invalid: it must give a mask ratio p in [0, 1) (mask0.95 = the paper)",
+        ),
+        Case(
+            COMPOSED,
+            "boundary_codec='int5'",
+            "`MeshConfig(...)`",
+            lambda: MeshConfig(boundary_codec="int5"),
+            ValueError,
+            "boundary_codec='int5' is invalid: it must quantise to one of [2, 3, 4, 8] bits (int5 is not supported)",
+        ),
+        Case(
+            COMPOSED,
+            "boundary_codec='outliers8'",
+            "`MeshConfig(...)`",
+            lambda: MeshConfig(boundary_codec="outliers8"),
+            ValueError,
+            "boundary_codec='outliers8' is invalid: it must compress the non-outlier dims too: follow outliers<N> with "
+            "a projection or a quantiser",
+        ),
+        Case(
+            COMPOSED,
+            "boundary_codec='outliers8+int4', mask_fill='mean'",
+            "`MeshConfig(...)`",
+            lambda: MeshConfig(boundary_codec="outliers8+int4", mask_fill="mean"),
+            ValueError,
+            "mask_fill='mean' is invalid: it must stay 'zeros' with boundary_codec='outliers8+int4' (it acts on masks, "
+            "and a composed codec sends none; outliers<N> is the codec's way to keep the largest dims)",
+        ),
+        Case(
+            COMPOSED,
+            "'outliers8+int4g64' at H = 64 (group size does not divide)",
+            "`attach_composed(model, Y, codec)`",
+            attach_composed_to_tiny("outliers8+int4g64"),
+            ValueError,
+            "boundary_codec='outliers8+int4g64' is invalid: it must use a group size that divides the 56 coded values "
+            "per token (g64 does not; H=64, outliers=8, rank=None)",
+        ),
+        Case(
+            COMPOSED,
+            "'outliers64+int4' at H = 64",
+            "`attach_composed(model, Y, codec)`",
+            attach_composed_to_tiny("outliers64+int4"),
+            ValueError,
+            "boundary_codec='outliers64+int4' is invalid: it must keep fewer outlier dims than hidden_size=64 "
+            "(outliers64)",
+        ),
+        Case(
+            COMPOSED,
+            "'outliers4+spca60+int4' at H = 64",
+            "`attach_composed(model, Y, codec)`",
+            attach_composed_to_tiny("outliers4+spca60+int4"),
+            ValueError,
+            "boundary_codec='outliers4+spca60+int4' is invalid: it must project on fewer than the 60 non-outlier dims "
+            "(spca60 at H=64)",
+        ),
+        Case(
+            COMPOSED,
+            "a codec with outliers run before any calibration",
+            "`ComposedCodec.encode_activation`",
+            unfitted_codec_runs,
+            ValueError,
+            "boundary_codec='outliers2+int4' is invalid: it must be fitted before it runs (its outlier dims / basis "
+            "come from a calibration pass on a training batch, which MeshTrainer, MeshAccelerator and the mesh run "
+            "before the first step; alone: fit() or calibrate())",
+        ),
+        Case(
+            COMPOSED,
+            "prepare(model, optimizer) with boundary_codec='outliers8+int4'",
+            "`MeshAccelerator.prepare`",
+            prepare(adamw(), anchor=False, boundary_codec="outliers8+int4"),
+            ValueError,
+            "DataLoader=None is invalid: it must be passed to the same prepare() call as the model when "
+            "boundary_codec='outliers8+int4' (the mesh draws its own batches from the training loader's dataset); "
+            "pass the training DataLoader there",
+        ),
+        Case(
+            COMPOSED,
+            "MeshGRPOConfig(boundary_codec='outliers8+int4')",
+            "`MeshGRPOConfig(...)`",
+            mesh_config_of("MeshGRPOConfig", boundary_codec="outliers8+int4"),
+            ValueError,
+            "boundary_codec='outliers8+int4' is invalid: it must need no fitted geometry for GRPO/GSPO (outliers<N> "
+            "and pca/spca are fitted on a training batch before the first rollout exists); use a plain quantiser such "
+            "as 'int8'",
+        ),
         # --- boundary codecs -----------------------------------------------------------------------------
         Case(
             CODECS,
@@ -2780,7 +2941,7 @@ def _cases() -> list[Case]:
             "`QuantCodec(...)`",
             codec("QuantCodec", 64, bits=9),
             ValueError,
-            "bits=9 is invalid: it must be an int in [1, 8]",
+            "bits=9 is invalid: it must be an int in [2, 8] (b bits: 2^(b-1) - 1 levels each side of 0)",
         ),
         Case(
             CODECS,
@@ -2788,7 +2949,7 @@ def _cases() -> list[Case]:
             "`QuantCodec(...)`",
             codec("QuantCodec", 64, grad_bits=0),
             ValueError,
-            "grad_bits=0 is invalid: it must be an int in [1, 8]",
+            "grad_bits=0 is invalid: it must be an int in [2, 8] (b bits: 2^(b-1) - 1 levels each side of 0)",
         ),
         Case(
             CODECS,

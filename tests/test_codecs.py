@@ -38,12 +38,11 @@ def grad_of(out: torch.Tensor, x: torch.Tensor, upstream: torch.Tensor) -> torch
 
 
 def reference_quantize(x: np.ndarray, bits: int) -> np.ndarray:
-    """Per-token absmax quantisation written out in float64 NumPy: 2^b codes from -s to +s."""
-    steps = 2**bits - 1
-    s = np.abs(x).max(axis=-1, keepdims=True)
-    unit = x / np.where(s > 0, s, 1.0)
-    codes = np.clip(np.round((unit + 1.0) * steps / 2.0), 0, steps)
-    return (codes * 2.0 / steps - 1.0) * s
+    """Per-token absmax quantisation written out in float64 NumPy: codes -L..L (L = 2^(b-1) - 1) times absmax/L."""
+    levels = 2 ** (bits - 1) - 1
+    step = np.abs(x).max(axis=-1, keepdims=True) / levels
+    codes = np.clip(np.round(x / np.where(step > 0, step, 1.0)), -levels, levels)
+    return codes * step
 
 
 def affine_subspace_data(rows: int, rank: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,7 +69,7 @@ def fitted_handle(codec: str, model: torch.nn.Module, ids: torch.Tensor, **kwarg
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("bits", [1, 4, 8])
+@pytest.mark.parametrize("bits", [2, 4, 8])
 def test_quant_forward_and_backward_match_reference(bits):
     x = randn(2, 5, H).requires_grad_()
     with torch.no_grad():
@@ -78,9 +77,11 @@ def test_quant_forward_and_backward_match_reference(bits):
     out = QuantCodec(H, bits=bits)(x, None)
     expected = reference_quantize(x.detach().numpy(), bits)
     np.testing.assert_allclose(out.detach().numpy(), expected, rtol=1e-12, atol=1e-12)
-    assert all(len(np.unique(token)) <= 2**bits for token in out.detach().numpy().reshape(-1, H))
+    levels = 2 ** (bits - 1) - 1
+    assert all(len(np.unique(token)) <= 2 * levels + 1 for token in out.detach().numpy().reshape(-1, H))
     scale = x.detach().abs().amax(-1, keepdim=True)
-    assert bool(((out - x).abs() <= scale / (2**bits - 1) + 1e-12).all())
+    assert bool(((out - x).abs() <= scale / (2 * levels) + 1e-12).all())
+    assert bool((out[x.abs() < scale / (2 * levels) - 1e-9] == 0).all())  # the zero level: small entries stay 0
     assert not torch.allclose(out, x)
 
     upstream = randn(2, 5, H, seed=1)
@@ -175,7 +176,7 @@ def test_delta_quant_sends_full_precision_first_then_quantised_deltas():
 
     moved = x + 0.01 * randn(2, seq, H, seed=1)
     second = codec(moved, [b"a", b"b"])
-    bound = (moved - x).abs().amax(-1, keepdim=True) / (2**bits - 1)
+    bound = (moved - x).abs().amax(-1, keepdim=True) / (2 * (2 ** (bits - 1) - 1))
     assert bool(((second - moved).abs() <= bound + 1e-12).all())
     assert not torch.equal(second, moved)
     assert codec.last_wire_bytes[0] == 2 * seq * (H * bits // 8 + 2) < 2 * seq * H * 2
@@ -309,7 +310,7 @@ def test_counter_matches_wire_bytes_after_one_step(codec):
     [
         (2, "gzip", {}, r"codec='gzip' is invalid: it must be one of \['bottleneck'"),
         (0, "quant4", {}, r"num_stages=0 is invalid: it must be >= 1"),
-        (2, "quant4", {"bits": 0}, r"bits=0 is invalid: it must be an int in \[1, 8\]"),
+        (2, "quant4", {"bits": 1}, r"bits=1 is invalid: it must be an int in \[2, 8\]"),
         (2, "quant4", {"bits": 9}, r"bits=9 is invalid"),
         (2, "quant4", {"grad_bits": 16}, r"grad_bits=16 is invalid"),
         (2, "delta_quant", {"bits": 0}, r"bits=0 is invalid"),

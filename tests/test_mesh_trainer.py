@@ -280,3 +280,36 @@ def test_the_same_script_runs_under_accelerate_launch_with_its_own_lighthouse(tm
     assert summary["measured_bytes_per_token"]["dp"] == pytest.approx(
         summary["analytic_bytes_per_token"]["dp"], rel=1e-9
     )
+
+
+def test_a_composed_codec_runs_on_the_mesh_with_one_geometry_per_boundary_and_resumes_exactly(tmp_path):
+    """``--boundary_codec`` on a launched 2×2 mesh: a calibration pass gives both sides of the boundary the
+    sender's fit (bit for bit, as the rank checkpoints show), the wire carries exactly the codec's message,
+    and a resumed run continues with the geometry it had: the losses of the uninterrupted run, bit for bit."""
+    codec, first, second = "outliers2+spca24+int4sr", tmp_path / "first", tmp_path / "second"
+    flags = ("--anchor", "false", "--boundary_codec", codec, "--max_steps", "8")
+    flags += ("--save_strategy", "steps", "--save_steps", "4", "--save_total_limit", "2")
+    proc = _launch("2x2", str(first), *flags)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((first / "mesh_summary.json").read_text())
+    measured, analytic = summary["measured_bytes_per_token"], summary["analytic_bytes_per_token"]
+    message = 2 * 4 + 2 + 3 * 4 + 2  # 2 fp32 outliers + a bf16 scale + 24 int4 codes + padding to fp32 words
+    assert measured["pp_fwd"] == analytic["pp_fwd"] == message
+    clip = 4 * 8 * 4 * (2 * (2 - 1) / 2) / summary["fast_tokens"]  # the gradient-norm scalar, as in the 3x2 test
+    assert measured["pp_bwd"] == pytest.approx(analytic["pp_bwd"] + clip, rel=1e-12)
+    # calibration, per replica: stage 0's dense output on batches(0) (2·2 rows × 16 tokens × H fp32) + its geometry
+    geometry = (2 + 62) * 8 + (62 + 62 + 62 * 24) * 4  # dims (int64); mean, std, basis (fp32)
+    assert summary["codec_calibration_bytes"] == 2 * (4 * 16 * 64 * 4 + geometry)
+    for replica in (0, 1):
+        sender = torch.load(first / "checkpoint-8" / "mesh" / f"rank{2 * replica}.pt", weights_only=False)
+        receiver = torch.load(first / "checkpoint-8" / "mesh" / f"rank{2 * replica + 1}.pt", weights_only=False)
+        sent, received = sender["codecs"][1], receiver["codecs"][0]
+        assert sent["outlier_dims"].numel() == 2 and sent["basis"].shape == (62, 24)
+        for name in ("outlier_dims", "rest_dims", "mean", "std", "basis"):
+            assert torch.equal(sent[name], received[name]), name
+    proc2 = _launch("2x2", str(second), *flags, "--resume_from_checkpoint", str(first / "checkpoint-4"))
+    assert proc2.returncode == 0, proc2.stdout[-3000:] + proc2.stderr[-3000:]
+    uninterrupted, resumed = _step_losses(proc.stdout), _step_losses(proc2.stdout)
+    assert sorted(resumed) == [5, 6, 7, 8]
+    assert all(resumed[step] == uninterrupted[step] for step in resumed)
+    assert sum(list(uninterrupted.values())[-3:]) < sum(list(uninterrupted.values())[:3])

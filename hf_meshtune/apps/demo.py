@@ -54,6 +54,7 @@ class DemoSettings:
     mask_fill: str = "zeros"
     mask_protect_dims: int = 0
     mask_rescale: bool = False
+    boundary_codec: str | None = None
     spectral_tau: float = 1e-3
     spectral_relative_tau: bool = False
     spectral_alpha: float = 0.3
@@ -155,13 +156,19 @@ def run_demo(settings: DemoSettings) -> dict:
     return summary
 
 
+def _boundary_words(s: dict) -> str:
+    codec = s.get("boundary_codec")
+    if codec:
+        return f"boundary_codec={codec}"
+    return f"p={s['mask_ratio']} fill={s['mask_fill']} rescale={s['mask_rescale']}"
+
+
 def format_summary(summary: dict) -> str:
     s, ledger = summary["settings"], summary["ledger"]
     verdict = "improved" if summary["dense_eval_loss_after"] < summary["dense_eval_loss_before"] else "GOT WORSE"
     lines = [
         "",
-        f"SmolLM2-135M SFT on GSM8K: p={s['mask_ratio']} Y={s['num_stages']} fill={s['mask_fill']} "
-        f"rescale={s['mask_rescale']} anchor={s['anchor']} "
+        f"SmolLM2-135M SFT on GSM8K: {_boundary_words(s)} Y={s['num_stages']} anchor={s['anchor']} "
         f"(every {s['anchor_every']}, Δ={s['anchor_delay']}), {s['max_steps']} steps, "
         f"{summary['trainable_parameters']:,} trainable parameters",
         f"dense eval loss: before {summary['dense_eval_loss_before']:.4f} -> after "

@@ -40,14 +40,24 @@ class MeshStage(PipelineStage):
             example_in = torch.zeros(microbatch_size, seq_len, dtype=torch.long, device=device)
         else:
             example_in = torch.zeros(
-                microbatch_size, seq_len, module.payload_width("in"), dtype=dtype, device=device, requires_grad=True
+                microbatch_size,
+                seq_len,
+                module.payload_width("in", dtype),
+                dtype=dtype,
+                device=device,
+                requires_grad=True,
             )
         if stage == num_stages - 1:
             vocab = module.config.get_text_config().vocab_size
             example_out = torch.zeros(microbatch_size, seq_len, vocab, dtype=dtype, device=device)
         else:
             example_out = torch.zeros(
-                microbatch_size, seq_len, module.payload_width("out"), dtype=dtype, device=device, requires_grad=True
+                microbatch_size,
+                seq_len,
+                module.payload_width("out", dtype),
+                dtype=dtype,
+                device=device,
+                requires_grad=True,
             )  # marks the payload as differentiable
         super().__init__(module, stage, num_stages, device, input_args=example_in, output_args=example_out, group=group)
         self.wire = wire

@@ -23,9 +23,11 @@ from torch import nn
 from transformers.masking_utils import create_causal_mask
 
 from .._validation import require
+from ..boundary.compose.codec import ComposedCodec
 from ..boundary.fills import FILLS
 from ..boundary.hooks import find_decoder_layers, split_stages
 from ..boundary.masking import BoundaryMask, keep_count
+from ..config import composed_codec
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
@@ -86,6 +88,8 @@ class StageModule(nn.Module):
         stage, num_stages: this stage's index and Y.
         mask_in / mask_out: the boundary masks on the input (stage > 0) and output (stage < Y-1)
             side; None runs that side dense (the anchor replica, or p = 0).
+        codec_in / codec_out: composed codecs (``boundary.compose``) on those sides instead of masks;
+            their payload is the codec's packed message (``payload_width`` model-dtype words per token).
 
     The forward takes ``input_ids`` [B, T] (first stage) or the boundary payload, and returns the
     next payload, or the logits [B, T, V] on the last stage. Set ``step`` before each optimizer step;
@@ -93,7 +97,14 @@ class StageModule(nn.Module):
     """
 
     def __init__(
-        self, model: nn.Module, stage: int, num_stages: int, mask_in: BoundaryMask | None, mask_out: BoundaryMask | None
+        self,
+        model: nn.Module,
+        stage: int,
+        num_stages: int,
+        mask_in: BoundaryMask | None,
+        mask_out: BoundaryMask | None,
+        codec_in: ComposedCodec | None = None,
+        codec_out: ComposedCodec | None = None,
     ) -> None:
         super().__init__()
         _check_supported(model)
@@ -109,12 +120,19 @@ class StageModule(nn.Module):
         self.rotary_emb = base.rotary_emb
         self.norm = base.norm if stage == num_stages - 1 else None
         self.lm_head = model.lm_head if stage == num_stages - 1 else None
+        require(
+            not ((mask_in or mask_out) and (codec_in or codec_out)), "boundary", "mask and codec", "be one or the other"
+        )
         self.mask_in, self.mask_out = mask_in, mask_out
+        self.codec_in, self.codec_out = codec_in, codec_out
         self.step, self.microbatch = 0, 0
+        self.dense = False  # True: both sides run dense (the codecs' calibration pass)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.embed_tokens is not None:
             hidden = self.embed_tokens(x)
+        elif self.codec_in is not None and not self.dense:
+            hidden = self.codec_in.receive(x, self.step, self.microbatch)
         elif self.mask_in is not None:
             idx = self.mask_in.indices(self.step, self.microbatch, x.shape[-2], self.hidden_size, x.device)
             hidden = self.mask_in.receive(x, idx, self.hidden_size)
@@ -130,13 +148,19 @@ class StageModule(nn.Module):
             hidden = out[0] if isinstance(out, tuple) else out
         if self.lm_head is not None:
             return self.lm_head(self.norm(hidden))
+        if self.codec_out is not None and not self.dense:
+            return self.codec_out.send(hidden, self.step, self.microbatch)
         if self.mask_out is not None:
             idx = self.mask_out.indices(self.step, self.microbatch, hidden.shape[-2], self.hidden_size, hidden.device)
             return self.mask_out.send(hidden, idx)
         return hidden
 
-    def payload_width(self, side: str) -> int:
-        """Values per token crossing this stage's ``side`` ("in"/"out") boundary: K, or H when dense."""
+    def payload_width(self, side: str, dtype: torch.dtype = torch.float32) -> int:
+        """Values (of ``dtype``, the model's) per token crossing this stage's ``side`` ("in"/"out")
+        boundary: a codec's message width, K, or H when dense."""
+        codec = self.codec_in if side == "in" else self.codec_out
+        if codec is not None:
+            return codec.payload_width(dtype)
         mask = self.mask_in if side == "in" else self.mask_out
         if mask is None or mask.mask_ratio == 0.0:
             return self.hidden_size
@@ -169,7 +193,18 @@ def stage_parameter_names(model: nn.Module, stage_module: StageModule) -> dict[s
 
 def build_stage(model: nn.Module, stage: int, num_stages: int, cfg, masked: bool) -> StageModule:
     """Stage ``stage`` of ``model`` with the boundary masks of the mesh knobs ``cfg`` (p, seed, rescale,
-    fill) on both sides, or dense sides (``masked=False``: the anchor replica)."""
+    fill) on both sides, or its composed ``boundary_codec``, or dense sides (``masked=False``: the anchor
+    replica). A codec that needs geometry gets it from ``calibrate_codecs`` before the first step."""
+    spec = composed_codec(cfg)
+    if spec is not None:
+        hidden = model.config.get_text_config().hidden_size
+
+        def codec(boundary: int) -> ComposedCodec | None:
+            if not masked or boundary < 0 or boundary >= num_stages - 1:
+                return None
+            return ComposedCodec(spec, boundary, hidden, cfg.mask_seed)
+
+        return StageModule(model, stage, num_stages, None, None, codec(stage - 1), codec(stage))
 
     def mask(boundary: int) -> BoundaryMask | None:
         if not masked or boundary < 0 or boundary >= num_stages - 1:

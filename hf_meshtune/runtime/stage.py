@@ -6,9 +6,12 @@ import torch
 from torch import nn
 
 from ..anchor.link import anchor_matrices
+from ..boundary.compose.codec import geometry_layout
+from ..boundary.masking import private_rng
 from ..comm.errors import naming_the_peers
 from ..comm.messages import flatten
 from ..comm.wire import Wire
+from ..config import composed_codec
 from ..dp.fragments import stage_fragments
 from ..pipeline.schedule import MeshStage, build_schedule, run_schedule
 from ..pipeline.stage import build_stage, causal_lm_loss, stage_parameter_names
@@ -16,7 +19,9 @@ from ..topology import MeshGroups
 from .results import MeshResult
 from .settings import Batches, RunSettings, StageView
 
-__all__ = ["StageWorker"]
+__all__ = ["CALIBRATION_TAG", "StageWorker"]
+
+CALIBRATION_TAG = 7001  # the codecs' one-off calibration pass between pipeline neighbours
 
 
 class StageWorker:
@@ -31,7 +36,7 @@ class StageWorker:
         self.rank, self.replica, self.stage = groups.rank, groups.replica, groups.stage
         self.wire = Wire()
         self.model = model
-        masked = not anchor and settings.config.mask_ratio > 0
+        masked = not anchor and (settings.config.mask_ratio > 0 or composed_codec(settings.config) is not None)
         self.module = build_stage(model, self.stage, self.topology.stages, settings.config, masked=masked)
         microbatches = (settings.anchor_microbatches or settings.microbatches) if anchor else settings.microbatches
         self.device = next(model.parameters()).device
@@ -50,6 +55,50 @@ class StageWorker:
         self.matrices = anchor_matrices(model, self.module)
         self.result = MeshResult(self.rank, self.replica, self.stage, self.role)
         self.peer_hosts: dict[int, str] = {}  # pipeline neighbours' addresses (bootstrap fills it)
+
+    # --- the codecs' geometry -------------------------------------------------------------------
+    def calibrate_codecs(self) -> None:
+        """Give this replica's composed codecs their geometry before the first step: one dense pipeline
+        pass of ``batches(0)``. Stage ℓ receives stage ℓ-1's dense output and boundary ℓ-1's geometry,
+        runs its layers dense, fits boundary ℓ's codec on its own output and sends both on, so the two
+        sides of every boundary hold the same geometry (the sender's fit, received bit for bit). Its
+        bytes are booked on ``pp_fwd`` and counted in ``result.calibration_bytes``."""
+        module = self.module
+        sides = [c for c in (module.codec_in, module.codec_out) if c is not None]
+        if not sides or not sides[0].spec.needs_fit or all(c.ready for c in sides):
+            return
+        ids, _ = self.batches(0)
+        ids = ids.to(self.device)
+        dtype = next(self.model.parameters()).dtype
+        before = self.wire.sent["pp_fwd"]
+        group, replica, topology = self.groups.pp_group, self.replica, self.topology
+        with self.naming_link_failure("the codec calibration pass with", self._neighbours()):
+            if module.codec_in is not None:
+                src = topology.rank(replica, self.stage - 1)
+                x = torch.empty(*ids.shape, module.hidden_size, dtype=dtype, device=self.device)
+                self.wire.recv("pp_fwd", x, src, group=group, tag=CALIBRATION_TAG)
+                geometry = {}
+                for name, shape, kind in geometry_layout(module.codec_in):
+                    geometry[name] = torch.empty(shape, dtype=kind)
+                    self.wire.recv("pp_fwd", geometry[name], src, group=group, tag=CALIBRATION_TAG)
+                module.codec_in.load_geometry(geometry)
+            else:
+                x = ids
+            if module.codec_out is None:
+                return
+            module.dense = True
+            try:
+                with torch.no_grad(), private_rng(self.device):
+                    hidden = module(x)
+            finally:
+                module.dense = False
+            module.codec_out.fit(hidden)
+            dst = topology.rank(replica, self.stage + 1)
+            self.wire.send("pp_fwd", hidden.contiguous(), dst, group=group, tag=CALIBRATION_TAG)
+            geometry = module.codec_out.geometry()
+            for name, _, _ in geometry_layout(module.codec_out):
+                self.wire.send("pp_fwd", geometry[name].contiguous(), dst, group=group, tag=CALIBRATION_TAG)
+        self.result.calibration_bytes = self.wire.sent["pp_fwd"] - before
 
     # --- the pipeline ---------------------------------------------------------------------------
     def pipeline_step(self, ids: torch.Tensor, labels: torch.Tensor) -> float | None:

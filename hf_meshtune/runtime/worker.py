@@ -49,6 +49,7 @@ class FastWorker(StageWorker):
 
     def __init__(self, model: nn.Module, groups: MeshGroups, settings: RunSettings, batches: Batches) -> None:
         super().__init__(model, groups, settings, batches)
+        self.calibrate_codecs()
         self.optimizer = self._build_optimizer()
         self.scheduler = settings.scheduler(self.optimizer) if settings.scheduler else None
         self.manager = self.gradient_sync = None
@@ -163,12 +164,16 @@ class FastWorker(StageWorker):
             "config": dataclasses.asdict(self.settings.config),
             "rng": torch.get_rng_state(),
             "diloco": self.diloco.state_dict() if self.manager is not None else None,
+            "codecs": [c.geometry() if c is not None else None for c in (self.module.codec_in, self.module.codec_out)],
         }
 
     def _resume(self, checkpoint: str) -> None:
         state = read_rank_state(checkpoint, self.rank, self.topology)
         require_saved_knobs(state["config"], self.settings.config, context=f"to resume from {checkpoint}")
         self._step = self._restore_stage(state)
+        for codec, geometry in zip((self.module.codec_in, self.module.codec_out), state.get("codecs") or (None, None)):
+            if codec is not None and geometry is not None and geometry["rest_dims"] is not None:
+                codec.load_geometry(geometry)  # the geometry the run had, not a new fit
         if self.manager is not None:
             self.diloco.load_state_dict(state["diloco"])
         torch.set_rng_state(state["rng"])

@@ -1,0 +1,92 @@
+"""The composed codec's quantisers and bit packing (float32 arithmetic, bytes out).
+
+``int<b>``: symmetric with a zero level, L = 2^(b-1) - 1, code q + L ∈ [0, 2L] for q = round(x / s)
+∈ [-L, L], with s = absmax / L per group of G values, stored as bfloat16 and rounded *up* so that
+|x / s| <= L always holds (no clipping, so stochastic rounding stays exactly unbiased). ``fp8``:
+x / s cast to float8 e4m3 with s = absmax / 448. Codes of b bits are packed 8 to b bytes.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["dequantize", "int_levels", "pack_bits", "quantize", "unpack_bits"]
+
+FP8_MAX = 448.0  # the largest finite float8 e4m3fn value
+_SCALE_MARGIN = 1.0 + 2.0**-7  # > bfloat16's rounding error (2^-8): the stored scale is never below absmax / L
+
+
+def int_levels(bits: int) -> int:
+    """L: the largest code magnitude of a b-bit quantiser with a zero level."""
+    return 2 ** (bits - 1) - 1
+
+
+def pack_bits(codes: Tensor, bits: int) -> Tensor:
+    """uint8 codes [..., D] (each < 2^b) → [..., ⌈D/8⌉·b] bytes: every 8 codes fill b bytes."""
+    if bits == 8:
+        return codes.to(torch.uint8)
+    width = codes.shape[-1]
+    pad = (-width) % 8
+    work = torch.nn.functional.pad(codes.to(torch.int64), (0, pad)).reshape(*codes.shape[:-1], -1, 8)
+    shifts = torch.arange(8, device=codes.device, dtype=torch.int64) * bits
+    word = (work << shifts).sum(-1, keepdim=True)  # 8·b <= 64 bits
+    byte_shifts = torch.arange(bits, device=codes.device, dtype=torch.int64) * 8
+    packed = (word >> byte_shifts) & 0xFF
+    return packed.to(torch.uint8).reshape(*codes.shape[:-1], -1)
+
+
+def unpack_bits(packed: Tensor, bits: int, width: int) -> Tensor:
+    """Inverse of ``pack_bits``: [..., ⌈D/8⌉·b] bytes → int64 codes [..., D]."""
+    if bits == 8:
+        return packed.to(torch.int64)
+    work = packed.to(torch.int64).reshape(*packed.shape[:-1], -1, bits)
+    byte_shifts = torch.arange(bits, device=packed.device, dtype=torch.int64) * 8
+    word = (work << byte_shifts).sum(-1, keepdim=True)
+    shifts = torch.arange(8, device=packed.device, dtype=torch.int64) * bits
+    codes = (word >> shifts) & ((1 << bits) - 1)
+    return codes.reshape(*packed.shape[:-1], -1)[..., :width]
+
+
+def _grouped(values: Tensor, group: int | None) -> Tensor:
+    width = values.shape[-1]
+    return values.reshape(*values.shape[:-1], width // (group or width), group or width)
+
+
+def _scales(grouped: Tensor, top: float) -> Tensor:
+    """bfloat16 scales [..., groups]: absmax / top, rounded up; 1 where a group is all zero."""
+    absmax = grouped.abs().amax(-1).float()
+    scale = (absmax / top * _SCALE_MARGIN).to(torch.bfloat16)
+    return torch.where(absmax > 0, scale, torch.ones_like(scale))
+
+
+def quantize(
+    values: Tensor, quant: str, bits: int, group: int | None, noise: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """values [..., D] → (bf16 scales [..., D/G], packed uint8 codes). ``noise`` (uniform [0, 1), the
+    values' shape) turns round-to-nearest into stochastic rounding (int only)."""
+    grouped = _grouped(values.float(), group)
+    if quant == "fp8":
+        scales = _scales(grouped, FP8_MAX)
+        unit = grouped / scales.float().unsqueeze(-1)
+        codes = unit.to(torch.float8_e4m3fn).view(torch.uint8)
+        return scales, codes.reshape(values.shape)
+    levels = int_levels(bits)
+    scales = _scales(grouped, float(levels))
+    unit = grouped / scales.float().unsqueeze(-1)
+    if noise is None:
+        q = torch.round(unit)
+    else:
+        q = torch.floor(unit + _grouped(noise.float(), group))
+    codes = (q.clamp_(-levels, levels) + levels).to(torch.uint8).reshape(values.shape)
+    return scales, pack_bits(codes, bits)
+
+
+def dequantize(scales: Tensor, codes: Tensor, quant: str, bits: int, group: int | None, width: int) -> Tensor:
+    """Inverse of ``quantize`` (float32 [..., D])."""
+    if quant == "fp8":
+        unit = codes.view(torch.float8_e4m3fn).float()
+    else:
+        unit = (unpack_bits(codes, bits, width) - int_levels(bits)).float()
+    grouped = _grouped(unit, group) * scales.float().unsqueeze(-1)
+    return grouped.reshape(*unit.shape[:-1], width)

@@ -1,0 +1,252 @@
+"""The composed boundary codec against float64 transcriptions: every stage and composition, forward and
+backward, the message's size against the stated formula, unbiased stochastic rounding, the spec's rules,
+and the single-process hooks on a real model."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from hf_meshtune import MeshConfig
+from hf_meshtune.boundary.compose import ComposedCodec, parse_codec
+from hf_meshtune.boundary.compose.handle import attach_composed
+from hf_meshtune.boundary.compose.quant import dequantize, int_levels, pack_bits, quantize, unpack_bits
+from hf_meshtune.ledger import LedgerSettings, compute_ledger
+from tests.tiny import tiny_llama
+
+pytestmark = pytest.mark.usefixtures("single_thread_torch")
+
+H = 64
+
+
+def _activations(rows: int = 256, seed: int = 0) -> torch.Tensor:
+    """Correlated activations with two massive dims, like a pretrained residual stream."""
+    gen = torch.Generator().manual_seed(seed)
+    mix = torch.randn(H, H, generator=gen) / math.sqrt(H)
+    x = torch.randn(rows, H, generator=gen) @ mix * torch.linspace(0.2, 3.0, H)
+    x[:, 5] += 300.0
+    x[:, 40] -= 150.0
+    return x
+
+
+def _fitted(text: str, seed: int = 0) -> ComposedCodec:
+    codec = ComposedCodec(parse_codec(text), 0, H, seed=seed)
+    if codec.spec.needs_fit:
+        codec.fit(_activations())
+    return codec
+
+
+# --- float64 transcriptions -----------------------------------------------------------------------
+
+
+def _ref_scale(absmax: torch.Tensor, top: float) -> torch.Tensor:
+    """The stated scale: absmax / top · (1 + 2^-7), stored as bfloat16 (1 for an all-zero group)."""
+    scale = (absmax / top * (1 + 2**-7)).to(torch.bfloat16).double()
+    return torch.where(absmax > 0, scale, torch.ones_like(scale))
+
+
+def _ref_quant(z: torch.Tensor, quant: str, bits: int, group: int | None) -> torch.Tensor:
+    """Float64 quantise-dequantise of z [..., D] with one scale per ``group`` values."""
+    width = z.shape[-1]
+    g = z.double().reshape(*z.shape[:-1], width // (group or width), group or width)
+    if quant == "fp8":
+        scale = _ref_scale(g.abs().amax(-1), 448.0).unsqueeze(-1)
+        return ((g / scale).float().to(torch.float8_e4m3fn).double() * scale).reshape(z.shape)
+    levels = 2 ** (bits - 1) - 1
+    scale = _ref_scale(g.abs().amax(-1), levels).unsqueeze(-1)
+    return (torch.round(g / scale).clamp(-levels, levels) * scale).reshape(z.shape)
+
+
+def _ref_roundtrip(codec: ComposedCodec, h: torch.Tensor) -> torch.Tensor:
+    """S(Q(A(h))) in float64 from the codec's geometry (outliers kept in the model dtype)."""
+    spec, geo = codec.spec, codec.geometry()
+    x = h.double()
+    rest = x[..., geo["rest_dims"]]
+    if spec.projection:
+        centred = rest - geo["mean"].double()
+        if spec.projection == "spca":
+            centred = centred / geo["std"].double()
+        z = centred @ geo["basis"].double()
+    else:
+        z = rest
+    zq = _ref_quant(z, spec.quant, spec.bits, spec.group) if spec.quant else z.to(h.dtype).double()
+    if spec.projection:
+        back = zq @ geo["basis"].double().T
+        if spec.projection == "spca":
+            back = back * geo["std"].double()
+        zq = back + geo["mean"].double()
+    out = torch.empty_like(x)
+    out[..., geo["outlier_dims"]] = x[..., geo["outlier_dims"]]
+    out[..., geo["rest_dims"]] = zq
+    return out
+
+
+def _ref_gradient(codec: ComposedCodec, g: torch.Tensor) -> torch.Tensor:
+    """Aᵀ(Q(Sᵀ g)) in float64: what the sender gets for the receiver's gradient g (round to nearest)."""
+    spec, geo = codec.spec, codec.geometry()
+    x = g.double()
+    rest = x[..., geo["rest_dims"]]
+    if spec.projection:
+        if spec.projection == "spca":
+            rest = rest * geo["std"].double()
+        rest = rest @ geo["basis"].double()
+    zq = _ref_quant(rest, spec.quant, spec.bits, spec.group) if spec.quant else rest.to(g.dtype).double()
+    if spec.projection:
+        zq = zq @ geo["basis"].double().T
+        if spec.projection == "spca":
+            zq = zq / geo["std"].double()
+    out = torch.empty_like(x)
+    out[..., geo["outlier_dims"]] = x[..., geo["outlier_dims"]]
+    out[..., geo["rest_dims"]] = zq
+    return out
+
+
+COMPOSITIONS = [
+    "int8",
+    "int4",
+    "int3g16",
+    "int2g8",
+    "fp8",
+    "fp8g16",
+    "outliers2+int4g31",
+    "outliers4+int3",
+    "pca12",
+    "pca12+int8",
+    "spca20+int4g10",
+    "outliers2+spca24+int4",
+    "outliers4+pca16+fp8g4",
+]
+
+
+@pytest.mark.parametrize("text", COMPOSITIONS)
+def test_forward_and_backward_match_the_float64_transcription(text):
+    codec = _fitted(text)
+    h = _activations(48, seed=1).reshape(4, 12, H).requires_grad_()
+    rebuilt, payload = codec.apply(h, step=3, microbatch=1)
+    scale = h.detach().abs().amax()
+    torch.testing.assert_close(rebuilt.double(), _ref_roundtrip(codec, h.detach()), rtol=0, atol=2e-5 * scale)
+    g = torch.randn(4, 12, H, generator=torch.Generator().manual_seed(2), dtype=torch.float32)
+    rebuilt.backward(g)
+    torch.testing.assert_close(h.grad.double(), _ref_gradient(codec, g), rtol=0, atol=2e-5 * g.abs().amax() * 10)
+    # the message: its bytes are the stated formula, padded to whole fp32 words
+    assert payload.dtype == torch.float32
+    assert payload.shape == (4, 12, codec.payload_bytes(torch.float32) // 4)
+    assert payload.numel() * payload.element_size() == 4 * 12 * codec.spec.payload_bytes(H, 4)
+
+
+def test_the_quantiser_has_a_zero_level_and_uses_symmetric_levels():
+    z = torch.tensor([[0.0, 1.0, -1.0, 0.49, -0.51, 0.0, 0.2, 0.0]])
+    for bits in (2, 3, 4, 8):
+        scales, codes = quantize(z, "int", bits, None)
+        back = dequantize(scales, codes, "int", bits, None, z.shape[-1])
+        assert back[0, 0] == 0 and back[0, 5] == 0 and back[0, 7] == 0  # zero stays exactly zero
+        assert back[0, 1] == pytest.approx(1.0, rel=2**-7) and back[0, 2] == -back[0, 1]
+        codes_back = unpack_bits(codes, bits, z.shape[-1]) if bits < 8 else codes.long()
+        assert int(codes_back.max()) <= 2 * int_levels(bits)
+    # int2: exactly the levels {-s, 0, s}
+    scales, codes = quantize(z, "int", 2, None)
+    values = set(dequantize(scales, codes, "int", 2, None, 8).flatten().tolist())
+    assert len(values) == 3
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("width", [1, 7, 8, 13, 64])
+def test_bit_packing_round_trips_and_has_the_stated_size(bits, width):
+    codes = torch.randint(0, 2**bits, (3, 5, width), generator=torch.Generator().manual_seed(width), dtype=torch.int64)
+    packed = pack_bits(codes.to(torch.uint8), bits)
+    assert packed.dtype == torch.uint8
+    assert packed.shape[-1] == (width if bits == 8 else math.ceil(width / 8) * bits)
+    assert torch.equal(unpack_bits(packed, bits, width), codes)
+
+
+def test_stochastic_rounding_of_the_backward_is_unbiased_and_seeded():
+    codec = _fitted("outliers2+int2g31sr")
+    g = torch.randn(2, 8, H, generator=torch.Generator().manual_seed(5))
+    draws = torch.stack([codec.decode_gradient(codec.encode_gradient(g, 0, m)) for m in range(4000)])
+    rest = codec.rest_dims
+    mean, spread = draws.mean(0)[..., rest], draws.std(0)[..., rest]
+    # every coordinate's mean is within 5 standard errors of the true gradient
+    assert ((mean - g[..., rest]).abs() <= 5 * spread / math.sqrt(len(draws)) + 1e-6).all()
+    nearest = _fitted("outliers2+int2g31")
+    bias = (nearest.decode_gradient(nearest.encode_gradient(g, 0, 0)) - g)[..., rest].abs().mean()
+    assert (mean - g[..., rest]).abs().mean() < bias / 10  # round-to-nearest at 2 bits is biased; SR is not
+    # the noise is a function of (boundary, step, microbatch, seed): the same on every process, new per microbatch
+    same = codec.encode_gradient(g, 4, 2)
+    assert torch.equal(same.view(torch.uint8), codec.encode_gradient(g, 4, 2).view(torch.uint8))
+    assert not torch.equal(same.view(torch.uint8), codec.encode_gradient(g, 4, 3).view(torch.uint8))
+    assert not torch.equal(
+        same.view(torch.uint8), _fitted("outliers2+int2g31sr", seed=1).encode_gradient(g, 4, 2).view(torch.uint8)
+    )
+
+
+def test_the_fit_keeps_the_largest_dims_and_an_orthonormal_basis():
+    codec = _fitted("outliers2+spca24+int4")
+    assert codec.outlier_dims.tolist() == [5, 40]
+    assert sorted(codec.rest_dims.tolist() + codec.outlier_dims.tolist()) == list(range(H))
+    basis = codec.basis.double()
+    torch.testing.assert_close(basis.T @ basis, torch.eye(24, dtype=torch.float64), atol=1e-5, rtol=0)
+    # a full-rank projection without quantisation rebuilds h (float32 arithmetic)
+    full = ComposedCodec(parse_codec("outliers2+pca61"), 0, H)
+    full.fit(_activations())
+    h = _activations(16, seed=3)
+    err = (full.apply(h, 0, 0)[0] - h).norm() / h.norm()
+    assert err < 0.05  # r = 61 of 62 directions: only the weakest is lost
+    assert (_fitted("outliers2+pca8").apply(h, 0, 0)[0] - h).norm() / h.norm() > err
+
+
+def test_bytes_per_token_of_the_issue_table_at_smollm2_width():
+    cases = {
+        "outliers8+int4g71": 316,
+        "outliers8+int3g71": 246,
+        "outliers8+int2g71": 174,
+        "outliers8+spca226+int4": 134,
+        "pca57+int8": 60,
+        "pca29": 58,
+        "int8": 578,
+    }
+    for text, expected in cases.items():
+        assert parse_codec(text).payload_bytes(576, 2) == expected, text
+
+
+def test_a_codec_that_needs_geometry_refuses_to_run_without_it():
+    codec = ComposedCodec(parse_codec("outliers2+int4"), 0, H)
+    with pytest.raises(ValueError, match="be fitted before it runs"):
+        codec.encode_activation(torch.zeros(1, H))
+    assert ComposedCodec(parse_codec("int4"), 0, H).ready  # a plain quantiser needs nothing
+
+
+# --- the single-process hooks ---------------------------------------------------------------------
+
+
+def test_the_hooks_run_receive_of_send_on_training_forwards_and_book_the_message_bytes():
+    model = tiny_llama(seed=0, layers=4, hidden=H)
+    ids = torch.randint(3, 100, (2, 10), generator=torch.Generator().manual_seed(0))
+    dense_loss = model(input_ids=ids, labels=ids).loss.item()
+    handle = attach_composed(model, 4, "outliers2+int3g31")
+    handle.calibrate(model, {"input_ids": ids})
+    handle.set_step(0)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    message = parse_codec("outliers2+int3g31").payload_bytes(H, 4)
+    assert handle.counter.fwd_bytes == handle.counter.bwd_bytes == 3 * ids.numel() * message
+    assert handle.counter.tokens == ids.numel()
+    assert loss.item() != dense_loss and abs(loss.item() - dense_loss) < 0.05 * dense_loss
+    model.eval()
+    with torch.no_grad():
+        assert model(input_ids=ids, labels=ids).loss.item() == pytest.approx(dense_loss, rel=1e-6)
+    handle.remove()
+    model.train()
+    assert model(input_ids=ids, labels=ids).loss.item() == pytest.approx(dense_loss, rel=1e-6)
+
+
+def test_the_mesh_knob_and_the_ledger_book_the_codec_message():
+    cfg = MeshConfig(boundary_codec="outliers8+int4g71", num_stages=4)
+    assert cfg.mask_ratio == 0.95  # untouched: a composed codec sends no mask
+    paper = MeshConfig(boundary_codec="mask0.8+mean")
+    assert (paper.mask_ratio, paper.mask_fill) == (0.8, "mean")
+    settings = LedgerSettings(num_stages=4, boundary_codec="outliers8+int4g71", anchor=False, num_replicas=2)
+    ledger = compute_ledger([(576, 576)], 576, settings)
+    assert ledger.pp_fwd == ledger.pp_bwd == 3 * 316
+    assert ledger.keep == 158
