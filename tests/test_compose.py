@@ -250,3 +250,30 @@ def test_the_mesh_knob_and_the_ledger_book_the_codec_message():
     ledger = compute_ledger([(576, 576)], 576, settings)
     assert ledger.pp_fwd == ledger.pp_bwd == 3 * 316
     assert ledger.keep == 158
+
+
+def test_a_resumed_trainer_continues_exactly_with_the_geometry_it_had(tmp_path):
+    """MeshTrainer with a fitted codec, anchor on: the checkpoint holds the outlier dims and the basis, and a
+    run resumed from it on another model object (whose own calibration would differ) gives the same losses."""
+    from hf_meshtune.trainer import MESH_STATE_NAME
+    from tests.test_trainer import make_trainer, train_losses
+
+    knobs = dict(
+        max_steps=6,
+        boundary_codec="outliers2+spca16+int4sr",
+        anchor_every=2,
+        anchor_delay=1,
+        save_strategy="steps",
+        save_steps=3,
+    )
+    full = make_trainer(tmp_path / "full", **knobs)
+    full.train()
+    checkpoint = tmp_path / "full" / "out" / "checkpoint-3"
+    state = torch.load(checkpoint / MESH_STATE_NAME, weights_only=True)
+    (geometry,) = state["boundaries"]["codecs"]
+    assert geometry["outlier_dims"].numel() == 2 and geometry["basis"].shape == (62, 16)
+    resumed = make_trainer(tmp_path / "resumed", model=tiny_llama(seed=123), **knobs)
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    after_resume = [h["loss"] for h in resumed.state.log_history if "loss" in h and h["step"] > 3]
+    assert len(after_resume) == 3 and after_resume == train_losses(full)[3:]
+    torch.testing.assert_close(resumed.mesh_boundaries.codecs[0].basis, geometry["basis"], rtol=0, atol=0)
