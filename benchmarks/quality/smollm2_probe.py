@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from hf_meshtune.apps.demo import DemoSettings, run_demo
@@ -41,22 +42,42 @@ VARIANTS: dict[str, dict] = {
 }
 
 
-def run(names: list[str]) -> None:
-    OUT.mkdir(parents=True, exist_ok=True)
+def run_rows(rows: dict[str, dict], names: list[str], out: Path, extra: Callable[[str], dict] | None = None) -> None:
+    """The main job once per row of ``rows`` named in ``names`` (knobs over ``DemoSettings``), each written to
+    ``out/<row>.json`` as soon as it ends (with ``extra(row)`` merged in); finished rows are skipped."""
+    out.mkdir(parents=True, exist_ok=True)
     for name in names:
-        target = OUT / f"{name}.json"
+        target = out / f"{name}.json"
         if target.exists():
             continue
         with tempfile.TemporaryDirectory() as tmp:
-            summary = run_demo(DemoSettings(output_dir=tmp, **VARIANTS[name]))
-        summary["variant"] = name
+            summary = run_demo(DemoSettings(output_dir=tmp, **rows[name]))
+        summary.update({"variant": name, **(extra(name) if extra else {})})
         target.write_text(json.dumps(summary, indent=2, default=str))
 
 
-def table() -> str:
-    rows = {p.stem: json.loads(p.read_text()) for p in sorted(OUT.glob("*.json"))}
+def main(rows: dict[str, dict], out: Path, table: Callable[[], str], argv: list[str]) -> None:
+    """Run the rows ``argv`` names (all by default), then write and print ``table()``."""
+    run_rows(rows, argv or list(rows), out)
+    (out / "results.md").write_text(table())
+    print(table())
+
+
+def load_rows(out: Path) -> tuple[dict[str, dict], dict | None, float | None]:
+    """(every row's summary by name, the Dense row, Dense's eval-loss improvement) from ``out``."""
+    rows = {p.stem: json.loads(p.read_text()) for p in sorted(out.glob("*.json"))}
     dense = rows.get("dense")
     gain = dense["dense_eval_loss_before"] - dense["dense_eval_loss_after"] if dense else None
+    return rows, dense, gain
+
+
+def before_line(rows: dict[str, dict], digits: int) -> str:
+    before = next(iter(rows.values()))["dense_eval_loss_before"] if rows else float("nan")
+    return f"Dense eval loss before training: {before:.{digits}f}\n\n"
+
+
+def table() -> str:
+    rows, dense, gain = load_rows(OUT)
     lines = [
         "| variant | knobs | dense eval loss after | retained | masked train loss (last) | cos(masked, anchor) | "
         "cos(filtered, anchor) | mean d | train s |",
@@ -74,11 +95,8 @@ def table() -> str:
             f"{log.get('spectral/cos_filtered_vs_anchor', float('nan')):.3f} | "
             f"{log.get('spectral/filter_mean_d', float('nan')):.3f} | {r['train_runtime_s']:.0f} |"
         )
-    before = next(iter(rows.values()))["dense_eval_loss_before"] if rows else float("nan")
-    return f"Dense eval loss before training: {before:.3f}\n\n" + "\n".join(lines) + "\n"
+    return before_line(rows, 3) + "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
-    run(sys.argv[1:] or list(VARIANTS))
-    (OUT / "results.md").write_text(table())
-    print(table())
+    main(VARIANTS, OUT, table, sys.argv[1:])

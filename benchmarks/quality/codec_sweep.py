@@ -1,0 +1,84 @@
+"""Which boundary codec keeps dense quality on a real pretrained model? The main job, codec by codec.
+
+Every row is the main job (`meshtune demo`: SmolLM2-135M-Instruct, SFT on GSM8K, the last 8 layers
+trainable, Y = 4, 60 steps, the same data order and lr schedule) with only the boundary changed, run
+in this one sweep beside Dense and the paper preset, and scored on the **dense** model (GSM8K held-out
+eval loss). "retained" = (eval-loss improvement of the row) / (improvement of Dense).
+
+    python -m benchmarks.quality.codec_sweep            # ~3.5 min a row on 2 CPU cores; skips finished rows
+    python -m benchmarks.quality.codec_sweep dense m95_ap outliers8_int4g71_ap   # some rows
+
+Bytes per token are per boundary: the codec's formula on a bf16 wire (what a bf16 model sends) and the
+measured message of this fp32 run (fp32 outlier values and padding to whole fp32 words). Writes
+benchmarks/quality/codec_sweep/<row>.json and results.md.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from benchmarks.quality.smollm2_probe import before_line, load_rows, main
+from hf_meshtune.boundary.compose.spec import parse_codec
+from hf_meshtune.boundary.masking import keep_count
+
+OUT = Path(__file__).resolve().parent / "codec_sweep"
+H, DENSE_BF16 = 576, 576 * 2
+
+ROWS: dict[str, dict] = {
+    "dense": dict(mask_ratio=0.0, anchor=False),
+    "m95_ap": dict(),  # the paper: M95, zero fill, anchor prior
+    "outliers8_int4g71_ap": dict(boundary_codec="outliers8+int4g71"),
+    "outliers8_int4g71": dict(boundary_codec="outliers8+int4g71", anchor=False),
+    "outliers8_int8_ap": dict(boundary_codec="outliers8+int8"),
+    "outliers8_int4g71sr_ap": dict(boundary_codec="outliers8+int4g71sr"),  # stochastic rounding backward
+    "outliers8_int4_ap": dict(boundary_codec="outliers8+int4"),  # one scale per token: valid at every H
+    "outliers8_int3g71_ap": dict(boundary_codec="outliers8+int3g71"),
+    "outliers8_int3_ap": dict(boundary_codec="outliers8+int3"),
+    "outliers8_int3g71": dict(boundary_codec="outliers8+int3g71", anchor=False),
+    "outliers8_int2g71_ap": dict(boundary_codec="outliers8+int2g71"),
+    "outliers8_spca226_int4_ap": dict(boundary_codec="outliers8+spca226+int4"),
+    "outliers8_spca226_int4": dict(boundary_codec="outliers8+spca226+int4", anchor=False),
+    "outliers8_spca113_int4_ap": dict(boundary_codec="outliers8+spca113+int4"),
+    "pca57_int8_ap": dict(boundary_codec="pca57+int8"),
+    "pca57_int8": dict(boundary_codec="pca57+int8", anchor=False),
+}
+
+
+def bf16_bytes(knobs: dict) -> int:
+    """Formula bytes per token and boundary on a bf16 wire (forward; the backward is the same size)."""
+    codec = knobs.get("boundary_codec")
+    if codec is not None:
+        return parse_codec(codec).payload_bytes(H, 2)
+    ratio = knobs.get("mask_ratio", 0.95)
+    return DENSE_BF16 if ratio == 0.0 else keep_count(H, ratio) * 2
+
+
+def table() -> str:
+    rows, dense, gain = load_rows(OUT)
+    lines = [
+        "| row | boundary | anchor prior | bf16 B/token/boundary | compression | "
+        "measured fp32-run B/token (3 boundaries) | dense eval loss after | gap to Dense | retained | "
+        "train loss (last log) |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name in ROWS:
+        if name not in rows:
+            continue
+        r, knobs = rows[name], ROWS[name]
+        after = r["dense_eval_loss_after"]
+        retained = (r["dense_eval_loss_before"] - after) / gain if gain else float("nan")
+        gap = (after - dense["dense_eval_loss_after"]) / dense["dense_eval_loss_after"] if dense else float("nan")
+        bytes_bf16 = bf16_bytes(knobs)
+        measured = r.get("last_log", {}).get("comm/measured_pp_fwd_bytes_per_token", float("nan"))
+        boundary = knobs.get("boundary_codec") or ("dense" if knobs.get("mask_ratio") == 0.0 else "mask0.95 (zeros)")
+        lines.append(
+            f"| {name} | `{boundary}` | {'yes' if knobs.get('anchor', True) else 'no'} | {bytes_bf16} | "
+            f"{DENSE_BF16 / bytes_bf16:.1f}× | {measured:.0f} | {after:.4f} | {gap:+.1%} | {retained:.0%} | "
+            f"{r['masked_train_loss_last_log']:.3f} |"
+        )
+    return before_line(rows, 4) + "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main(ROWS, OUT, table, sys.argv[1:])
