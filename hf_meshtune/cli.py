@@ -14,7 +14,7 @@ import os
 import re
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import fields
+from dataclasses import fields, replace
 
 from hf_meshtune._validation import require
 from hf_meshtune.launch import launch_mesh
@@ -85,6 +85,12 @@ def _add_ledger_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--anchor-payload", default="gradient", help="gradient | factors (default gradient)")
     p.add_argument("--anchor-rank", type=int, default=8, help="rank of the anchor's factors (default 8)")
     p.add_argument("--rows", default=_DEFAULT_ROWS, help=f"comma-separated rows (default {_DEFAULT_ROWS})")
+    p.add_argument(
+        "--boundary-codec",
+        default=None,
+        help="also the rows of this composed codec (e.g. outliers8+int4g71) with DiLoCo + PowerSGD, without and "
+        "with the anchor: the M95 and M95+AP rows with the codec's message at every boundary",
+    )
     p.add_argument("--json", action="store_true", help="print {row: ledger dict} as JSON")
     p.set_defaults(handler=run_ledger)
 
@@ -120,6 +126,10 @@ def run_ledger(args: argparse.Namespace) -> int:
     for row in rows:
         settings = L.settings_for_row(row, global_batch=args.batch_size, seq_len=args.seq_len, **knobs)
         ledgers[row] = L.ledger_for_config(config, settings)
+    if args.boundary_codec is not None:
+        for row, name in (("M95", args.boundary_codec), ("M95+AP", f"{args.boundary_codec}+AP")):
+            settings = L.settings_for_row(row, global_batch=args.batch_size, seq_len=args.seq_len, **knobs)
+            ledgers[name] = L.ledger_for_config(config, replace(settings, boundary_codec=args.boundary_codec))
     if args.json:
         print(json.dumps({name: led.to_dict() for name, led in ledgers.items()}, indent=2))
     else:

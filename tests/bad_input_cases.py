@@ -1687,6 +1687,17 @@ def _cases() -> list[Case]:
             "meshtune ledger: error: --anchor-rank=0 is invalid: it must be an integer >= 1",
         ),
         _cli(
+            "meshtune ledger --boundary-codec mask0.9",
+            "meshtune ledger: error: --boundary-codec='mask0.9' is invalid: it must be a composed codec (a mask is "
+            "mask_ratio)",
+        ),
+        _cli(
+            "meshtune ledger --boundary-codec outliers8+int4g71 (H = 2048)",
+            "meshtune ledger: error: --boundary-codec='outliers8+int4g71' is invalid: it must use a group size that "
+            "divides the 2040 coded values per token (g71 does not; H=2048, outliers=8, rank=None)",
+            cli("ledger", "--boundary-codec", "outliers8+int4g71"),
+        ),
+        _cli(
             "meshtune ledger --rows M99", f"meshtune ledger: error: --rows='M99' is invalid: it must be one of {_ROWS}"
         ),
         _cli(

@@ -250,6 +250,16 @@ def test_cli_json_has_all_rows(capsys):
     assert out["M95+AP"]["settings"]["num_replicas"] == 8
 
 
+def test_cli_boundary_codec_adds_its_rows_with_the_codec_message(capsys):
+    assert main(["ledger", "--json", "--preset", "smollm2-135m", "--boundary-codec", "outliers8+int4g71"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    codec, with_anchor, paper = out["outliers8+int4g71"], out["outliers8+int4g71+AP"], out["M95+AP"]
+    assert codec["pp_fwd_bytes_per_token"] == codec["pp_bwd_bytes_per_token"] == 3 * 316  # Y-1 = 3 boundaries
+    assert with_anchor["anchor_bytes_per_token"] == paper["anchor_bytes_per_token"] > 0
+    assert with_anchor["dp_bytes_per_token"] == paper["dp_bytes_per_token"]
+    assert codec["anchor_bytes_per_token"] == 0 and codec["settings"]["boundary_codec"] == "outliers8+int4g71"
+
+
 def test_cli_default_table_has_paper_column(capsys):
     assert main(["ledger", "--rows", "Dense,M95+AP"]) == 0
     out = capsys.readouterr().out

@@ -31,6 +31,9 @@ ROWS: dict[str, dict] = {
     "outliers8_int4g71_ap": dict(boundary_codec="outliers8+int4g71"),
     "outliers8_int4g71": dict(boundary_codec="outliers8+int4g71", anchor=False),
     "outliers8_int8_ap": dict(boundary_codec="outliers8+int8"),
+    # PCA as a rotation: all but the weakest directions, int4 with one scale per group of directions of like variance
+    "outliers8_pca560_int4g70_ap": dict(boundary_codec="outliers8+pca560+int4g70"),
+    "outliers8_pca456_int4g57_ap": dict(boundary_codec="outliers8+pca456+int4g57"),
     "outliers8_int4g71sr_ap": dict(boundary_codec="outliers8+int4g71sr"),  # stochastic rounding backward
     "outliers8_int4_ap": dict(boundary_codec="outliers8+int4"),  # one scale per token: valid at every H
     "outliers8_int3g71_ap": dict(boundary_codec="outliers8+int3g71"),
