@@ -17,6 +17,8 @@ from tests.tiny import tiny_llama
 
 SEED = 7
 
+pytestmark = pytest.mark.slow  # three multi-process launches
+
 
 def _calibrated(num_stages: int, codec: str):
     """The tiny model with ``codec`` attached and fitted on one dense batch (the same in every process)."""

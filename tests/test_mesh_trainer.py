@@ -282,6 +282,7 @@ def test_the_same_script_runs_under_accelerate_launch_with_its_own_lighthouse(tm
     )
 
 
+@pytest.mark.slow
 def test_a_composed_codec_runs_on_the_mesh_with_one_geometry_per_boundary_and_resumes_exactly(tmp_path):
     """``--boundary_codec`` on a launched 2×2 mesh: a calibration pass gives both sides of the boundary the
     sender's fit (bit for bit, as the rank checkpoints show), the wire carries exactly the codec's message,

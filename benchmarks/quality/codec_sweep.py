@@ -32,6 +32,8 @@ ROWS: dict[str, dict] = {
     "outliers8_int4g71_ap": dict(boundary_codec="outliers8+int4g71"),
     "outliers8_int4g71": dict(boundary_codec="outliers8+int4g71", anchor=False),
     "outliers8_int8_ap": dict(boundary_codec="outliers8+int8"),
+    "outliers8_int8": dict(boundary_codec="outliers8+int8", anchor=False),
+    "dense_ap": dict(mask_ratio=0.0),  # the anchor prior on a dense boundary: what AP itself does
     # PCA as a rotation: all but the weakest directions, int4 with one scale per group of directions of like variance
     "outliers8_pca560_int4g70_ap": dict(boundary_codec="outliers8+pca560+int4g70"),
     "outliers8_pca456_int4g57_ap": dict(boundary_codec="outliers8+pca456+int4g57"),
@@ -49,6 +51,7 @@ ROWS: dict[str, dict] = {
     # a second seed (data order, sampling) for the rows that decide the default
     "dense_seed1": dict(mask_ratio=0.0, anchor=False, seed=1),
     "outliers8_int8_ap_seed1": dict(boundary_codec="outliers8+int8", seed=1),
+    "outliers8_int4g71_seed1": dict(boundary_codec="outliers8+int4g71", anchor=False, seed=1),
     "outliers8_int4g71_ap_seed1": dict(boundary_codec="outliers8+int4g71", seed=1),
 }
 
