@@ -93,5 +93,32 @@ def table() -> str:
     return before_line(rows, 4) + "\n".join(lines) + "\n"
 
 
+def plot(path: Path) -> None:
+    """Dense eval loss vs bytes per token and boundary (log), one marker per anchor setting, Dense as a line."""
+    from hf_meshtune.report_plots import _figure, _save
+
+    rows, dense, _ = load_rows(OUT)
+    fig, ax = _figure((7.0, 4.2))
+    for anchor, marker in ((False, "o"), (True, "^")):
+        points = [
+            (bf16_bytes(ROWS[n]), r["dense_eval_loss_after"], n)
+            for n, r in rows.items()
+            if n in ROWS and ROWS[n].get("seed", 0) == 0 and ROWS[n].get("anchor", True) == anchor
+        ]
+        ax.scatter([p[0] for p in points], [p[1] for p in points], marker=marker, label=f"anchor prior {anchor}")
+        for x, y, name in points:
+            ax.annotate(ROWS[name].get("boundary_codec") or name, (x, y), fontsize=6, xytext=(3, 3),
+                        textcoords="offset points")  # fmt: skip
+    if dense:
+        ax.axhline(dense["dense_eval_loss_after"], color="grey", linestyle="--", label="Dense")
+        ax.axhline(dense["dense_eval_loss_after"] * 1.01, color="grey", linestyle=":", label="Dense + 1 %")
+    ax.set_xscale("log")
+    ax.set(xlabel="bytes per token and boundary (bf16 wire)", ylabel="dense eval loss after (GSM8K)",
+           title="SmolLM2-135M main job: quality vs boundary bytes")  # fmt: skip
+    ax.legend(fontsize="small")
+    _save(fig, path)
+
+
 if __name__ == "__main__":
     main(ROWS, OUT, table, sys.argv[1:])
+    plot(OUT / "quality_vs_bytes.png")
