@@ -420,7 +420,8 @@ def _ranks_with_different_knobs() -> None:
     _require_same_settings(store, MeshTopology(2, 2, anchor=False), 1, settings(0.95))
 
 
-def _allreduce_in_replica_job() -> None:
+def _allreduce_on_rank0(topology: MeshTopology) -> None:
+    """run_worker of mesh rank 0 with dp_mode='allreduce' on ``topology``, without any process group."""
     from hf_meshtune.runtime.bootstrap import run_worker
     from hf_meshtune.runtime.settings import RunSettings
     from hf_meshtune.topology import MeshGroups
@@ -433,8 +434,12 @@ def _allreduce_in_replica_job() -> None:
         max_steps=1,
         dp_mode="allreduce",
     )
-    groups = MeshGroups(MeshTopology(3, 2, anchor=False, job_replica=0), rank=0, replica=0, stage=0, pp_group=None)
+    groups = MeshGroups(topology, rank=0, replica=0, stage=0, pp_group=None)
     run_worker(tiny_llama(), groups, settings, lambda step: None)
+
+
+def _allreduce_in_replica_job() -> None:
+    _allreduce_on_rank0(MeshTopology(3, 2, anchor=False, job_replica=0))
 
 
 def _replica_job_without_lighthouse() -> None:
@@ -525,20 +530,7 @@ def dp_peers_in_a_replica_job() -> None:
 
 
 def _allreduce_without_peer_groups() -> None:
-    from hf_meshtune.runtime.bootstrap import run_worker
-    from hf_meshtune.runtime.settings import RunSettings
-    from hf_meshtune.topology import MeshGroups
-
-    settings = RunSettings(
-        config=MeshConfig(anchor=False, num_stages=2),
-        microbatch_size=1,
-        microbatches=1,
-        seq_len=8,
-        max_steps=1,
-        dp_mode="allreduce",
-    )
-    groups = MeshGroups(MeshTopology(2, 2, anchor=False), rank=0, replica=0, stage=0, pp_group=None)
-    run_worker(tiny_llama(), groups, settings, lambda step: None)
+    _allreduce_on_rank0(MeshTopology(2, 2, anchor=False))
 
 
 # --- model types --------------------------------------------------------------------------------------

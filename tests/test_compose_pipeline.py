@@ -9,10 +9,9 @@ import torch
 from hf_meshtune.boundary.compose.handle import attach_composed
 from hf_meshtune.boundary.compose.spec import parse_codec
 from hf_meshtune.comm.wire import Wire
-from hf_meshtune.pipeline.schedule import MeshStage, build_schedule
-from hf_meshtune.pipeline.stage import StageModule, causal_lm_loss, stage_parameter_names
+from hf_meshtune.pipeline.stage import StageModule
 from hf_meshtune.topology import MeshTopology
-from tests.test_pipeline import BATCH, HIDDEN, LAYERS, MICRO, SEQ, _batch
+from tests.test_pipeline import BATCH, HIDDEN, LAYERS, MICRO, SEQ, _batch, run_stage
 from tests.tiny import tiny_llama
 
 SEED = 7
@@ -73,31 +72,7 @@ def _worker(rank: int, world: int, codec: str, steps: int) -> dict:
         codecs[stage] if stage < world - 1 else None,
     )
     wire = _RecordingWire()
-    pipe = MeshStage(
-        module,
-        group=groups.pp_group,
-        device=torch.device("cpu"),
-        microbatch_size=MICRO,
-        seq_len=SEQ,
-        dtype=torch.float32,
-        wire=wire,
-    )
-    schedule = build_schedule(pipe, BATCH // MICRO, causal_lm_loss(model))
-    losses = []
-    for step in range(steps):
-        model.zero_grad()
-        module.step = step
-        ids = _batch(step)
-        out: list = []
-        if stage == 0:
-            schedule.step(ids)
-        elif stage == world - 1:
-            schedule.step(target=ids, losses=out)
-        else:
-            schedule.step()
-        losses.append(float(sum(v.item() for v in out) / len(out)) if out else None)
-    grads = {n: p.grad.clone() for n, p in stage_parameter_names(model, module).items() if p.grad is not None}
-    return {"losses": losses, "grads": grads, "sent": wire.tensors, "wire": wire.to_dict()}
+    return {**run_stage(model, module, groups.pp_group, world, steps, wire), "sent": wire.tensors}
 
 
 @pytest.mark.parametrize(

@@ -53,10 +53,16 @@ def _pipeline_worker(rank: int, world: int, steps: int) -> dict:
     module = StageModule(
         model, stage, world, masks[stage - 1] if stage > 0 else None, masks[stage] if stage < world - 1 else None
     )
-    wire = Wire()
+    return run_stage(model, module, groups.pp_group, world, steps, Wire())
+
+
+def run_stage(model, module: StageModule, group, world: int, steps: int, wire: Wire) -> dict:
+    """``steps`` pipeline steps of this rank's ``module`` on ``_batch(step)``: last-stage losses, this
+    stage's gradients after the last step, and the wire's counters."""
+    stage = module.stage
     pipe = MeshStage(
         module,
-        group=groups.pp_group,
+        group=group,
         device=torch.device("cpu"),
         microbatch_size=MICRO,
         seq_len=SEQ,

@@ -93,6 +93,8 @@ class BoundaryHooks:
 
     enabled: bool
     boundary_layers: list[int]
+    microbatch: int
+    counter: PayloadCounter
     _hooks: list
 
     @contextlib.contextmanager
@@ -111,6 +113,23 @@ class BoundaryHooks:
 
     def _is_training_forward(self, module: nn.Module) -> bool:
         return module.training and self.enabled and torch.is_grad_enabled()
+
+    def _on_model_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """A training forward of the whole model is the next microbatch; its tokens are counted."""
+        if not self._is_training_forward(module):
+            return
+        self.microbatch += 1
+        inputs = kwargs.get("input_ids", args[0] if args else None)
+        if inputs is None and kwargs.get("inputs_embeds") is not None:
+            inputs = kwargs["inputs_embeds"][..., 0]
+        if isinstance(inputs, torch.Tensor):
+            self.counter.tokens += inputs.numel()
+
+    def dense_boundary_tokens(self, model: nn.Module, batch: dict) -> list[torch.Tensor]:
+        """``dense_boundary_outputs`` at the real tokens only (``attention_mask`` == 1 when given)."""
+        hidden = self.dense_boundary_outputs(model, batch)
+        real = batch.get("attention_mask")
+        return hidden if real is None else [h[real.to(h.device).bool()] for h in hidden]
 
     @torch.no_grad()
     def dense_boundary_outputs(self, model: nn.Module, batch: dict) -> list[torch.Tensor]:
@@ -216,16 +235,6 @@ class BoundaryHandle(BoundaryHooks):
         for mask, fill_state, protected in zip(self.masks, state["fills"], state["protected"]):
             mask.fill.load_state_dict(fill_state)
             mask.protected = None if protected is None else protected.clone()
-
-    def _on_model_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if not self._is_training_forward(module):
-            return
-        self.microbatch += 1
-        inputs = kwargs.get("input_ids", args[0] if args else None)
-        if inputs is None and kwargs.get("inputs_embeds") is not None:
-            inputs = kwargs["inputs_embeds"][..., 0]
-        if isinstance(inputs, torch.Tensor):
-            self.counter.tokens += inputs.numel()
 
     def _on_layer_output(self, mask: BoundaryMask, module: nn.Module, args: tuple, output):
         hidden = output[0] if isinstance(output, tuple) else output

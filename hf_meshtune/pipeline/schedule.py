@@ -36,29 +36,20 @@ class MeshStage(PipelineStage):
         anchor: bool = False,
     ) -> None:
         stage, num_stages = module.stage, module.num_stages
+
+        def payload(side: str) -> torch.Tensor:  # requires_grad marks the payload as differentiable
+            width = module.payload_width(side, dtype)
+            return torch.zeros(microbatch_size, seq_len, width, dtype=dtype, device=device, requires_grad=True)
+
         if stage == 0:
             example_in = torch.zeros(microbatch_size, seq_len, dtype=torch.long, device=device)
         else:
-            example_in = torch.zeros(
-                microbatch_size,
-                seq_len,
-                module.payload_width("in", dtype),
-                dtype=dtype,
-                device=device,
-                requires_grad=True,
-            )
+            example_in = payload("in")
         if stage == num_stages - 1:
             vocab = module.config.get_text_config().vocab_size
             example_out = torch.zeros(microbatch_size, seq_len, vocab, dtype=dtype, device=device)
         else:
-            example_out = torch.zeros(
-                microbatch_size,
-                seq_len,
-                module.payload_width("out", dtype),
-                dtype=dtype,
-                device=device,
-                requires_grad=True,
-            )  # marks the payload as differentiable
+            example_out = payload("out")
         super().__init__(module, stage, num_stages, device, input_args=example_in, output_args=example_out, group=group)
         self.wire = wire
         self.fwd_circuit, self.bwd_circuit = ("anchor", "anchor") if anchor else ("pp_fwd", "pp_bwd")

@@ -66,7 +66,7 @@ class CodecHandle(BoundaryHooks):
         given). Calling it again refreshes a PCA basis (another ``basis_bytes`` on a real mesh) and
         re-initialises a bottleneck.
         """
-        for codec, hidden in zip(self.codecs, self._boundary_activations(model, batch)):
+        for codec, hidden in zip(self.codecs, self.dense_boundary_tokens(model, batch)):
             if codec.needs_fit:
                 codec.fit(hidden)
 
@@ -82,11 +82,6 @@ class CodecHandle(BoundaryHooks):
         )
         for codec, codec_state in zip(self.codecs, state["codecs"]):
             codec.load_codec_state(codec_state)
-
-    def _boundary_activations(self, model: nn.Module, batch: dict) -> list[Tensor]:
-        hidden = self.dense_boundary_outputs(model, batch)
-        real = batch.get("attention_mask")
-        return hidden if real is None else [h[real.to(h.device).bool()] for h in hidden]
 
     def _on_model_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if not self._is_training_forward(module):

@@ -56,6 +56,7 @@ class ComposedCodec:
         self.std: Tensor | None = None
         self.basis: Tensor | None = None
         self.fits = 0  # how many times the geometry was fitted or loaded
+        self._device_cache: dict[str, dict[str, Tensor | None]] = {}
 
     # --- geometry ---------------------------------------------------------------------------------
     @property
@@ -110,13 +111,10 @@ class ComposedCodec:
         self.fits += 1
 
     def _on(self, device: torch.device) -> dict[str, Tensor | None]:
-        cache = getattr(self, "_device_cache", None)
-        if cache is None:
-            cache = self._device_cache = {}
         key = str(device)
-        if key not in cache:
-            cache[key] = {k: None if v is None else v.to(device) for k, v in self.geometry().items()}
-        return cache[key]
+        if key not in self._device_cache:
+            self._device_cache[key] = {k: None if v is None else v.to(device) for k, v in self.geometry().items()}
+        return self._device_cache[key]
 
     # --- sizes ------------------------------------------------------------------------------------
     def payload_bytes(self, dtype: torch.dtype) -> int:
@@ -137,10 +135,24 @@ class ComposedCodec:
             "which MeshTrainer, MeshAccelerator and the mesh run before the first step; alone: fit() or calibrate())",
         )
 
-    def _analysis(self, h: Tensor) -> tuple[Tensor, Tensor]:
+    def _split(self, h: Tensor) -> tuple[dict[str, Tensor | None], Tensor, Tensor]:
+        """(the geometry on h's device, h's outlier dims, its other dims in float32)."""
         g = self._on(h.device)
-        y = h[..., g["outlier_dims"]] if self.spec.outliers else h[..., :0]
-        rest = h[..., g["rest_dims"]].float() if self.spec.outliers else h.float()
+        if not self.spec.outliers:
+            return g, h[..., :0], h.float()
+        return g, h[..., g["outlier_dims"]], h[..., g["rest_dims"]].float()
+
+    def _merge(self, g: dict[str, Tensor | None], y: Tensor, rest: Tensor, dtype: torch.dtype) -> Tensor:
+        """Inverse of ``_split``: outlier and other dims back into one [..., H] tensor of ``dtype``."""
+        if not self.spec.outliers:
+            return rest.to(dtype)
+        out = torch.empty(*rest.shape[:-1], self.hidden_size, dtype=dtype, device=rest.device)
+        out[..., g["outlier_dims"]] = y.to(dtype)
+        out[..., g["rest_dims"]] = rest.to(dtype)
+        return out
+
+    def _analysis(self, h: Tensor) -> tuple[Tensor, Tensor]:
+        g, y, rest = self._split(h)
         if self.spec.projection is None:
             return y, rest
         centred = rest - g["mean"]
@@ -155,18 +167,11 @@ class ComposedCodec:
             if g["std"] is not None:
                 rest = rest * g["std"]
             z = rest + g["mean"]
-        if not self.spec.outliers:
-            return z.to(dtype)
-        out = torch.empty(*z.shape[:-1], self.hidden_size, dtype=dtype, device=z.device)
-        out[..., g["outlier_dims"]] = y.to(dtype)
-        out[..., g["rest_dims"]] = z.to(dtype)
-        return out
+        return self._merge(g, y, z, dtype)
 
     def _gradient_analysis(self, g_h: Tensor) -> tuple[Tensor, Tensor]:
         """Sᵀ: the receiver's dense gradient → (g_O, g_z)."""
-        g = self._on(g_h.device)
-        y = g_h[..., g["outlier_dims"]] if self.spec.outliers else g_h[..., :0]
-        rest = g_h[..., g["rest_dims"]].float() if self.spec.outliers else g_h.float()
+        g, y, rest = self._split(g_h)
         if self.spec.projection is None:
             return y, rest
         if g["std"] is not None:
@@ -180,12 +185,7 @@ class ComposedCodec:
             z = z @ g["basis"].T
             if g["std"] is not None:
                 z = z / g["std"]
-        if not self.spec.outliers:
-            return z.to(dtype)
-        out = torch.empty(*z.shape[:-1], self.hidden_size, dtype=dtype, device=z.device)
-        out[..., g["outlier_dims"]] = y.to(dtype)
-        out[..., g["rest_dims"]] = z.to(dtype)
-        return out
+        return self._merge(g, y, z, dtype)
 
     def _pack(self, y: Tensor, z: Tensor, dtype: torch.dtype, noise: Tensor | None) -> Tensor:
         spec = self.spec

@@ -53,10 +53,8 @@ class ComposedHandle(BoundaryHooks):
     @torch.no_grad()
     def calibrate(self, model: nn.Module, batch: dict) -> None:
         """Fit every codec's geometry on one dense forward of ``batch`` (real tokens only)."""
-        hidden = self.dense_boundary_outputs(model, batch)
-        real = batch.get("attention_mask")
-        for codec, h in zip(self.codecs, hidden):
-            codec.fit(h if real is None else h[real.to(h.device).bool()])
+        for codec, hidden in zip(self.codecs, self.dense_boundary_tokens(model, batch)):
+            codec.fit(hidden)
 
     def set_up(self, model: nn.Module, first_batch: Callable[[], dict]) -> None:
         """Before training: calibrate on ``first_batch()`` unless the codecs need nothing or a checkpoint
@@ -80,16 +78,6 @@ class ComposedHandle(BoundaryHooks):
         for codec, geometry in zip(self.codecs, state["codecs"]):
             if geometry["rest_dims"] is not None:
                 codec.load_geometry(geometry)
-
-    def _on_model_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if not self._is_training_forward(module):
-            return
-        self.microbatch += 1
-        inputs = kwargs.get("input_ids", args[0] if args else None)
-        if inputs is None and kwargs.get("inputs_embeds") is not None:
-            inputs = kwargs["inputs_embeds"][..., 0]
-        if isinstance(inputs, Tensor):
-            self.counter.tokens += inputs.numel()
 
     def _on_layer_output(self, codec: ComposedCodec, module: nn.Module, args: tuple, output: Any) -> Any:
         if not self._is_training_forward(module):
