@@ -798,6 +798,25 @@ def attach_composed_to_tiny(codec: str) -> Callable[[], object]:
     return lambda: attach_composed(tiny_llama(), 2, codec)
 
 
+def composed(call: str) -> Callable[[], object]:
+    """A trigger on the composed codec's pieces at H = 64 (``call`` names which)."""
+    from hf_meshtune.boundary.compose import ComposedCodec, parse_codec
+    from hf_meshtune.boundary.compose.handle import attach_composed
+    from hf_meshtune.boundary.masking import BoundaryMask
+    from hf_meshtune.pipeline.stage import StageModule
+
+    calls = {
+        "mask spec": lambda: ComposedCodec(parse_codec("mask0.9"), 0, 64),
+        "one token": lambda: ComposedCodec(parse_codec("outliers2+int4"), 0, 64).fit(torch.zeros(1, 64)),
+        "other width": lambda: ComposedCodec(parse_codec("outliers2+int4"), 0, 64).fit(torch.zeros(4, 32)),
+        "state": lambda: attach_composed(tiny_llama(), 4, "int4").load_state_dict({"step": 0, "codecs": []}),
+        "both": lambda: StageModule(
+            tiny_llama(), 0, 2, None, BoundaryMask(0, 0.5), None, ComposedCodec(parse_codec("int4"), 0, 64)
+        ),
+    }
+    return calls[call]
+
+
 def unfitted_codec_runs() -> object:
     from hf_meshtune.boundary.compose import ComposedCodec, parse_codec
 
@@ -2890,6 +2909,47 @@ def _cases() -> list[Case]:
             ValueError,
             "boundary_codec='outliers4+spca60+int4' is invalid: it must project on fewer than the 60 non-outlier dims "
             "(spca60 at H=64)",
+        ),
+        Case(
+            COMPOSED,
+            "ComposedCodec(parse_codec('mask0.9'), 0, 64)",
+            "`ComposedCodec(...)`",
+            composed("mask spec"),
+            ValueError,
+            "boundary_codec='mask0.9' is invalid: it must be a composed codec here (masks run on the mask path)",
+        ),
+        Case(
+            COMPOSED,
+            "fit on one token",
+            "`ComposedCodec.fit`",
+            composed("one token"),
+            ValueError,
+            "calibration tokens=1 is invalid: it must be >= 2 to fit the codec's geometry",
+        ),
+        Case(
+            COMPOSED,
+            "fit on activations of another width",
+            "`ComposedCodec.fit`",
+            composed("other width"),
+            ValueError,
+            "hidden_size=32 is invalid: it must equal the codec's hidden_size=64",
+        ),
+        Case(
+            COMPOSED,
+            "a codec state with another number of boundaries",
+            "`ComposedHandle.load_state_dict`",
+            composed("state"),
+            ValueError,
+            "state['codecs']=0 is invalid: it must hold one entry per boundary (3)",
+        ),
+        Case(
+            COMPOSED,
+            "StageModule with a mask and a codec",
+            "`StageModule(...)`",
+            composed("both"),
+            ValueError,
+            "boundary='a mask and a codec' is invalid: it must be masks (mask_in/mask_out) or composed codecs "
+            "(codec_in/codec_out) on one stage, not both",
         ),
         Case(
             COMPOSED,

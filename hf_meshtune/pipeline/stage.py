@@ -121,7 +121,10 @@ class StageModule(nn.Module):
         self.norm = base.norm if stage == num_stages - 1 else None
         self.lm_head = model.lm_head if stage == num_stages - 1 else None
         require(
-            not ((mask_in or mask_out) and (codec_in or codec_out)), "boundary", "mask and codec", "be one or the other"
+            not ((mask_in or mask_out) and (codec_in or codec_out)),
+            "boundary",
+            "a mask and a codec",
+            "be masks (mask_in/mask_out) or composed codecs (codec_in/codec_out) on one stage, not both",
         )
         self.mask_in, self.mask_out = mask_in, mask_out
         self.codec_in, self.codec_out = codec_in, codec_out
