@@ -96,6 +96,14 @@ class MeshArguments:
     anchor_microbatches: int | None = field(
         default=None, metadata={"help": "Microbatches per anchor gradient (default: gradient_accumulation_steps)."}
     )
+    anchor_lockstep: bool = field(
+        default=False,
+        metadata={
+            "help": "Mesh: take a snapshot every anchor_every fast steps and apply its dense gradient exactly "
+            "anchor_delay steps later, fast replicas waiting for a late one, so runs and resumes repeat bit for bit "
+            "(the single-process schedule). False = the paper: apply whatever has arrived, never wait."
+        },
+    )
     anchor_max_staleness: int | None = field(
         default=None,
         metadata={

@@ -1,5 +1,5 @@
 """Mesh checkpoints: one file per fast process, complete only when all are there, atomic, rotated
-safely; and resume through them: bit-exact without the anchor, the stated tolerance with it.
+safely; and resume through them: bit-exact without the anchor and with it in lockstep.
 
 The real runs are tiny-Llama meshes on ``meshtune launch`` (``tests/scripts/mesh_run.py``); the
 checkpoint bookkeeping is tested on its own on fake states first.
@@ -87,7 +87,7 @@ def test_a_checkpoint_of_another_mesh_or_a_damaged_file_is_refused_by_name(tmp_p
 # Real meshes
 # ---------------------------------------------------------------------------------------------
 STEPS = 16
-ANCHOR = {"anchor": True, "anchor_every": 2, "anchor_delay": 0, "spectral_tau": 1e-3}
+ANCHOR = {"anchor": True, "anchor_every": 2, "anchor_delay": 0, "anchor_lockstep": True, "spectral_tau": 1e-3}
 
 
 def _launch(mesh: str, out: Path, config: dict, **env: str) -> subprocess.Popen:
@@ -156,25 +156,28 @@ def test_a_mesh_killed_by_pid_resumes_bit_exactly_without_the_anchor(tmp_path):
         assert all(torch.equal(before.params[n], after.params[n]) for n in before.params)
 
 
-def test_a_resumed_mesh_with_the_anchor_continues_within_the_stated_tolerance(tmp_path):
-    """3x2 with the anchor: the resumed run's first step is bitwise the uninterrupted run's (same
-    parameters, optimizer, masks and anchor momentum); after it, anchor gradients arrive at other
-    moments than in the uninterrupted run, so the losses agree to the stated 2 % (relative)."""
+def test_a_resumed_mesh_with_the_anchor_in_lockstep_continues_bit_exactly(tmp_path):
+    """3x2 with the anchor in lockstep (a snapshot every 2 steps, its gradient applied at once): the
+    run resumed from step 8 repeats the uninterrupted one bit for bit — losses, fast parameters,
+    θ_global, the anchor's rounds (the snapshot of step 8 first, as the checkpoint holds it) and the
+    step at which each of its gradients was applied."""
     full, resumed = tmp_path / "full", tmp_path / "resumed"
     _finish(_launch("3x2", full, ANCHOR, CHECKPOINT_EVERY="8"))
     _finish(_launch("3x2", resumed, ANCHOR, RESUME_FROM=str(full / "checkpoint-8")))
     before, after = _results(full, 6), _results(resumed, 6)
     for b, a in zip(before, after):
-        if b.role == "anchor":  # its first round is on the checkpoint's snapshot; later ones follow its own clock
-            assert a.anchor_rounds[0] == 8 and len(a.anchor_rounds) >= 2
+        if b.role == "anchor":
+            assert b.anchor_rounds == list(range(0, STEPS + 1, 2)) and a.anchor_rounds == b.anchor_rounds[4:]
+            assert a.losses == b.losses[4:]
             continue
         assert a.first_step == 8 and a.steps == STEPS - 8
-        if b.losses:
-            assert a.losses[0] == b.losses[8]
-            worst = max(abs(x - y) / abs(y) for x, y in zip(a.losses, b.losses[8:]))
-            assert worst <= 0.02, (worst, a.losses, b.losses[8:])
+        assert b.arrivals == [(s, s) for s in range(0, STEPS, 2)] + [(STEPS, STEPS)]
+        assert a.arrivals == b.arrivals[4:]
+        assert a.losses == b.losses[8:]
         for mine, theirs in zip(b.global_params, a.global_params):
-            torch.testing.assert_close(theirs, mine, rtol=0.02, atol=0.02)
+            assert torch.equal(mine, theirs)
+        assert a.params.keys() == b.params.keys()
+        assert all(torch.equal(b.params[n], a.params[n]) for n in b.params)
 
 
 def test_a_rank_file_of_another_format_or_rank_is_refused_by_name(tmp_path):

@@ -4,7 +4,10 @@ Stage s of every fast replica receives the anchor's dense gradients G_anc of sta
 thread (``comm.mailbox.Receiver``) and, once per fast step, ``drain`` hands whatever has arrived to
 ``SpectralAdamW.update_anchor`` with its staleness (fast steps between its snapshot and now). Fast
 replica 0 also ``forward``s every committed DiLoCo sync to the anchor's stage s, which replays it
-(``anchor.follower``). Nothing here ever waits for the anchor during a step. A broken link means the
+(``anchor.follower``). Nothing here ever waits for the anchor during a step, except with
+``anchor_lockstep``: then the gradient of snapshot s (every multiple of ``anchor_every``) is applied
+at exactly fast step s + ``anchor_delay``, waited for if it is late, and fast replica 0 ``tick``s the
+anchor after each such step so it knows θ_global of s is complete. A broken link means the
 anchor replica is gone (``meshtune launch --optional-replica``): the fast side warns once and trains on.
 """
 
@@ -15,9 +18,10 @@ from collections.abc import Callable
 
 from torch import nn
 
+from .._validation import require
 from ..comm.errors import is_link_error
 from ..comm.mailbox import Receiver, Sender
-from ..comm.messages import DATA, GRADIENTS, STOP, UPDATES, flatten, unflatten
+from ..comm.messages import DATA, GRADIENTS, STOP, TICK, UPDATES, flatten, unflatten
 from ..comm.wire import Wire
 from ..dp.outer import OuterUpdate
 from ..pipeline.stage import StageModule, stage_parameter_names
@@ -36,7 +40,8 @@ class FastAnchorLink:
     """Stage ``stage`` of fast replica ``replica``'s end of the anchor link (``forwards``: replica 0).
 
     ``arrivals`` lists (fast step on arrival, snapshot step) of every gradient applied; ``lost_at``
-    the fast step at which the link broke (None while it holds).
+    the fast step at which the link broke (None while it holds). ``lockstep`` = (``anchor_every``,
+    ``anchor_delay``) for the lockstep schedule, None for the paper's (apply what has arrived).
     """
 
     def __init__(
@@ -49,6 +54,7 @@ class FastAnchorLink:
         forwards: bool,
         who: str,
         max_staleness: int | None,
+        lockstep: tuple[int, int] | None = None,
     ) -> None:
         numel = sum(p.numel() for _, p in matrices)
         self.matrices, self.anchor_rank, self.who, self.max_staleness = matrices, anchor_rank, who, max_staleness
@@ -56,21 +62,51 @@ class FastAnchorLink:
         self.outbox = Sender(wire, group, "anchor") if forwards else None
         self.arrivals: list[tuple[int, int]] = []
         self.lost_at: int | None = None
+        self.lockstep = lockstep
+        self.expected: int | None = None  # lockstep: the next snapshot whose gradient is due
 
-    def drain(self, optimizer, step: int) -> None:
-        """Every gradient that has arrived goes into the optimizer's anchor momentum (never waits)."""
-        for message in self.inbox.ready():
-            if message is None:
-                if self.inbox.error is not None and is_link_error(self.inbox.error):
-                    self._lost(self.inbox.error, step)
-                continue
-            header, payload = message
-            grads = unflatten(payload, [p.shape for _, p in self.matrices])
-            optimizer.update_anchor(
-                {p: g.to(p.device, p.dtype) for (_, p), g in zip(self.matrices, grads)},
-                staleness=step - header.snapshot,
+    def drain(self, optimizer, step: int, *, final: bool = False) -> None:
+        """Every gradient that has arrived goes into the optimizer's anchor momentum (never waits).
+        Lockstep: exactly the gradients due by ``step``, waiting for each (``final``: all that came)."""
+        if self.lockstep is None or final:
+            for message in self.inbox.ready():
+                self._take(message, optimizer, step)
+            return
+        every, delay = self.lockstep
+        if self.expected is None:  # the first step of this run (0, or the step a resumed run starts from)
+            self.expected = -(-step // every) * every
+        while self.lost_at is None and self.expected + delay <= step:
+            message = self.inbox.next()
+            if message is None:  # the link broke (a STOP only comes after ours, at the end)
+                self._take(message, optimizer, step)
+                return
+            require(
+                message[0].snapshot == self.expected,
+                "anchor gradient snapshot",
+                message[0].snapshot,
+                f"be the lockstep schedule's next one, {self.expected} (anchor_every={every})",
             )
-            self.arrivals.append((step, header.snapshot))
+            self._take(message, optimizer, step)
+            self.expected += every
+
+    def _take(self, message, optimizer, step: int) -> None:
+        if message is None:
+            if self.inbox.error is not None and is_link_error(self.inbox.error):
+                self._lost(self.inbox.error, step)
+            return
+        header, payload = message
+        grads = unflatten(payload, [p.shape for _, p in self.matrices])
+        optimizer.update_anchor(
+            {p: g.to(p.device, p.dtype) for (_, p), g in zip(self.matrices, grads)},
+            staleness=step - header.snapshot,
+        )
+        self.arrivals.append((step, header.snapshot))
+
+    def tick(self, step: int) -> None:
+        """Replica 0, lockstep: θ_global after fast step ``step`` (a multiple of ``anchor_every``) is
+        complete: every update committed by then is queued ahead of this."""
+        if self.outbox is not None:
+            self.outbox.put(self.anchor_rank, UPDATES.header_tag, UPDATES.encode(TICK, step, -1, 0))
 
     def forward(self, update: OuterUpdate, step: int) -> None:
         """Replica 0: queue a committed sync (after fast step ``step``) for the anchor's stage."""

@@ -4,7 +4,9 @@ It keeps θ_global by replaying the outer updates fast replica 0 forwards (``Out
 rounds: on the freshest snapshot at least ``anchor_every`` fast steps after the previous one, its
 dense pipeline computes ∂L/∂θ on its own batch and sends the 2-D gradients to stage s of every fast
 replica. Anchor stage 0 picks each round's snapshot and tells the other anchor stages (``ROUNDS``),
-so all stages of a round use the same one.
+so all stages of a round use the same one. With ``anchor_lockstep`` the snapshots are every multiple
+of ``anchor_every`` instead (θ_global as of the TICK fast replica 0 sends after that step), none
+skipped: the rounds, their batches and their gradients are then a function of the fast run alone.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from torch import nn
 
 from .._validation import require
 from ..comm.mailbox import Receiver
-from ..comm.messages import DATA, GRADIENTS, ROUNDS, STOP, UPDATES, flatten, unflatten
+from ..comm.messages import DATA, GRADIENTS, ROUNDS, STOP, TICK, UPDATES, flatten, unflatten
 from ..config import require_saved_knobs
 from ..dp.outer import OuterUpdate
 from ..runtime.checkpoint import read_rank_state
@@ -40,6 +42,7 @@ class AnchorWorker(StageWorker):
         self.source = self.topology.rank(0, self.stage)  # fast replica 0 forwards the outer updates
         self.inbox = Receiver(self.wire, groups.link_group, self.source, UPDATES, lambda header: header.numel)
         self.applied_step = 0  # fast steps reflected in this stage's parameters
+        self.ticked = 0  # lockstep: θ_global is complete up to this fast step (the last TICK)
         self.first_round = 0
         self.stopped = False
         if settings.resume_from is not None:
@@ -51,19 +54,23 @@ class AnchorWorker(StageWorker):
         state = read_rank_state(checkpoint, self.topology.rank(0, self.stage), self.topology)
         require_saved_knobs(state["config"], self.settings.config, context=f"to resume from {checkpoint}")
         self.follower.load_state(state["diloco"]["fragments"])
-        self.applied_step = int(state["step"])
+        self.applied_step = self.ticked = int(state["step"])
         self.first_round = self.applied_step // self.settings.config.anchor_every
 
     def _apply(self, message) -> None:
         header, payload = message
+        if header.kind == TICK:
+            self.ticked = header.step
+            return
         rank = self.settings.config.dp_powersgd_rank
         tensors = unflatten(payload, update_shapes(self.fragment_shapes[header.fragment], rank))
         self.follower.apply(OuterUpdate(fragment=header.fragment, step=header.step, tensors=tensors, rank=rank))
         self.applied_step = header.step
 
     def _advance_to(self, target: int) -> None:
-        """Apply queued outer updates until this stage's parameters reflect fast step ``target``."""
-        while self.applied_step < target:
+        """Apply queued outer updates until this stage's parameters reflect fast step ``target``
+        (lockstep: up to the TICK of ``target``, so no update of a later step is in them)."""
+        while (self.ticked if self.settings.config.anchor_lockstep else self.applied_step) < target:
             message = self.inbox.next()
             require(
                 message is not None,
@@ -75,9 +82,12 @@ class AnchorWorker(StageWorker):
 
     def _choose_round(self, previous: int | None) -> int | None:
         """Stage 0: the snapshot of the next round (None = the fast circuit has stopped)."""
+        every = self.settings.config.anchor_every
+        if self.settings.config.anchor_lockstep:
+            return self._lockstep_round(previous, every)
         if previous is None:
             return self.applied_step  # 0, or the step a resumed run starts from
-        due = previous + self.settings.config.anchor_every
+        due = previous + every
         while self.applied_step < due:  # wait for a snapshot far enough ahead
             message = self.inbox.next()
             if message is None:
@@ -90,6 +100,18 @@ class AnchorWorker(StageWorker):
                 break
             self._apply(message)
         return self.applied_step
+
+    def _lockstep_round(self, previous: int | None, every: int) -> int | None:
+        """Stage 0, lockstep: the next multiple of ``anchor_every`` (the first at or after the start),
+        once its TICK is here (None = the fast circuit stopped first)."""
+        due = -(-self.applied_step // every) * every if previous is None else previous + every
+        while self.ticked < due:
+            message = self.inbox.next()
+            if message is None:
+                self.stopped = True
+                return None
+            self._apply(message)
+        return due
 
     def _next_round(self, previous: int | None) -> int | None:
         """Every anchor stage agrees on the next round's snapshot: stage 0 chooses, the others follow."""
@@ -114,7 +136,10 @@ class AnchorWorker(StageWorker):
     def run(self) -> MeshResult:
         previous: int | None = None
         round_index = self.first_round
+        lockstep, every = self.settings.config.anchor_lockstep, self.settings.config.anchor_every
         while (target := self._next_round(previous)) is not None:
+            if lockstep:  # every round is done, so its index follows from its snapshot
+                round_index = target // every
             self._round(round_index, target)
             previous, round_index = target, round_index + 1
         return self._finish_anchor()

@@ -5,7 +5,9 @@ float32 payload on the channel's payload tag. Three channels cross the anchor li
 
 * ``UPDATES`` (fast replica 0, stage s → anchor stage s): a committed DiLoCo sync in wire form,
   ``[kind, step, fragment, numel]``, ``step`` = the fast step after which it was committed, the
-  payload its ``numel`` values (``dp.outer.OuterUpdate.tensors``, flattened);
+  payload its ``numel`` values (``dp.outer.OuterUpdate.tensors``, flattened); with ``anchor_lockstep`` a
+  TICK header ``[TICK, step, -1, 0]`` (no payload) follows the last update of every ``step`` that is a
+  multiple of ``anchor_every``: θ_global after that many fast steps is complete;
 * ``GRADIENTS`` (anchor stage s → stage s of every fast replica): ``[kind, snapshot]`` and the
   stage's 2-D dense gradients of that snapshot, flattened in ``anchor_matrices`` order;
 * ``ROUNDS`` (anchor stage 0 → the other anchor stages): ``[snapshot]`` of the next round, -1 when
@@ -31,6 +33,7 @@ __all__ = [
     "GRADIENTS",
     "ROUNDS",
     "STOP",
+    "TICK",
     "UPDATES",
     "Channel",
     "GradientHeader",
@@ -40,7 +43,7 @@ __all__ = [
     "unflatten",
 ]
 
-STOP, DATA = 0, 1
+STOP, DATA, TICK = 0, 1, 2
 
 
 class UpdateHeader(NamedTuple):

@@ -135,6 +135,7 @@ class FastWorker(StageWorker):
             forwards=self.replica == 0,
             who=who,
             max_staleness=cfg.anchor_max_staleness,
+            lockstep=(cfg.anchor_every, cfg.anchor_delay) if cfg.anchor_lockstep else None,
         )
 
     # --- state: heals, checkpoints, resume ----------------------------------------------------------
@@ -255,7 +256,7 @@ class FastWorker(StageWorker):
         return step, loss
 
     def run(self) -> MeshResult:
-        s = self.settings
+        s, cfg = self.settings, self.settings.config
         tokens_per_step = s.microbatch_size * s.microbatches * s.seq_len
         logging = self.stage == self.topology.stages - 1 and self.replica == 0
         with self.diloco:
@@ -263,6 +264,8 @@ class FastWorker(StageWorker):
                 start = time.perf_counter()
                 step, loss = self._train_step(self._step)
                 self._step = step + 1
+                if self.anchor is not None and cfg.anchor_lockstep and self._step % cfg.anchor_every == 0:
+                    self.anchor.tick(self._step)
                 self._record_step(time.perf_counter() - start, tokens_per_step, loss, logging)
                 if s.checkpoint_every and self._step % s.checkpoint_every == 0:
                     save_rank_state(
@@ -296,7 +299,7 @@ class FastWorker(StageWorker):
         if self.anchor is not None:
             self.anchor.close(self._step)
             self._step = self.settings.max_steps
-            self.anchor.drain(self.optimizer, self._step)
+            self.anchor.drain(self.optimizer, self._step, final=True)
             self.result.arrivals = self.anchor.arrivals
             self.result.anchor_lost_at = self.anchor.lost_at
         result = self._finish(self._step)
