@@ -36,6 +36,7 @@ from .trainer import MeshTrainerMixin
 
 __all__ = ["MeshGRPOConfig", "MeshGRPOTrainer", "MeshGSPOConfig", "MeshSFTConfig", "MeshSFTTrainer"]
 
+CALIBRATION_PROMPTS = 64  # prompts a fitted boundary codec's geometry is fitted on before the first rollout
 _OPTIM_HELP = f"Optimizer: '{SPECTRAL_ADAMW}' (the anchor-filtered AdamW) or any transformers optimizer name."
 
 
@@ -103,13 +104,6 @@ class MeshGRPOConfig(MeshArguments, GRPOConfig):
             "rollout exists)",
         )
         codec = composed_codec(self)
-        require(
-            codec is None or not codec.needs_fit,
-            "boundary_codec",
-            self.boundary_codec,
-            "need no fitted geometry for GRPO/GSPO (outliers<N> and pca/spca are fitted on a training batch before "
-            "the first rollout exists); use a plain quantiser such as 'int8'",
-        )
         if self.mask_ratio > 0 or codec is not None:
             every = self.steps_per_generation * self.num_iterations
             require(
@@ -213,6 +207,24 @@ class MeshGRPOTrainer(_QuietAnchorLossMixin, MeshTrainerMixin, GRPOTrainer):
         self._validate_mesh_job_early(model, args)
         super().__init__(model, reward_funcs, args, *positional, **kwargs)
         self._setup_mesh()
+
+    def _set_up_masks(self) -> None:
+        """Before the first rollout exists: a composed codec's geometry is fitted on a dense forward of
+        the first training prompts, rendered as TRL renders them for generation (unless restored)."""
+        self.mesh_engine.set_up_masks(self._prompt_batch)
+
+    def _prompt_batch(self) -> dict:
+        """The first ``CALIBRATION_PROMPTS`` training prompts, chat-templated where conversational,
+        tokenized and padded (input_ids, attention_mask) on the model's device."""
+        from trl.data_utils import maybe_apply_chat_template
+
+        dataset = self.train_dataset
+        rows = [dataset[i] for i in range(min(CALIBRATION_PROMPTS, len(dataset)))]
+        texts = [maybe_apply_chat_template(row, self.processing_class)["prompt"] for row in rows]
+        tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
+        encoded = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        device = next(self.model.parameters()).device
+        return {"input_ids": encoded["input_ids"].to(device), "attention_mask": encoded["attention_mask"].to(device)}
 
     def _anchor_batches(self, microbatches: int | None = None):
         """Round r → the rollouts of the current generation batch (TRL buffers one slice per

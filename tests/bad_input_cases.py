@@ -2971,16 +2971,6 @@ def _cases() -> list[Case]:
             "boundary_codec='outliers8+int4' (the mesh draws its own batches from the training loader's dataset); "
             "pass the training DataLoader there",
         ),
-        Case(
-            COMPOSED,
-            "MeshGRPOConfig(boundary_codec='outliers8+int4')",
-            "`MeshGRPOConfig(...)`",
-            mesh_config_of("MeshGRPOConfig", boundary_codec="outliers8+int4"),
-            ValueError,
-            "boundary_codec='outliers8+int4' is invalid: it must need no fitted geometry for GRPO/GSPO (outliers<N> "
-            "and pca/spca are fitted on a training batch before the first rollout exists); use a plain quantiser such "
-            "as 'int8'",
-        ),
         # --- boundary codecs -----------------------------------------------------------------------------
         Case(
             CODECS,

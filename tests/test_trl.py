@@ -276,6 +276,30 @@ def test_the_gspo_anchor_gradient_is_the_dense_gradient_of_the_loss_on_the_rollo
     assert pending.snapshot_step == 1 and set(pending.grads) == set(names)
 
 
+def test_gspo_fits_a_composed_codec_on_the_first_prompts_and_trains_through_it(tokenizer, tmp_path):
+    """Before any rollout, the codec's outlier dims and mean are fitted on a dense forward of the first
+    training prompts as TRL renders them: the same geometry as a fit on those prompts done here."""
+    from hf_meshtune.boundary.compose.codec import ComposedCodec
+    from hf_meshtune.boundary.compose.spec import parse_codec
+    from hf_meshtune.trl_trainers import CALIBRATION_PROMPTS
+
+    trainer = grpo(tokenizer, tmp_path / "codec", boundary_codec="outliers2+spca8+int4")
+    batch = trainer._prompt_batch()
+    assert batch["input_ids"].shape[0] == min(CALIBRATION_PROMPTS, len(trainer.train_dataset))
+    text = tokenizer.decode(batch["input_ids"][0][batch["attention_mask"][0].bool()])
+    assert text.startswith("<|im_start|>") and text.rstrip().endswith("<|im_start|>assistant")  # the chat prompt
+    reference = ComposedCodec(parse_codec("outliers2+spca8+int4"), 0, 32)
+    reference.fit(trainer.mesh_boundaries.dense_boundary_tokens(trainer.model, batch)[0])
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    fitted = trainer.mesh_boundaries.codecs[0].geometry()
+    for name, value in reference.geometry().items():
+        assert torch.equal(fitted[name].cpu(), value.cpu()), name
+    logs = [e for e in trainer.state.log_history if "loss" in e]
+    assert logs and logs[0]["comm/measured_pp_fwd_bytes_per_token"] == parse_codec("outliers2+spca8+int4").payload_bytes(32, 4)
+    assert any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
+
+
 def test_gspo_with_lora_saves_an_adapter_and_uses_the_disabled_adapter_as_reference(tokenizer, tmp_path):
     from peft import PeftModel
 

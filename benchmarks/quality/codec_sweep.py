@@ -37,11 +37,18 @@ ROWS: dict[str, dict] = {
     # PCA as a rotation: all but the weakest directions, int4 with one scale per group of directions of like variance
     "outliers8_pca560_int4g70_ap": dict(boundary_codec="outliers8+pca560+int4g70"),
     "outliers8_pca456_int4g57_ap": dict(boundary_codec="outliers8+pca456+int4g57"),
+    "outliers8_pca512_int4g64": dict(boundary_codec="outliers8+pca512+int4g64", anchor=False),  # 288 B: 4.0×
+    "outliers8_pca448_int4g56": dict(boundary_codec="outliers8+pca448+int4g56", anchor=False),  # 256 B: 4.5×
     "outliers8_int4g71sr_ap": dict(boundary_codec="outliers8+int4g71sr"),  # stochastic rounding backward
     "outliers8_int4_ap": dict(boundary_codec="outliers8+int4"),  # one scale per token: valid at every H
     "outliers8_int3g71_ap": dict(boundary_codec="outliers8+int3g71"),
     "outliers8_int3_ap": dict(boundary_codec="outliers8+int3"),
     "outliers8_int3g71": dict(boundary_codec="outliers8+int3g71", anchor=False),
+    "outliers8_int3": dict(boundary_codec="outliers8+int3", anchor=False),
+    "outliers8_int4": dict(boundary_codec="outliers8+int4", anchor=False),
+    "outliers8_int2g71": dict(boundary_codec="outliers8+int2g71", anchor=False),
+    # the anchor prior's filter at a milder setting: 70 % of the raw gradient kept (the default keeps 30 %)
+    "outliers8_int4g71_ap_alpha07": dict(boundary_codec="outliers8+int4g71", spectral_alpha=0.7),
     "outliers8_int2g71_ap": dict(boundary_codec="outliers8+int2g71"),
     "outliers8_spca226_int4_ap": dict(boundary_codec="outliers8+spca226+int4"),
     "outliers8_spca226_int4": dict(boundary_codec="outliers8+spca226+int4", anchor=False),
@@ -53,6 +60,8 @@ ROWS: dict[str, dict] = {
     "outliers8_int8_ap_seed1": dict(boundary_codec="outliers8+int8", seed=1),
     "outliers8_int4g71_seed1": dict(boundary_codec="outliers8+int4g71", anchor=False, seed=1),
     "outliers8_int4g71_ap_seed1": dict(boundary_codec="outliers8+int4g71", seed=1),
+    "outliers8_int3g71_seed1": dict(boundary_codec="outliers8+int3g71", anchor=False, seed=1),
+    "outliers8_int3_seed1": dict(boundary_codec="outliers8+int3", anchor=False, seed=1),
 }
 
 
