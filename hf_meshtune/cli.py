@@ -181,16 +181,17 @@ def _add_demo_parser(subparsers: argparse._SubParsersAction) -> None:
 
     p = subparsers.add_parser(
         "demo",
-        help="fine-tune the embedded SmolLM2-135M on GSM8K with M95 + anchor prior",
+        help="fine-tune the embedded SmolLM2-135M on GSM8K through compressed boundaries (--preset paper: M95 + "
+        "anchor prior)",
         description="The main job on the embedded default (no hub access): prints the dense eval loss "
         "before/after, the masked training loss and the byte ledger; writes summary.json.",
     )
     for f in fields(DemoSettings):
         flag = "--" + f.name.replace("_", "-")
-        if f.type in ("bool", bool):
+        if str(f.type) in ("bool", "bool | None"):
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
         else:
-            kind = {"int": int, "float": float, "str": str, "str | None": str}[str(f.type)]
+            kind = {"int": int, "float": float, "float | None": float, "str": str, "str | None": str}[str(f.type)]
             p.add_argument(flag, type=kind, default=f.default, help=f"(default {f.default})")
     p.set_defaults(handler=run_demo)
 

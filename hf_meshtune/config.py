@@ -23,6 +23,8 @@ from .topology import in_replica_zero_job
 
 __all__ = [
     "ANCHOR_PAYLOADS",
+    "PRESETS",
+    "QUALITY_CODEC",
     "SPECTRAL_ADAMW",
     "MeshArguments",
     "MeshConfig",
@@ -32,6 +34,14 @@ __all__ = [
 ]
 
 SPECTRAL_ADAMW = "spectral_adamw"
+# What `preset` fills in for the knobs left unset (None): "quality" = the cheapest boundary measured to
+# keep Dense's quality (benchmarks/quality/codec_sweep), "paper" = the literal method (M95, zero fill,
+# anchor prior). Knobs given explicitly always win.
+QUALITY_CODEC = "outliers8+int8"
+PRESETS = {
+    "quality": {"boundary_codec": QUALITY_CODEC, "mask_ratio": 0.0, "anchor": False},
+    "paper": {"boundary_codec": None, "mask_ratio": 0.95, "anchor": True},
+}
 ANCHOR_PAYLOADS = ("gradient", "factors")
 # A built-in optimizer name that lets TrainingArguments.__post_init__ run for ours (its `optim`
 # field is a closed enum): swapped in before and back out after.
@@ -40,13 +50,24 @@ _STAND_IN_OPTIM = "adamw_torch"
 
 @dataclass
 class MeshArguments:
-    """The mesh knobs (docs/design.md, "The four mechanisms"). Paper defaults unless stated."""
+    """The mesh knobs (docs/design.md, "The four mechanisms"). ``preset`` fills in the boundary and
+    the anchor when they are left unset; the other defaults are the paper's unless stated."""
 
-    # --- pipeline boundaries (PP compression) ---
-    mask_ratio: float = field(
-        default=0.95,
+    preset: str = field(
+        default="paper",
         metadata={
-            "help": "p: fraction of hidden dims dropped per token at every stage boundary; K = round((1-p)·H) are kept."
+            "help": "Defaults for the boundary and the anchor when mask_ratio, boundary_codec and anchor are unset: "
+            "'paper' = mask_ratio 0.95, zero fill and the anchor prior (the literal method), 'quality' = "
+            f"boundary_codec {QUALITY_CODEC!r} and no anchor (the cheapest codec measured to keep dense quality on "
+            "SmolLM2; not the default until it is measured on every quality task)."
+        },
+    )
+    # --- pipeline boundaries (PP compression) ---
+    mask_ratio: float | None = field(
+        default=None,
+        metadata={
+            "help": "p: fraction of hidden dims dropped per token at every stage boundary; K = round((1-p)·H) are "
+            "kept. None = the preset's (paper: 0.95; quality: no mask, its codec)."
         },
     )
     num_stages: int = field(
@@ -83,8 +104,12 @@ class MeshArguments:
         },
     )
     # --- anchor circuit ---
-    anchor: bool = field(
-        default=True, metadata={"help": "Run the dense anchor circuit that feeds the spectral filter."}
+    anchor: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Run the dense anchor circuit that feeds the spectral filter. None = the preset's "
+            "(paper: on, quality: off)."
+        },
     )
     anchor_every: int = field(
         default=20, metadata={"help": "Fast steps between anchor snapshots (one dense gradient per snapshot)."}
@@ -174,6 +199,7 @@ class MeshArguments:
         """Raise ``ValueError`` naming the field, its value and the rule for any bad knob."""
         if self.dp_powersgd_rank == 0:  # command lines cannot say None
             self.dp_powersgd_rank = None
+        _apply_preset(self)
         _require_field_types(self)
         require(0.0 <= self.mask_ratio < 1.0, "mask_ratio", self.mask_ratio, "lie in [0, 1)")
         require(self.num_stages >= 1, "num_stages", self.num_stages, "be >= 1")
@@ -293,6 +319,25 @@ def require_mesh_supported(cfg) -> None:
     )
 
 
+def _apply_preset(cfg) -> None:
+    """Fill in the unset boundary and anchor knobs from ``preset`` (idempotent: once filled, they are set).
+
+    The boundary: a mask ratio or a codec given explicitly is kept (and the other comes from it); with
+    neither, the preset's boundary. The anchor: the preset's unless given.
+    """
+    require(isinstance(cfg.preset, str) and cfg.preset in PRESETS, "preset", cfg.preset, f"be one of {list(PRESETS)}")
+    chosen = PRESETS[cfg.preset]
+    if cfg.mask_ratio is None:
+        if cfg.boundary_codec is None:
+            cfg.boundary_codec = chosen["boundary_codec"]
+            cfg.mask_ratio = chosen["mask_ratio"]
+            cfg._boundary_from_preset = True  # for the errors that follow: the user did not name this codec
+        else:  # a composed codec sends no mask; a mask spec sets mask_ratio itself (_apply_boundary_codec)
+            cfg.mask_ratio = 0.0
+    if cfg.anchor is None:
+        cfg.anchor = chosen["anchor"]
+
+
 def composed_codec(cfg) -> CodecSpec | None:
     """The composed codec the knobs name (``boundary_codec`` other than a mask spec), else None."""
     text = getattr(cfg, "boundary_codec", None)
@@ -311,13 +356,24 @@ def _apply_boundary_codec(cfg) -> None:
         cfg.mask_ratio, cfg.mask_fill = spec.mask_ratio, spec.fill
         require_fill(cfg.mask_fill, cfg.mask_rescale)
         return
-    for knob, default in (("mask_fill", "zeros"), ("mask_rescale", False), ("mask_protect_dims", 0)):
+    from_preset = getattr(cfg, "_boundary_from_preset", False)
+    hint = (
+        f"; it is preset={cfg.preset!r}'s boundary: give a mask_ratio or preset='paper' for masks"
+        if from_preset
+        else ""
+    )
+    for knob, default in (
+        ("mask_ratio", 0.0),
+        ("mask_fill", "zeros"),
+        ("mask_rescale", False),
+        ("mask_protect_dims", 0),
+    ):
         require(
             getattr(cfg, knob) == default,
             knob,
             getattr(cfg, knob),
             f"stay {default!r} with boundary_codec={cfg.boundary_codec!r} (it acts on masks, and a composed codec "
-            "sends none; outliers<N> is the codec's way to keep the largest dims)",
+            f"sends none; outliers<N> is the codec's way to keep the largest dims{hint})",
         )
 
 

@@ -48,6 +48,7 @@ from hf_meshtune import (
 )
 from hf_meshtune.boundary.masking import BoundaryMask
 from hf_meshtune.comm.wire import Wire
+from hf_meshtune.config import QUALITY_CODEC
 from hf_meshtune.dp.baselines import GradientSync
 from hf_meshtune.ledger import format_table, settings_for_row
 from hf_meshtune.topology import MeshTopology
@@ -613,7 +614,7 @@ def prepare(
 
     def trigger() -> object:
         net = model()
-        accelerator = MeshAccelerator(mesh_plugin=MeshPlugin(num_stages=2, mask_ratio=0.5, **plugin_kwargs))
+        accelerator = MeshAccelerator(mesh_plugin=MeshPlugin(**{"num_stages": 2, "mask_ratio": 0.5, **plugin_kwargs}))
         return accelerator.prepare(net, *(build(net) for build in objects))
 
     return trigger
@@ -1072,6 +1073,7 @@ def _cases() -> list[Case]:
         _knob("mask_ratio=1.0 is invalid: it must lie in [0, 1)", mask_ratio=1.0),
         _knob("mask_ratio=-0.1 is invalid: it must lie in [0, 1)", mask_ratio=-0.1),
         _knob("num_stages=0 is invalid: it must be >= 1", num_stages=0),
+        _knob("preset='fast' is invalid: it must be one of ['quality', 'paper']", preset="fast"),
         _knob(f"mask_fill='ones' is invalid: it must be one of {_FILLS}", mask_fill="ones"),
         _knob(
             "mask_fill='mean' is invalid: it must be 'zeros' when mask_rescale=True (a rescaled payload and a filled "
@@ -1115,7 +1117,7 @@ def _cases() -> list[Case]:
             "`MeshConfig(...)`",
             lambda: MeshConfig(mask_ratio="0.5"),
             ValueError,
-            "mask_ratio='0.5' is invalid: it must be of type float",
+            "mask_ratio='0.5' is invalid: it must be of type float or None",
         ),
         Case(
             KNOBS,
@@ -1127,11 +1129,11 @@ def _cases() -> list[Case]:
         ),
         Case(
             KNOBS,
-            "anchor=None",
+            "anchor='yes'",
             "`MeshConfig(...)`",
-            lambda: MeshConfig(anchor=None),
+            lambda: MeshConfig(anchor="yes"),
             ValueError,
-            "anchor=None is invalid: it must be of type bool",
+            "anchor='yes' is invalid: it must be of type bool or None",
         ),
         Case(
             KNOBS,
@@ -1313,7 +1315,7 @@ def _cases() -> list[Case]:
             MESH,
             "mask_fill='gaussian' on the mesh",
             "`RunSettings(...)`, `MeshTrainer(...)` (every rank)",
-            run_settings(MeshConfig(mask_fill="gaussian")),
+            run_settings(MeshConfig(preset="paper", mask_fill="gaussian")),
             ValueError,
             "mask_fill='gaussian' is invalid: it must be 'zeros' or 'mean' on the distributed mesh (the 'gaussian' "
             "fill needs the anchor's dense activations on every receiving stage, which the mesh does not send)",
@@ -1323,7 +1325,7 @@ def _cases() -> list[Case]:
             MESH,
             "mask_protect_dims=2 on the mesh",
             "`RunSettings(...)`, `MeshTrainer(...)` (every rank)",
-            run_settings(MeshConfig(mask_protect_dims=2)),
+            run_settings(MeshConfig(preset="paper", mask_protect_dims=2)),
             ValueError,
             "mask_protect_dims=2 is invalid: it must be 0 on the distributed mesh (choosing the dims needs a dense "
             "forward of the whole model)",
@@ -2161,7 +2163,7 @@ def _cases() -> list[Case]:
             TRL,
             "MeshGRPOConfig(mask_fill='gaussian')",
             "`MeshGRPOConfig(...)`",
-            mesh_config_of("MeshGRPOConfig", mask_fill="gaussian"),
+            mesh_config_of("MeshGRPOConfig", preset="paper", mask_fill="gaussian"),
             ValueError,
             "mask_fill='gaussian' is invalid: it must be 'zeros' or 'mean' for GRPO/GSPO (the Gaussian fill is "
             "calibrated on a training batch before the first rollout exists)",
@@ -2247,7 +2249,7 @@ def _cases() -> list[Case]:
             "`MeshPlugin()`",
             plugin_from_env("MESHTUNE_MASK_RATIO", "high"),
             ValueError,
-            "MESHTUNE_MASK_RATIO='high' is invalid: it must be a number",
+            "MESHTUNE_MASK_RATIO='high' is invalid: it must be a number or 'none'",
         ),
         Case(
             ACCELERATE,
@@ -2885,6 +2887,25 @@ def _cases() -> list[Case]:
         ),
         Case(
             COMPOSED,
+            "boundary_codec='outliers8+int4', mask_ratio=0.9",
+            "`MeshConfig(...)`",
+            lambda: MeshConfig(boundary_codec="outliers8+int4", mask_ratio=0.9),
+            ValueError,
+            "mask_ratio=0.9 is invalid: it must stay 0.0 with boundary_codec='outliers8+int4' (it acts on masks, "
+            "and a composed codec sends none; outliers<N> is the codec's way to keep the largest dims)",
+        ),
+        Case(
+            COMPOSED,
+            "preset='quality', mask_fill='mean' (its codec sends no mask)",
+            "`MeshConfig(...)`",
+            lambda: MeshConfig(preset="quality", mask_fill="mean"),
+            ValueError,
+            f"mask_fill='mean' is invalid: it must stay 'zeros' with boundary_codec='{QUALITY_CODEC}' (it acts on "
+            "masks, and a composed codec sends none; outliers<N> is the codec's way to keep the largest dims; it is "
+            "preset='quality''s boundary: give a mask_ratio or preset='paper' for masks)",
+        ),
+        Case(
+            COMPOSED,
             "'outliers8+int4g64' at H = 64 (group size does not divide)",
             "`attach_composed(model, Y, codec)`",
             attach_composed_to_tiny("outliers8+int4g64"),
@@ -2965,7 +2986,7 @@ def _cases() -> list[Case]:
             COMPOSED,
             "prepare(model, optimizer) with boundary_codec='outliers8+int4'",
             "`MeshAccelerator.prepare`",
-            prepare(adamw(), anchor=False, boundary_codec="outliers8+int4"),
+            prepare(adamw(), anchor=False, mask_ratio=None, boundary_codec="outliers8+int4"),
             ValueError,
             "DataLoader=None is invalid: it must be passed to the same prepare() call as the model when "
             "boundary_codec='outliers8+int4' (the mesh draws its own batches from the training loader's dataset); "

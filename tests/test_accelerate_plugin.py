@@ -20,6 +20,7 @@ from tests.tiny import pattern_dataset, tiny_llama
 
 STEPS, BATCH, LR = 4, 2, 1e-2
 KNOBS = dict(
+    preset="paper",
     mask_ratio=0.75,
     num_stages=2,
     mask_seed=3,
@@ -173,7 +174,7 @@ def test_explicit_plugin_arguments_beat_the_environment(monkeypatch):
 @pytest.mark.parametrize(
     "var, value, message",
     [
-        ("MESHTUNE_MASK_RATIO", "lots", "MESHTUNE_MASK_RATIO='lots' is invalid: it must be a number"),
+        ("MESHTUNE_MASK_RATIO", "lots", "MESHTUNE_MASK_RATIO='lots' is invalid: it must be a number or 'none'"),
         ("MESHTUNE_ANCHOR", "maybe", "MESHTUNE_ANCHOR='maybe' is invalid: it must be one of true/1/yes/false/0/no"),
         ("MESHTUNE_SPECTRAL_RANK", "full", "MESHTUNE_SPECTRAL_RANK='full' is invalid: it must be an int or 'none'"),
         (

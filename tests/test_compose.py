@@ -243,7 +243,9 @@ def test_the_hooks_run_receive_of_send_on_training_forwards_and_book_the_message
 
 def test_the_mesh_knob_and_the_ledger_book_the_codec_message():
     cfg = MeshConfig(boundary_codec="outliers8+int4g71", num_stages=4)
-    assert cfg.mask_ratio == 0.95  # untouched: a composed codec sends no mask
+    assert cfg.mask_ratio == 0.0  # a composed codec sends no mask
+    with pytest.raises(ValueError, match=r"mask_ratio=0.9 is invalid: it must stay 0.0 with boundary_codec"):
+        MeshConfig(boundary_codec="outliers8+int4g71", mask_ratio=0.9)
     paper = MeshConfig(boundary_codec="mask0.8+mean")
     assert (paper.mask_ratio, paper.mask_fill) == (0.8, "mean")
     settings = LedgerSettings(num_stages=4, boundary_codec="outliers8+int4g71", anchor=False, num_replicas=2)
@@ -261,6 +263,7 @@ def test_a_resumed_trainer_continues_exactly_with_the_geometry_it_had(tmp_path):
     knobs = dict(
         max_steps=6,
         boundary_codec="outliers2+spca16+int4sr",
+        mask_ratio=None,  # the codec is the boundary (make_trainer's knobs name a mask ratio)
         anchor_every=2,
         anchor_delay=1,
         save_strategy="steps",

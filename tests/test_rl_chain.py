@@ -16,6 +16,8 @@ from tests.tiny import make_tiny_causal_lm
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 
 MESH = [
+    "--preset",
+    "paper",
     "--use_cpu",
     "--report_to",
     "none",

@@ -24,7 +24,7 @@ BASE = dict(
     seed=0,
     lr_scheduler_type="constant",
 )
-MESH = dict(num_stages=2, mask_ratio=0.5, anchor_every=2, anchor_delay=1)
+MESH = dict(preset="paper", num_stages=2, mask_ratio=0.5, anchor_every=2, anchor_delay=1)
 
 
 def make_trainer(tmp_path, model=None, trainer_cls=MeshTrainer, **overrides) -> MeshTrainer:

@@ -27,7 +27,7 @@ from tests.tiny import make_tiny_causal_lm, pattern_dataset
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 
-MESH = dict(num_stages=2, anchor_every=1, anchor_delay=1, num_replicas=3)
+MESH = dict(preset="paper", num_stages=2, anchor_every=1, anchor_delay=1, num_replicas=3)
 COMMON = dict(use_cpu=True, bf16=False, report_to="none", logging_steps=1, save_strategy="no", seed=0)
 
 
@@ -296,7 +296,9 @@ def test_gspo_fits_a_composed_codec_on_the_first_prompts_and_trains_through_it(t
     for name, value in reference.geometry().items():
         assert torch.equal(fitted[name].cpu(), value.cpu()), name
     logs = [e for e in trainer.state.log_history if "loss" in e]
-    assert logs and logs[0]["comm/measured_pp_fwd_bytes_per_token"] == parse_codec("outliers2+spca8+int4").payload_bytes(32, 4)
+    assert logs and logs[0]["comm/measured_pp_fwd_bytes_per_token"] == parse_codec(
+        "outliers2+spca8+int4"
+    ).payload_bytes(32, 4)
     assert any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
 
 

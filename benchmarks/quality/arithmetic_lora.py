@@ -30,14 +30,14 @@ EVAL_ITEMS = 64
 
 ROWS: dict[str, dict] = {
     "dense": dict(mask_ratio=0.0, anchor=False, optim="adamw_torch"),
-    "m95_ap": dict(mask_ratio=0.95, anchor_every=10, anchor_delay=10),  # the paper, as benchmarks/chain runs it
+    "m95_ap": dict(preset="paper", anchor_every=10, anchor_delay=10),  # the paper, as benchmarks/chain runs it
     "outliers8_int8": dict(boundary_codec="outliers8+int8", anchor=False, optim="adamw_torch"),
     "outliers8_int4g71": dict(boundary_codec="outliers8+int4g71", anchor=False, optim="adamw_torch"),
     "outliers8_int4": dict(boundary_codec="outliers8+int4", anchor=False, optim="adamw_torch"),
     "outliers8_int3g71": dict(boundary_codec="outliers8+int3g71", anchor=False, optim="adamw_torch"),
     "outliers8_int3": dict(boundary_codec="outliers8+int3", anchor=False, optim="adamw_torch"),
     "outliers8_spca226_int4": dict(boundary_codec="outliers8+spca226+int4", anchor=False, optim="adamw_torch"),
-    "outliers8_int4g71_ap": dict(boundary_codec="outliers8+int4g71", anchor_every=10, anchor_delay=10),
+    "outliers8_int4g71_ap": dict(boundary_codec="outliers8+int4g71", anchor=True, anchor_every=10, anchor_delay=10),
     "dense_seed1": dict(mask_ratio=0.0, anchor=False, optim="adamw_torch", seed=1),
     "outliers8_int3g71_seed1": dict(boundary_codec="outliers8+int3g71", anchor=False, optim="adamw_torch", seed=1),
 }
@@ -52,7 +52,10 @@ def _recipe():
 
 
 def _flags(knobs: dict) -> list[str]:
-    return [item for key, value in knobs.items() for item in (f"--{key}", str(value).lower() if isinstance(value, bool) else str(value))]  # fmt: skip
+    def text(value) -> str:
+        return str(value).lower() if isinstance(value, bool) else str(value)
+
+    return [item for key, value in knobs.items() for item in (f"--{key}", text(value))]
 
 
 def run_row(name: str) -> dict:
@@ -105,8 +108,9 @@ def table() -> str:
         exact_gap = (exact - dense["exact_match_after"]) / dense["exact_match_after"] if dense else float("nan")
         boundary = knobs.get("boundary_codec") or ("dense" if knobs.get("mask_ratio") == 0.0 else "mask0.95 (zeros)")
         size = bf16_bytes(knobs)
+        prior = "yes" if knobs.get("anchor", knobs.get("preset", "paper") == "paper") else "no"
         lines.append(
-            f"| {name} | `{boundary}` | {seed} | {'yes' if knobs.get('anchor', True) else 'no'} | {size} | "
+            f"| {name} | `{boundary}` | {seed} | {prior} | {size} | "
             f"{DENSE_BF16 / size:.1f}× | {loss:.4f} | {loss_gap:+.1%} | {exact:.3f} | {exact_gap:+.1%} | "
             f"{r['train_loss_last_log']:.3f} |"
         )

@@ -21,24 +21,25 @@ from hf_meshtune.apps.demo import DemoSettings, run_demo
 
 OUT = Path(__file__).resolve().parent / "smollm2_probe"
 
+# preset="paper": every variant here is the paper's method (M95, zero fill, anchor prior) with a knob changed
 VARIANTS: dict[str, dict] = {
     "dense": dict(mask_ratio=0.0, anchor=False),
-    "m95": dict(anchor=False),
-    "m95_ap": dict(),
-    "m95_ap_mean_fill": dict(mask_fill="mean"),
-    "m95_ap_rescale": dict(mask_rescale=True),
-    "m95_ap_relative_tau_0.1": dict(spectral_relative_tau=True, spectral_tau=0.1),
-    "m95_ap_alpha_0": dict(spectral_alpha=0.0),
-    "m90_ap": dict(mask_ratio=0.90),
-    "m75_ap": dict(mask_ratio=0.75),
-    "m50_ap": dict(mask_ratio=0.50),
-    "m95_ap_y2": dict(num_stages=2),
-    "m90_ap_y2_mean_fill": dict(mask_ratio=0.90, num_stages=2, mask_fill="mean"),
-    "m95_ap_protect8": dict(mask_protect_dims=8),
-    "m95_ap_protect8_mean_fill": dict(mask_protect_dims=8, mask_fill="mean"),
-    "m95_protect8_mean_fill": dict(mask_protect_dims=8, mask_fill="mean", anchor=False),
-    "m95_ap_gaussian_fill": dict(mask_fill="gaussian"),
-    "m95_gaussian_fill": dict(mask_fill="gaussian", anchor=False),
+    "m95": dict(preset="paper", anchor=False),
+    "m95_ap": dict(preset="paper"),
+    "m95_ap_mean_fill": dict(preset="paper", mask_fill="mean"),
+    "m95_ap_rescale": dict(preset="paper", mask_rescale=True),
+    "m95_ap_relative_tau_0.1": dict(preset="paper", spectral_relative_tau=True, spectral_tau=0.1),
+    "m95_ap_alpha_0": dict(preset="paper", spectral_alpha=0.0),
+    "m90_ap": dict(preset="paper", mask_ratio=0.90),
+    "m75_ap": dict(preset="paper", mask_ratio=0.75),
+    "m50_ap": dict(preset="paper", mask_ratio=0.50),
+    "m95_ap_y2": dict(preset="paper", num_stages=2),
+    "m90_ap_y2_mean_fill": dict(preset="paper", mask_ratio=0.90, num_stages=2, mask_fill="mean"),
+    "m95_ap_protect8": dict(preset="paper", mask_protect_dims=8),
+    "m95_ap_protect8_mean_fill": dict(preset="paper", mask_protect_dims=8, mask_fill="mean"),
+    "m95_protect8_mean_fill": dict(preset="paper", mask_protect_dims=8, mask_fill="mean", anchor=False),
+    "m95_ap_gaussian_fill": dict(preset="paper", mask_fill="gaussian"),
+    "m95_gaussian_fill": dict(preset="paper", mask_fill="gaussian", anchor=False),
 }
 
 

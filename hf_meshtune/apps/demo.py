@@ -46,9 +46,10 @@ class DemoSettings:
     learning_rate: float = 1e-4
     train_last_layers: int = 8
     eval_items: int = 32
-    mask_ratio: float = 0.95
+    preset: str = "paper"
+    mask_ratio: float | None = None
     num_stages: int = 4
-    anchor: bool = True
+    anchor: bool | None = None
     anchor_every: int = 10
     anchor_delay: int = 10
     mask_fill: str = "zeros"
@@ -139,7 +140,7 @@ def run_demo(settings: DemoSettings) -> dict:
     after = trainer.evaluate()["eval_loss"]
     train_logs = [h for h in trainer.state.log_history if "loss" in h]
     summary = {
-        "settings": dataclasses.asdict(settings),
+        "settings": {**dataclasses.asdict(settings), **mesh_knobs},  # the preset's choices filled in
         "trainable_parameters": trainable,
         "dense_eval_loss_before": before,
         "dense_eval_loss_after": after,
