@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # SFT → GSPO on the embedded SmolLM2-135M-Instruct, LoRA (all linear layers, r = 16), arithmetic with
-# the exact-answer reward: the default (preset quality: its boundary codec, no anchor, Y = 4) and the
+# the exact-answer reward: preset quality (its boundary codec, no anchor, Y = 4) and the
 # paper's M95+AP (p = 0.95, anchor every 10 steps, Δ = 10) beside Dense (p = 0, no anchor, AdamW), same
 # data, steps and schedule. ~30 min on 2 CPU cores; ROWS="quality" runs only the named rows.
 #   bash benchmarks/chain/run.sh            → benchmarks/chain/results/{quality,m95_ap,dense}/ + report.md, loss.png, bytes_per_token.png
@@ -22,7 +22,7 @@ run() {  # name, then flags for both recipes
   cp "$RUNS/$name/sft/trainer_state.json" "$OUT/$name/sft/"
   cp "$RUNS/$name/gspo/trainer_state.json" "$RUNS/$name/gspo/gspo_results.json" "$OUT/$name/gspo/"
 }
-run quality --num_stages 4
+run quality --num_stages 4 --preset quality
 run m95_ap --num_stages 4 --preset paper --anchor_every 10 --anchor_delay 10
 run dense --num_stages 4 --mask_ratio 0 --anchor false --optim adamw_torch
 $PY -m hf_meshtune.cli report "$OUT"

@@ -94,8 +94,10 @@ def table() -> str:
         bytes_bf16 = bf16_bytes(knobs)
         measured = r.get("last_log", {}).get("comm/measured_pp_fwd_bytes_per_token", float("nan"))
         boundary = knobs.get("boundary_codec") or ("dense" if knobs.get("mask_ratio") == 0.0 else "mask0.95 (zeros)")
+        prior = "yes" if knobs.get("anchor", True) else "no"
+        prior += f" (α = {knobs['spectral_alpha']})" if "spectral_alpha" in knobs else ""
         lines.append(
-            f"| {name} | `{boundary}` | {seed} | {'yes' if knobs.get('anchor', True) else 'no'} | {bytes_bf16} | "
+            f"| {name} | `{boundary}` | {seed} | {prior} | {bytes_bf16} | "
             f"{DENSE_BF16 / bytes_bf16:.1f}× | {measured:.0f} | {after:.4f} | {gap:+.1%} | {retained:.0%} | "
             f"{r['masked_train_loss_last_log']:.3f} |"
         )
