@@ -150,3 +150,41 @@ def test_dp_sync_knobs_name_field_value_and_rule(field, value, rule):
     with pytest.raises(ValueError) as error:
         MeshConfig(**{field: value})
     assert f"{field}={value!r} is invalid: it must {rule}" in str(error.value)
+
+
+def test_a_preset_fills_only_the_boundary_and_anchor_knobs_left_unset(tmp_path):
+    import dataclasses
+
+    from hf_meshtune.config import PRESETS, QUALITY_CODEC
+
+    paper, quality = MeshConfig(), MeshConfig(preset="quality")
+    assert (paper.preset, paper.mask_ratio, paper.boundary_codec, paper.anchor) == ("paper", 0.95, None, True)
+    assert (quality.mask_ratio, quality.boundary_codec, quality.anchor) == (0.0, QUALITY_CODEC, False)
+    assert PRESETS["quality"]["boundary_codec"] == QUALITY_CODEC
+    # explicit knobs win: a mask ratio keeps masks under "quality", a codec replaces them under "paper"
+    masked = MeshConfig(preset="quality", mask_ratio=0.9)
+    assert (masked.mask_ratio, masked.boundary_codec, masked.anchor) == (0.9, None, False)
+    coded = MeshConfig(boundary_codec="outliers8+int4g71", anchor=False)
+    assert (coded.mask_ratio, coded.boundary_codec) == (0.0, "outliers8+int4g71")
+    spec = MeshConfig(preset="quality", boundary_codec="mask0.8+mean")
+    assert (spec.mask_ratio, spec.mask_fill, spec.anchor) == (0.8, "mean", False)
+    # resolving again (dataclasses.replace, a config rebuilt from its fields) changes nothing
+    again = dataclasses.replace(quality)
+    assert dataclasses.asdict(again) == dataclasses.asdict(quality)
+    # and every entry point parses it: the argument dataclasses through HfArgumentParser
+    (args,) = HfArgumentParser(MeshTrainingArguments).parse_args_into_dataclasses(
+        ["--output_dir", str(tmp_path), "--use_cpu", "--preset", "quality", "--optim", "adamw_torch"]
+    )
+    assert (args.boundary_codec, args.mask_ratio, args.anchor) == (QUALITY_CODEC, 0.0, False)
+
+
+def test_the_demo_and_the_accelerate_plugin_take_the_preset_too(monkeypatch):
+    from hf_meshtune.accelerate import MeshPlugin
+    from hf_meshtune.apps.demo import DemoSettings
+    from hf_meshtune.config import QUALITY_CODEC
+
+    assert DemoSettings(preset="quality").mesh_config().boundary_codec == QUALITY_CODEC
+    assert DemoSettings().mesh_config().mask_ratio == 0.95
+    monkeypatch.setenv("MESHTUNE_PRESET", "quality")
+    plugin = MeshPlugin(num_stages=2)
+    assert (plugin.boundary_codec, plugin.anchor) == (QUALITY_CODEC, False)
