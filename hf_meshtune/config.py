@@ -125,8 +125,9 @@ class MeshArguments:
         default=False,
         metadata={
             "help": "Mesh: take a snapshot every anchor_every fast steps and apply its dense gradient exactly "
-            "anchor_delay steps later, fast replicas waiting for a late one, so runs and resumes repeat bit for bit "
-            "(the single-process schedule). False = the paper: apply whatever has arrived, never wait."
+            "anchor_delay steps later, fast replicas waiting for a late one, so runs repeat bit for bit, and resumes "
+            "too with anchor_delay 0 (the single-process schedule). False = the paper: apply whatever has arrived, "
+            "never wait."
         },
     )
     anchor_max_staleness: int | None = field(

@@ -64,6 +64,7 @@ class FastAnchorLink:
         self.lost_at: int | None = None
         self.lockstep = lockstep
         self.expected: int | None = None  # lockstep: the next snapshot whose gradient is due
+        self.ended = False  # lockstep: the inbox ended early (nothing more to wait for; close() says why)
 
     def drain(self, optimizer, step: int, *, final: bool = False) -> None:
         """Every gradient that has arrived goes into the optimizer's anchor momentum (never waits).
@@ -75,9 +76,10 @@ class FastAnchorLink:
         every, delay = self.lockstep
         if self.expected is None:  # the first step of this run (0, or the step a resumed run starts from)
             self.expected = -(-step // every) * every
-        while self.lost_at is None and self.expected + delay <= step:
+        while not self.ended and self.lost_at is None and self.expected + delay <= step:
             message = self.inbox.next()
             if message is None:  # the link broke (a STOP only comes after ours, at the end)
+                self.ended = True
                 self._take(message, optimizer, step)
                 return
             require(
