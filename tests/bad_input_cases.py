@@ -889,6 +889,20 @@ def powersgd(*args: object, **kwargs: object) -> Callable[[], object]:
     return lambda: PowerSGD(*args, **kwargs)
 
 
+def lockstep_delivery_off_schedule() -> None:
+    """A lockstep fast rank expecting snapshot 2 at step 2 receives the gradient of snapshot 4."""
+    from hf_meshtune.anchor.link import FastAnchorLink
+    from hf_meshtune.comm.messages import DATA, GRADIENTS
+
+    class Inbox:
+        def next(self):
+            return GRADIENTS.decode(GRADIENTS.encode(DATA, 4)), torch.zeros(0)
+
+    link = FastAnchorLink.__new__(FastAnchorLink)  # the link's state without its gloo threads
+    link.lockstep, link.expected, link.ended, link.lost_at, link.inbox = (2, 0), None, False, None, Inbox()
+    link.drain(None, 2)
+
+
 def update_with_missing_shapes() -> None:
     from hf_meshtune.dp.outer import OuterUpdate
 
@@ -3131,6 +3145,14 @@ def _cases() -> list[Case]:
             wire_send("telemetry"),
             ValueError,
             "circuit='telemetry' is invalid: it must be one of ['pp_fwd', 'pp_bwd', 'dp', 'anchor']",
+        ),
+        Case(
+            INTERNALS,
+            "a lockstep anchor gradient of another snapshot than the schedule's next",
+            "`FastAnchorLink.drain`",
+            lockstep_delivery_off_schedule,
+            ValueError,
+            "anchor gradient snapshot=4 is invalid: it must be the lockstep schedule's next one, 2 (anchor_every=2)",
         ),
         Case(
             INTERNALS,

@@ -26,9 +26,15 @@ from ..comm.wire import Wire
 from ..dp.outer import OuterUpdate
 from ..pipeline.stage import StageModule, stage_parameter_names
 
-__all__ = ["FastAnchorLink", "anchor_matrices"]
+__all__ = ["FastAnchorLink", "anchor_matrices", "first_lockstep_snapshot"]
 
 logger = logging.getLogger(__name__)
+
+
+def first_lockstep_snapshot(step: int, every: int) -> int:
+    """Lockstep: the first round's snapshot of a run starting at fast step ``step`` (0, or a resume's
+    step): the first multiple of ``anchor_every`` at or after it. Both ends of the link use this."""
+    return -(-step // every) * every
 
 
 def anchor_matrices(model: nn.Module, module: StageModule) -> list[tuple[str, nn.Parameter]]:
@@ -75,7 +81,7 @@ class FastAnchorLink:
             return
         every, delay = self.lockstep
         if self.expected is None:  # the first step of this run (0, or the step a resumed run starts from)
-            self.expected = -(-step // every) * every
+            self.expected = first_lockstep_snapshot(step, every)
         while not self.ended and self.lost_at is None and self.expected + delay <= step:
             message = self.inbox.next()
             if message is None:  # the link broke (a STOP only comes after ours, at the end)

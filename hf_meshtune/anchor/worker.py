@@ -25,6 +25,7 @@ from ..runtime.settings import Batches, RunSettings
 from ..runtime.stage import StageWorker
 from ..topology import MeshGroups
 from .follower import OuterFollower, update_shapes
+from .link import first_lockstep_snapshot
 
 __all__ = ["AnchorWorker"]
 
@@ -104,7 +105,7 @@ class AnchorWorker(StageWorker):
     def _lockstep_round(self, previous: int | None, every: int) -> int | None:
         """Stage 0, lockstep: the next multiple of ``anchor_every`` (the first at or after the start),
         once its TICK is here (None = the fast circuit stopped first)."""
-        due = -(-self.applied_step // every) * every if previous is None else previous + every
+        due = first_lockstep_snapshot(self.applied_step, every) if previous is None else previous + every
         while self.ticked < due:
             message = self.inbox.next()
             if message is None:
