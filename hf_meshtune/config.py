@@ -98,8 +98,8 @@ class MeshArguments:
         default=None,
         metadata={
             "help": "What crosses every stage boundary, as one string (hf_meshtune.boundary.compose.spec): stages "
-            "joined by '+' from outliers<N>, pca<r>/spca<r>, int<b>[g<G>][sr] (b in 2,3,4,8), fp8[g<G>], e.g. "
-            "'outliers8+int4g71'; or 'mask<p>[+fill]' (the paper: 'mask0.95'), which sets mask_ratio and mask_fill. "
+            "joined by '+' from outliers<N>, pca<r>/spca<r>, int<b>[g<G>|x<K>][sr] (b in 2,3,4,8), fp8[g<G>|x<K>] "
+            "(g: G values per scale, x: K near-equal groups), e.g. 'outliers8+int4x8'; or 'mask<p>[+fill]' (the paper: 'mask0.95'), which sets mask_ratio and mask_fill. "
             "None = the mask_* knobs."
         },
     )

@@ -2820,7 +2820,7 @@ def _cases() -> list[Case]:
             lambda: MeshConfig(boundary_codec="int4+zip"),
             ValueError,
             "boundary_codec='int4+zip' is invalid: it must be stages joined by '+' from outliers<N>, pca<r>/spca<r>, "
-            "int<b>[g<G>][sr], fp8[g<G>], or mask<p>[+fill] ('zip' is none of them)",
+            "int<b>[g<G>|x<K>][sr], fp8[g<G>|x<K>], or mask<p>[+fill] ('zip' is none of them)",
         ),
         Case(
             COMPOSED,
@@ -2926,6 +2926,23 @@ def _cases() -> list[Case]:
             ValueError,
             "boundary_codec='outliers8+int4g64' is invalid: it must use a group size that divides the 56 coded values "
             "per token (g64 does not; H=64, outliers=8, rank=None)",
+        ),
+        Case(
+            COMPOSED,
+            "'outliers8+int4x64' at H = 64 (more groups than coded values)",
+            "`attach_composed(model, Y, codec)`",
+            attach_composed_to_tiny("outliers8+int4x64"),
+            ValueError,
+            "boundary_codec='outliers8+int4x64' is invalid: it must split the 56 coded values per token into at most "
+            "56 groups (x64 has more; H=64, outliers=8, rank=None)",
+        ),
+        Case(
+            COMPOSED,
+            "boundary_codec='int4x0'",
+            "`MeshConfig(...)`",
+            lambda: MeshConfig(boundary_codec="int4x0"),
+            ValueError,
+            "boundary_codec='int4x0' is invalid: it must split into at least 1 group (x<K>, K >= 1)",
         ),
         Case(
             COMPOSED,

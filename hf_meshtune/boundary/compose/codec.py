@@ -193,7 +193,7 @@ class ComposedCodec:
         if spec.quant is None:
             parts.append(_as_bytes(z.to(dtype)))
         else:
-            scales, codes = quantize(z, spec.quant, spec.bits, spec.group, noise)
+            scales, codes = quantize(z, spec.quant, spec.bits, spec.groups(self.hidden_size), noise)
             parts += [_as_bytes(scales), codes]
         message = torch.cat(parts, dim=-1)
         pad = self.payload_bytes(dtype) - message.shape[-1]
@@ -214,7 +214,7 @@ class ComposedCodec:
         scales = message[..., at : at + SCALE_BYTES * groups].contiguous().view(torch.bfloat16)
         at += SCALE_BYTES * groups
         codes = message[..., at : at + code_bytes(spec.quant, spec.bits, width, size)].contiguous()  # padding dropped
-        return y, dequantize(scales, codes, spec.quant, spec.bits, spec.group, width)
+        return y, dequantize(scales, codes, spec.quant, spec.bits, groups, width)
 
     def encode_activation(self, h: Tensor) -> Tensor:
         """h [..., H] → the forward message [..., payload_width] (model dtype view of the bytes)."""

@@ -1,7 +1,7 @@
 """The composed codec's quantisers and bit packing (float32 arithmetic, bytes out).
 
 ``int<b>``: symmetric with a zero level, L = 2^(b-1) - 1, code q + L ∈ [0, 2L] for q = round(x / s)
-∈ [-L, L], with s = absmax / L per group of G values, stored as bfloat16 and rounded *up* so that
+∈ [-L, L], with s = absmax / L per contiguous group of values, stored as bfloat16 and rounded *up* so that
 |x / s| <= L always holds (no clipping, so stochastic rounding stays exactly unbiased). ``fp8``:
 x / s cast to float8 e4m3 with s = absmax / 448. Codes of b bits are packed 8 to b bytes.
 """
@@ -48,9 +48,27 @@ def unpack_bits(packed: Tensor, bits: int, width: int) -> Tensor:
     return codes.reshape(*packed.shape[:-1], -1)[..., :width]
 
 
-def _grouped(values: Tensor, group: int | None) -> Tensor:
+def _grouped(values: Tensor, groups: int) -> Tensor:
+    """[..., D] → [..., groups, ⌈D/groups⌉]: contiguous groups whose sizes differ by at most one (the first
+    D mod groups are the longer ones, as ``torch.tensor_split`` cuts); a shorter group is padded with one zero,
+    which changes neither its absmax nor its codes."""
     width = values.shape[-1]
-    return values.reshape(*values.shape[:-1], width // (group or width), group or width)
+    size, short = -(-width // groups), (-width) % groups
+    long_part = values[..., : (groups - short) * size].reshape(*values.shape[:-1], groups - short, size)
+    if not short:
+        return long_part
+    short_part = values[..., (groups - short) * size :].reshape(*values.shape[:-1], short, size - 1)
+    return torch.cat([long_part, torch.nn.functional.pad(short_part, (0, 1))], dim=-2)
+
+
+def _ungrouped(grouped: Tensor, width: int) -> Tensor:
+    """Inverse of ``_grouped``: [..., groups, ⌈D/groups⌉] → [..., D] (the padding dropped)."""
+    groups, size = grouped.shape[-2:]
+    short = groups * size - width
+    flat = grouped[..., : groups - short, :].reshape(*grouped.shape[:-2], -1)
+    if not short:
+        return flat
+    return torch.cat([flat, grouped[..., groups - short :, : size - 1].reshape(*grouped.shape[:-2], -1)], dim=-1)
 
 
 def _scales(grouped: Tensor, top: float) -> Tensor:
@@ -61,32 +79,32 @@ def _scales(grouped: Tensor, top: float) -> Tensor:
 
 
 def quantize(
-    values: Tensor, quant: str, bits: int, group: int | None, noise: Tensor | None = None
+    values: Tensor, quant: str, bits: int, groups: int, noise: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
-    """values [..., D] → (bf16 scales [..., D/G], packed uint8 codes). ``noise`` (uniform [0, 1), the
-    values' shape) turns round-to-nearest into stochastic rounding (int only)."""
-    grouped = _grouped(values.float(), group)
+    """values [..., D] → (bf16 scales [..., groups], packed uint8 codes [..., code bytes]); one scale per
+    contiguous group (``_grouped``; groups = 1: per token). ``noise`` (uniform [0, 1), the values' shape)
+    turns round-to-nearest into stochastic rounding (int only)."""
+    grouped = _grouped(values.float(), groups)
     if quant == "fp8":
         scales = _scales(grouped, FP8_MAX)
         unit = grouped / scales.float().unsqueeze(-1)
         codes = unit.to(torch.float8_e4m3fn).view(torch.uint8)
-        return scales, codes.reshape(values.shape)
+        return scales, _ungrouped(codes, values.shape[-1])
     levels = int_levels(bits)
     scales = _scales(grouped, float(levels))
     unit = grouped / scales.float().unsqueeze(-1)
     if noise is None:
         q = torch.round(unit)
     else:
-        q = torch.floor(unit + _grouped(noise.float(), group))
-    codes = (q.clamp_(-levels, levels) + levels).to(torch.uint8).reshape(values.shape)
+        q = torch.floor(unit + _grouped(noise.float(), groups))
+    codes = _ungrouped((q.clamp_(-levels, levels) + levels).to(torch.uint8), values.shape[-1])
     return scales, pack_bits(codes, bits)
 
 
-def dequantize(scales: Tensor, codes: Tensor, quant: str, bits: int, group: int | None, width: int) -> Tensor:
+def dequantize(scales: Tensor, codes: Tensor, quant: str, bits: int, groups: int, width: int) -> Tensor:
     """Inverse of ``quantize`` (float32 [..., D])."""
     if quant == "fp8":
         unit = codes.view(torch.float8_e4m3fn).float()
     else:
         unit = (unpack_bits(codes, bits, width) - int_levels(bits)).float()
-    grouped = _grouped(unit, group) * scales.float().unsqueeze(-1)
-    return grouped.reshape(*unit.shape[:-1], width)
+    return _ungrouped(_grouped(unit, groups) * scales.float().unsqueeze(-1), width)

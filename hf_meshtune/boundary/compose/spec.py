@@ -4,9 +4,10 @@ Grammar (stages joined by ``+``, in this order; each optional, at least one loss
 
     outliers<N>            N fixed dims (the largest-RMS ones of dense activations) sent in the model dtype
     pca<r> | spca<r>       project the other dims on r principal directions (spca: of the standardised dims)
-    int<b>[g<G>][sr]       b ∈ {2, 3, 4, 8} bits with a zero level, one bf16 scale per G values (default: per
-                           token); ``sr``: stochastic rounding on the backward (unbiased)
-    fp8[g<G>]              float8 e4m3 values, one bf16 scale per G values
+    int<b>[g<G>|x<K>][sr]  b ∈ {2, 3, 4, 8} bits with a zero level, one bf16 scale per G values, or per each of
+                           K contiguous groups of sizes that differ by at most one (valid at any width; default:
+                           one scale per token); ``sr``: stochastic rounding on the backward (unbiased)
+    fp8[g<G>|x<K>]         float8 e4m3 values, scales as for int
 
     mask<p>[+zeros|+mean|+gaussian]   the paper's shared-seed mask (``mask0.95`` = the paper), alone
 
@@ -32,15 +33,16 @@ FIELD = "boundary_codec"
 
 _OUTLIERS = re.compile(r"outliers(\d+)")
 _PROJECTION = re.compile(r"(s?pca)(\d+)")
-_INT = re.compile(r"int(\d+)(?:g(\d+))?(sr)?")
-_FP8 = re.compile(r"fp8(?:g(\d+))?")
+_INT = re.compile(r"int(\d+)(?:g(\d+)|x(\d+))?(sr)?")
+_FP8 = re.compile(r"fp8(?:g(\d+)|x(\d+))?")
 _MASK = re.compile(r"mask(\d+(?:\.\d*)?|\.\d+)")
 
 
 @dataclass(frozen=True)
 class CodecSpec:
     """A parsed ``boundary_codec`` string (see the module docstring). ``quant`` is "int", "fp8" or None
-    (values in the model dtype); ``group`` None means one scale per token; ``mask_ratio`` is set only
+    (values in the model dtype); ``group`` (G values per scale) and ``group_count`` (K groups) both None means
+    one scale per token; ``mask_ratio`` is set only
     for mask specs (then every other field is unused)."""
 
     text: str
@@ -50,6 +52,7 @@ class CodecSpec:
     quant: str | None = None  # "int" | "fp8"
     bits: int | None = None
     group: int | None = None
+    group_count: int | None = None
     stochastic: bool = False
     mask_ratio: float | None = None
     fill: str = "zeros"
@@ -69,7 +72,9 @@ class CodecSpec:
 
     def groups(self, hidden_size: int) -> int:
         width = self.coded_width(hidden_size)
-        return 1 if self.quant is None else width // (self.group or width)
+        if self.quant is None:
+            return 1
+        return self.group_count or width // (self.group or width)
 
     def payload_bytes(self, hidden_size: int, dtype_bytes: int) -> int:
         """Bytes per token of one message (forward and backward alike), padding to ``dtype_bytes`` included.
@@ -84,7 +89,7 @@ class CodecSpec:
         return math.ceil(raw / dtype_bytes) * dtype_bytes
 
     def validate(self, hidden_size: int) -> None:
-        """The rules that need H: N < H, r < H - N, G dividing D."""
+        """The rules that need H: N < H, r < H - N, G dividing D, K <= D."""
         if self.is_mask:
             return
         require(
@@ -110,6 +115,14 @@ class CodecSpec:
                 f"use a group size that divides the {width} coded values per token (g{self.group} does not; "
                 f"H={hidden_size}, outliers={self.outliers}, rank={self.rank})",
             )
+        if self.group_count is not None:
+            require(
+                self.group_count <= width,
+                FIELD,
+                self.text,
+                f"split the {width} coded values per token into at most {width} groups (x{self.group_count} has "
+                f"more; H={hidden_size}, outliers={self.outliers}, rank={self.rank})",
+            )
 
 
 def code_bytes(quant: str | None, bits: int | None, width: int, dtype_bytes: int) -> int:
@@ -125,6 +138,13 @@ KIND_WORDS = {"outliers": "outliers<N> stage", "projection": "projection (pca/sp
 
 def _bad(text: str, rule: str) -> ValueError:
     return ValueError(f"{FIELD}={text!r} is invalid: it must {rule}")
+
+
+def _grouping(size: str | None, count: str | None) -> dict:
+    """The quantiser's ``g<G>`` / ``x<K>`` suffix as CodecSpec fields."""
+    if size is not None:
+        return {"group": int(size)}
+    return {} if count is None else {"group_count": int(count)}
 
 
 def parse_codec(text: str) -> CodecSpec:
@@ -170,18 +190,16 @@ def parse_codec(text: str) -> CodecSpec:
             bits = int(m.group(1))
             if bits not in QUANT_BITS:
                 raise _bad(text, f"quantise to one of {list(QUANT_BITS)} bits (int{bits} is not supported)")
-            fields.update(quant="int", bits=bits, stochastic=m.group(3) is not None)
-            if m.group(2) is not None:
-                fields["group"] = int(m.group(2))
+            fields.update(quant="int", bits=bits, stochastic=m.group(4) is not None)
+            fields.update(_grouping(m.group(2), m.group(3)))
         elif m := _FP8.fullmatch(part):
             kind = "quant"
             fields.update(quant="fp8", bits=8)
-            if m.group(1) is not None:
-                fields["group"] = int(m.group(1))
+            fields.update(_grouping(m.group(1), m.group(2)))
         else:
             raise _bad(
                 text,
-                f"be stages joined by '+' from outliers<N>, pca<r>/spca<r>, int<b>[g<G>][sr], fp8[g<G>], or "
+                f"be stages joined by '+' from outliers<N>, pca<r>/spca<r>, int<b>[g<G>|x<K>][sr], fp8[g<G>|x<K>], or "
                 f"mask<p>[+fill] ({part!r} is none of them)",
             )
         if kind in seen:
@@ -193,6 +211,8 @@ def parse_codec(text: str) -> CodecSpec:
         seen.append(kind)
     if fields.get("group") is not None and fields["group"] < 1:
         raise _bad(text, "use a group size >= 1")
+    if fields.get("group_count") is not None and fields["group_count"] < 1:
+        raise _bad(text, "split into at least 1 group (x<K>, K >= 1)")
     if seen == ["outliers"]:
         raise _bad(text, "compress the non-outlier dims too: follow outliers<N> with a projection or a quantiser")
     return CodecSpec(text, **fields)
