@@ -76,6 +76,26 @@ def test_run_one_trains_scores_and_reports(tokenizer, tmp_path, table, row, knob
     assert row in text and (tmp_path / "quick" / f"{table}_eval_loss.png").exists()
 
 
+def test_the_composed_table_trains_through_the_codec_and_reports_its_bytes_beside_dense(tokenizer, tmp_path):
+    (tmp_path / "quick").mkdir()
+    for row, knobs in (
+        ("Dense", run.DENSE),
+        ("outliers2+int4x3", dict(boundary_codec="outliers2+int4x3", anchor=False)),
+    ):
+        spec = run.RunSpec("composed", row, "arithmetic", 0, dict(knobs))
+        result = run_one_small(spec, tokenizer)
+        fwd = [h["comm/measured_pp_fwd_bytes_per_token"] for h in result["log_history"] if "comm/loss" not in h][0]
+        # fp32 run, 3 boundaries: 2 outliers (8 B) + 3 scales (6 B) + ⌈30/8⌉·4 codes (16 B) = 30 → 32 B a boundary
+        # (bf16: 4 + 6 + 16 = 26 B, 2.5× of 64)
+        assert fwd == (3 * 32 if row != "Dense" else 3 * 4 * 32)
+        (tmp_path / "quick" / f"{spec.run_id}.json").write_text(json.dumps(result, default=str))
+    report.write_report(tmp_path)
+    text = (tmp_path / "quick" / "results.md").read_text()
+    line = next(x for x in text.splitlines() if x.startswith("| `outliers2+int4x3`"))
+    assert "| 0 | 26 | 2.5× |" in line and line.count("%") == 2  # the metric and the eval loss, each with its gap
+    assert (tmp_path / "quick" / "composed_pareto.png").exists()
+
+
 def _counting(cls):
     class Counting(cls):
         def on_step_begin(self, args, state, control, **kwargs):

@@ -10,6 +10,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
+from hf_meshtune.boundary.compose.spec import parse_codec
 from hf_meshtune.boundary.masking import keep_count
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -145,6 +146,94 @@ def codecs(runs: list[dict]) -> list[str]:
             cells.append(f"{_metric(rs[0])[1]:.3f}" if rs else "–")
         lines.append("| " + " | ".join(cells) + " |")
     return lines
+
+
+def _composed_bytes(run: dict, hidden: int) -> int:
+    """bf16 bytes per token and boundary of a composed-table row (the codec's formula; Dense = 2·H)."""
+    codec = run["spec"]["knobs"].get("boundary_codec")
+    return parse_codec(codec).payload_bytes(hidden, 2) if codec else 2 * hidden
+
+
+def composed(runs: list[dict]) -> list[str]:
+    """The composed codec's sweep: each task's metric and dense eval loss, mean ± half-range over seeds, with the
+    relative gap to the same table's Dense (+ = worse)."""
+    grouped = _by(runs, "composed")
+    if ("Dense", TASK_ORDER[0]) not in grouped:
+        return []
+    hidden = next(iter(grouped.values()))[0]["ledger"]["hidden_size"]
+    tasks = [t for t in TASK_ORDER if ("Dense", t) in grouped]
+    head = ["row", "seeds", "bf16 B/token", "compression"]
+    for t in tasks:
+        head += [f"{t} {METRIC_NAMES[_metric(grouped[('Dense', t)][0])[0]]}", f"{t} eval loss"]
+    lines = [
+        f"Plain AdamW (no anchor), H = {hidden} (dense bf16 {2 * hidden} B/token/boundary). Mean ± half-range over "
+        "seeds; (relative gap to Dense, + = worse). Evaluated dense.",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+    ]
+    for row in dict.fromkeys(row for row, _ in grouped):
+        first = next(rs[0] for (r, _), rs in grouped.items() if r == row)
+        size = _composed_bytes(first, hidden)
+        seeds = sorted({r["spec"]["seed"] for (r_, _), rs in grouped.items() if r_ == row for r in rs})
+        label = row if row == "Dense" else f"`{row}`"
+        cells = [label, ",".join(map(str, seeds)), str(size), f"{2 * hidden / size:.1f}×"]
+        for t in tasks:
+            rs, dense = grouped.get((row, t), []), grouped[("Dense", t)]
+            if not rs:
+                cells += ["–", "–"]
+                continue
+            name = _metric(rs[0])[0]
+            measures = ((lambda r: _metric(r)[1], name), (lambda r: _logs(r, "eval_loss")[-1], "perplexity"))
+            for value_of, metric in measures:  # the eval loss gaps like a perplexity: lower is better
+                values = [value_of(r) for r in rs]
+                base = statistics.mean(value_of(r) for r in dense)
+                gap = "" if row == "Dense" else f" ({_gap(statistics.mean(values), base, metric):+.1f} %)"
+                cells.append(_mean_spread(values) + gap)
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def composed_plot(runs: list[dict], out: Path) -> list[str]:
+    """Quality vs bytes: each task's dense eval loss gap to Dense (%, mean over seeds) against bf16 bytes per token
+    and boundary, the paper's M95+AP of Table 1 beside it."""
+    grouped = _by(runs, "composed")
+    if ("Dense", TASK_ORDER[0]) not in grouped:
+        return []
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    hidden = next(iter(grouped.values()))[0]["ledger"]["hidden_size"]
+    paper = _by(runs, "table1")
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for task in TASK_ORDER:
+        if ("Dense", task) not in grouped:
+            continue
+        base = statistics.mean(_logs(r, "eval_loss")[-1] for r in grouped[("Dense", task)])
+        points = []
+        for (row, t), rs in grouped.items():
+            if t == task and row != "Dense":
+                loss = statistics.mean(_logs(r, "eval_loss")[-1] for r in rs)
+                points.append((_composed_bytes(rs[0], hidden), 100 * (loss - base) / base))
+        if ("M95+AP", task) in paper:
+            loss = statistics.mean(_logs(r, "eval_loss")[-1] for r in paper[("M95+AP", task)])
+            points.append((keep_count(hidden, 0.95) * 2, 100 * (loss - base) / base))
+        points.sort()
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=task)
+    ax.axhline(0.0, color="black", linewidth=0.8, label="Dense")
+    ax.axhline(1.0, color="grey", linewidth=0.8, linestyle="--", label="+1 %")
+    ax.set_xscale("log")
+    ax.set_yscale("symlog", linthresh=1.0)
+    ax.set_xlabel("bf16 bytes per token and boundary (log; dense = %d)" % (2 * hidden))
+    ax.set_ylabel("dense eval loss gap to Dense (%)")
+    ax.set_title("Tiny Llama: composed codecs (and M95+AP at the left), mean over seeds")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "composed_pareto.png", dpi=90)
+    plt.close(fig)
+    return ["composed_pareto.png"]
 
 
 def ablations(runs: list[dict]) -> list[str]:
@@ -312,6 +401,7 @@ def write_report(root: Path = RESULTS) -> None:
             ("Table 1 diagnostics (seed 0)", diagnostics(runs, "table1")),
             ("Variants of the masked method (seed 0)", diagnostics(runs, "variants")),
             ("Table 2: boundary codecs (seed 0)", codecs(runs)),
+            ("Composed boundary codec: quality vs bytes", composed(runs)),
             ("Ablations (arithmetic, seed 0)", ablations(runs)),
             ("Pruning robustness", pruning(runs)),
             ("Anchor prior overhead per step", overhead(runs)),
@@ -319,7 +409,7 @@ def write_report(root: Path = RESULTS) -> None:
         ):
             if lines:
                 sections += [f"## {title}", "", *lines, ""]
-        sections += [f"![{name}]({name})" for name in plots(runs, mode_dir)]
+        sections += [f"![{name}]({name})" for name in plots(runs, mode_dir) + composed_plot(runs, mode_dir)]
         (mode_dir / "results.md").write_text("\n".join(sections) + "\n")
 
 

@@ -4,7 +4,8 @@ Every run fine-tunes the pretrained tiny Llama (``pretrain.py``) on one task thr
 ``MeshTrainer`` with the same data order, steps and lr schedule, then evaluates the dense model.
 
     python -m benchmarks.quality.run --mode quick       # Table 1 (4 rows x 4 tasks x 2 seeds)
-    python -m benchmarks.quality.run --mode standard    # + variants, codecs, ablations (reuses quick's runs)
+    python -m benchmarks.quality.run --mode standard    # + variants, codecs, ablations, composed (reuses quick's)
+    python -m benchmarks.quality.run --tables composed  # the composed boundary codec's sweep alone
     python -m benchmarks.quality.run --mode full        # 400 steps, 3 seeds, + the SmolLM2 rows
 
 Each run is one JSON under ``results/<folder>/``; finished runs are skipped, so an interrupted sweep
@@ -58,9 +59,12 @@ class Mode:
 
 MODES = {
     "quick": Mode(steps=150, tables=("table1",)),
-    "standard": Mode(steps=150, tables=("table1", "variants", "codecs", "ablations")),
+    "standard": Mode(steps=150, tables=("table1", "variants", "codecs", "ablations", "composed")),
     "full": Mode(
-        steps=400, seeds=(0, 1, 2), tables=("table1", "variants", "codecs", "ablations", "smollm2"), folder="full"
+        steps=400,
+        seeds=(0, 1, 2),
+        tables=("table1", "variants", "codecs", "ablations", "composed", "smollm2"),
+        folder="full",
     ),
 }
 
@@ -91,6 +95,17 @@ CODECS = {  # boundary codecs, dense optimizer (plain AdamW: no anchor); see hf_
     "delta_quant2": dict(codec="delta_quant", bits=2),
     "pca": dict(codec="pca"),
 }
+# the composed boundary codec (hf_meshtune.boundary.compose) on the tiny Llama, plain AdamW (no anchor), beside its own
+# Dense: the Pareto sweep of boundary bytes vs quality; seeds: rows at or near the default get both
+COMPOSED = {
+    "Dense": dict(DENSE),
+    "outliers8+int8": dict(boundary_codec="outliers8+int8", anchor=False),
+    "outliers8+int4x8": dict(boundary_codec="outliers8+int4x8", anchor=False),
+    "outliers8+int3x8": dict(boundary_codec="outliers8+int3x8", anchor=False),
+    "outliers8+spca64+int4": dict(boundary_codec="outliers8+spca64+int4", anchor=False),
+    "outliers8+spca32+int4": dict(boundary_codec="outliers8+spca32+int4", anchor=False),
+}
+COMPOSED_ALL_SEEDS = ("Dense", "outliers8+int4x8")
 ABLATIONS = {
     "p=0.90": dict(mask_ratio=0.90),
     "p=0.99": dict(mask_ratio=0.99),
@@ -319,6 +334,14 @@ def plan(mode: Mode, tables: tuple[str, ...]) -> list[RunSpec]:
             RunSpec("codecs", row, task, mode.seeds[0], dict(DENSE), codec)
             for task in TASK_NAMES
             for row, codec in CODECS.items()
+        ]
+    if "composed" in tables:
+        specs += [
+            RunSpec("composed", row, task, seed, knobs)
+            for seed in mode.seeds
+            for row, knobs in COMPOSED.items()
+            if seed == mode.seeds[0] or row in COMPOSED_ALL_SEEDS
+            for task in TASK_NAMES
         ]
     if "ablations" in tables:
         specs += [
