@@ -181,10 +181,10 @@ def _add_demo_parser(subparsers: argparse._SubParsersAction) -> None:
 
     p = subparsers.add_parser(
         "demo",
-        help="fine-tune the embedded SmolLM2-135M on GSM8K through compressed boundaries (--preset paper: M95 + "
-        "anchor prior)",
+        help="fine-tune the embedded SmolLM2-135M on GSM8K through compressed boundaries (default --preset "
+        "quality: the outlier-aware int8 codec; --preset paper: M95 + anchor prior)",
         description="The main job on the embedded default (no hub access): prints the dense eval loss "
-        "before/after, the masked training loss and the byte ledger; writes summary.json.",
+        "before/after, the training loss through the compressed boundaries and the byte ledger; writes summary.json.",
     )
     for f in fields(DemoSettings):
         flag = "--" + f.name.replace("_", "-")

@@ -165,12 +165,14 @@ TRAINING: dict[str, object] = {
     "use_cpu": True,
     "disable_tqdm": True,
     "save_strategy": "no",
+    "preset": "paper",
     "num_stages": 2,
     "mask_ratio": 0.5,
     "anchor_every": 1,
     "anchor_delay": 3,
 }
-"""MeshTrainingArguments of the tiny runs: 2 steps, Y = 2, p = 0.5, an anchor gradient in flight."""
+"""MeshTrainingArguments of the tiny runs: the paper's method (2 steps, Y = 2, p = 0.5, an anchor gradient in
+flight)."""
 
 
 def mesh_args(tmp: Path, **overrides: object) -> MeshTrainingArguments:
@@ -519,7 +521,7 @@ def run_settings(config: MeshConfig | None = None, **sizes: object) -> Callable[
     from hf_meshtune.runtime.settings import RunSettings
 
     full = {"microbatch_size": 1, "microbatches": 1, "seq_len": 8, "max_steps": 1, **sizes}
-    return lambda: RunSettings(config=config or MeshConfig(), **full)
+    return lambda: RunSettings(config=config or MeshConfig(preset="paper"), **full)
 
 
 def groups_without_process_group() -> None:
@@ -608,13 +610,14 @@ def train_loader(dataset: object = None, **kwargs: object) -> DataLoader:
 def prepare(
     *objects: Callable[[nn.Module], object], model: Callable[[], nn.Module] = tiny_llama, **plugin_kwargs: object
 ) -> Callable[[], object]:
-    """A trigger: ``MeshAccelerator(mesh_plugin=MeshPlugin(**plugin_kwargs)).prepare(model, *objects)``;
+    """A trigger: ``MeshAccelerator(mesh_plugin=MeshPlugin(preset="paper", **plugin_kwargs)).prepare(model, *objects)``;
     each object is built from the model (an optimizer over its parameters, a loader, ...)."""
     from hf_meshtune.accelerate import MeshAccelerator, MeshPlugin
 
     def trigger() -> object:
         net = model()
-        accelerator = MeshAccelerator(mesh_plugin=MeshPlugin(**{"num_stages": 2, "mask_ratio": 0.5, **plugin_kwargs}))
+        knobs = {"preset": "paper", "num_stages": 2, "mask_ratio": 0.5, **plugin_kwargs}  # the paper's masks + anchor
+        accelerator = MeshAccelerator(mesh_plugin=MeshPlugin(**knobs))
         return accelerator.prepare(net, *(build(net) for build in objects))
 
     return trigger
@@ -1106,7 +1109,9 @@ def _cases() -> list[Case]:
         _knob("spectral_rank=0 is invalid: it must be None or an int >= 1", spectral_rank=0),
         _knob("num_replicas=0 is invalid: it must be >= 1", num_replicas=0, anchor=False),
         _knob(
-            "num_replicas=1 is invalid: it must be >= 2 when anchor=True (one replica is the anchor)", num_replicas=1
+            "num_replicas=1 is invalid: it must be >= 2 when anchor=True (one replica is the anchor)",
+            num_replicas=1,
+            anchor=True,
         ),
         _knob("dp_sync_every=0 is invalid: it must be >= 1", dp_sync_every=0),
         _knob("dp_powersgd_rank=-1 is invalid: it must be None or an int >= 1", dp_powersgd_rank=-1),
@@ -2132,9 +2137,9 @@ def _cases() -> list[Case]:
         ),
         Case(
             TRL,
-            "MeshGRPOConfig(optim='adamw_torch') (anchor=True)",
+            "MeshGRPOConfig(optim='adamw_torch', anchor=True)",
             "`MeshGRPOConfig(...)`",
-            mesh_config_of("MeshGRPOConfig", optim="adamw_torch"),
+            mesh_config_of("MeshGRPOConfig", optim="adamw_torch", anchor=True),
             ValueError,
             f"optim={_ADAMW_ENUM} is invalid: it must be 'spectral_adamw' when anchor=True (the anchor's gradients "
             "feed its spectral filter); set anchor=False for another optimizer",
@@ -2166,9 +2171,9 @@ def _cases() -> list[Case]:
         ),
         Case(
             TRL,
-            "MeshGRPOConfig(mask_protect_dims=2)",
+            "MeshGRPOConfig(mask_ratio=0.95, mask_protect_dims=2)",
             "`MeshGRPOConfig(...)`",
-            mesh_config_of("MeshGRPOConfig", mask_protect_dims=2),
+            mesh_config_of("MeshGRPOConfig", mask_ratio=0.95, mask_protect_dims=2),
             ValueError,
             "mask_protect_dims=2 is invalid: it must be 0 for GRPO/GSPO (protected dims are chosen on a training batch "
             "before the first rollout exists)",

@@ -187,9 +187,7 @@ def test_stochastic_rounding_of_the_backward_is_unbiased_and_seeded(text):
     same = codec.encode_gradient(g, 4, 2)
     assert torch.equal(same.view(torch.uint8), codec.encode_gradient(g, 4, 2).view(torch.uint8))
     assert not torch.equal(same.view(torch.uint8), codec.encode_gradient(g, 4, 3).view(torch.uint8))
-    assert not torch.equal(
-        same.view(torch.uint8), _fitted(text, seed=1).encode_gradient(g, 4, 2).view(torch.uint8)
-    )
+    assert not torch.equal(same.view(torch.uint8), _fitted(text, seed=1).encode_gradient(g, 4, 2).view(torch.uint8))
 
 
 def test_the_fit_keeps_the_largest_dims_and_an_orthonormal_basis():

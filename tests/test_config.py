@@ -35,14 +35,14 @@ BAD_KNOBS = [
 @pytest.mark.parametrize(("field", "value", "rule"), BAD_KNOBS)
 def test_mesh_config_names_field_value_and_rule(field, value, rule):
     with pytest.raises(ValueError) as err:
-        MeshConfig(**{field: value})
+        MeshConfig(preset="paper", **{field: value})  # the mask and anchor knobs are the paper's
     assert str(err.value) == f"{field}={value!r} is invalid: it must {rule}"
 
 
 @pytest.mark.parametrize(("field", "value", "rule"), BAD_KNOBS[:6])
 def test_training_arguments_validate_the_same_knobs(tmp_path, field, value, rule):
     with pytest.raises(ValueError, match=f"{field}=.* is invalid: it must"):
-        MeshTrainingArguments(output_dir=str(tmp_path), **{field: value})
+        MeshTrainingArguments(output_dir=str(tmp_path), preset="paper", **{field: value})
 
 
 def test_rescale_with_mean_fill_is_rejected():
@@ -63,7 +63,7 @@ def test_unknown_optim_name_is_rejected(tmp_path):
 
 def test_anchor_needs_the_spectral_optimizer(tmp_path):
     with pytest.raises(ValueError, match="optim=.*adamw_torch.* must be 'spectral_adamw' when anchor=True"):
-        MeshTrainingArguments(output_dir=str(tmp_path), optim="adamw_torch")
+        MeshTrainingArguments(output_dir=str(tmp_path), preset="paper", optim="adamw_torch")
 
 
 def test_parser_reads_mesh_flags(tmp_path):
@@ -90,6 +90,7 @@ def test_parser_reads_mesh_flags(tmp_path):
 def test_trainer_builds_spectral_adamw_from_the_knobs(tmp_path):
     args = MeshTrainingArguments(
         output_dir=str(tmp_path),
+        preset="paper",  # the anchor feeds the filter
         spectral_alpha=0.5,
         spectral_tau=0.01,
         anchor_beta=0.8,
@@ -157,7 +158,8 @@ def test_a_preset_fills_only_the_boundary_and_anchor_knobs_left_unset(tmp_path):
 
     from hf_meshtune.config import PRESETS, QUALITY_CODEC
 
-    paper, quality = MeshConfig(), MeshConfig(preset="quality")
+    paper, quality = MeshConfig(preset="paper"), MeshConfig()
+    assert quality.preset == "quality"  # the default
     assert (paper.preset, paper.mask_ratio, paper.boundary_codec, paper.anchor) == ("paper", 0.95, None, True)
     assert (quality.mask_ratio, quality.boundary_codec, quality.anchor) == (0.0, QUALITY_CODEC, False)
     assert PRESETS["quality"]["boundary_codec"] == QUALITY_CODEC
@@ -183,8 +185,8 @@ def test_the_demo_and_the_accelerate_plugin_take_the_preset_too(monkeypatch):
     from hf_meshtune.apps.demo import DemoSettings
     from hf_meshtune.config import QUALITY_CODEC
 
-    assert DemoSettings(preset="quality").mesh_config().boundary_codec == QUALITY_CODEC
-    assert DemoSettings().mesh_config().mask_ratio == 0.95
+    assert DemoSettings().mesh_config().boundary_codec == QUALITY_CODEC
+    assert DemoSettings(preset="paper").mesh_config().mask_ratio == 0.95
     monkeypatch.setenv("MESHTUNE_PRESET", "quality")
     plugin = MeshPlugin(num_stages=2)
     assert (plugin.boundary_codec, plugin.anchor) == (QUALITY_CODEC, False)

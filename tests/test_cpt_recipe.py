@@ -11,7 +11,8 @@ import pytest
 import transformers
 
 from hf_meshtune.apps.assets import smollm2_checkpoint
-from hf_meshtune.boundary.masking import keep_count
+from hf_meshtune.boundary.compose.spec import parse_codec
+from hf_meshtune.config import QUALITY_CODEC
 from tests.distributed import mesh_launch
 from tests.test_recipes import ROOT, load_script
 
@@ -203,6 +204,8 @@ def test_cpt_recipe_runs_on_a_launched_3x2_mesh(tmp_path):
     summary = json.loads((out / "mesh_summary.json").read_text())
     assert summary["mesh"] == "3x2" and summary["steps"] == 2 and summary["seq_len"] == 32
     measured, analytic = summary["measured_bytes_per_token"], summary["analytic_bytes_per_token"]
-    assert measured["pp_fwd"] == analytic["pp_fwd"] == keep_count(576, 0.95) * 4  # one boundary, fp32, K of H = 576
+    # the default boundary (preset quality) on one boundary, fp32: 8 outlier dims, one scale, 568 int8 codes
+    assert measured["pp_fwd"] == analytic["pp_fwd"] == parse_codec(QUALITY_CODEC).payload_bytes(576, 4)
+    assert summary["fast_replicas"] == 3  # no anchor replica
     assert math.isfinite(json.loads((out / "eval_results.json").read_text())["perplexity"])
     _assert_plain_checkpoint(out)

@@ -53,35 +53,31 @@ def test_pretrained_model_is_competent_on_gsm8k_answers(smollm2):
     assert max(float(loss) for loss in losses) < 3.0
 
 
-def test_demo_runs_end_to_end_through_the_cli(tmp_path, capsys):
+@pytest.mark.parametrize(
+    "flags,fwd_bytes",
+    [
+        # the default, preset quality: outliers8+int8 on an fp32 wire, 8·4 + 2 + 568 = 602 → 604 B a boundary
+        ([], 3 * 604),
+        # the paper: M95, K = 29 of 576, and an anchor gradient every step applied at once
+        (["--preset", "paper", "--anchor-every", "1", "--anchor-delay", "0"], 3 * 29 * 4),
+    ],
+    ids=["default", "paper"],
+)
+def test_demo_runs_end_to_end_through_the_cli(tmp_path, capsys, flags, fwd_bytes):
     out = tmp_path / "demo"
-    code = main(
-        [
-            "demo",
-            "--output-dir",
-            str(out),
-            "--max-steps",
-            "2",
-            "--batch-size",
-            "2",
-            "--seq-len",
-            "96",
-            "--eval-items",
-            "4",
-            "--train-last-layers",
-            "2",
-            "--anchor-every",
-            "1",
-            "--anchor-delay",
-            "0",
-        ]
-    )
+    size = ["--max-steps", "2", "--batch-size", "2", "--seq-len", "96", "--eval-items", "4", "--train-last-layers", "2"]
+    code = main(["demo", "--output-dir", str(out), *size, *flags])
     assert code == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["trainable_parameters"] == 2 * 3_540_096 + 576
     assert summary["dense_eval_loss_before"] > 0 and summary["dense_eval_loss_after"] > 0
-    assert summary["ledger"]["pp_fwd_bytes_per_token"] == 3 * 29 * 4  # Y-1 = 3 boundaries, K = 29, fp32
-    assert summary["last_log"]["anchor/staleness_steps"] == 0
+    assert summary["ledger"]["pp_fwd_bytes_per_token"] == fwd_bytes  # Y-1 = 3 boundaries
+    assert summary["last_log"]["comm/measured_pp_fwd_bytes_per_token"] == fwd_bytes
+    if flags:
+        assert summary["last_log"]["anchor/staleness_steps"] == 0
+    else:
+        assert summary["settings"]["boundary_codec"] == "outliers8+int8" and summary["settings"]["anchor"] is False
+        assert not any(key.startswith("anchor/") for key in summary["last_log"])
     printed = capsys.readouterr().out
     assert "dense eval loss: before" in printed and "total_bytes_per_token" in printed
 

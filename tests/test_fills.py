@@ -144,6 +144,7 @@ def test_mesh_trainer_calibrates_before_step_0_and_refreshes_at_anchor_rounds(tm
         report_to=[],
         save_strategy="no",
         use_cpu=True,
+        preset="paper",  # the anchor refreshes the fill
         num_stages=2,
         mask_ratio=0.75,
         mask_fill="gaussian",

@@ -254,6 +254,7 @@ def lighthouse():
 
 
 MESH_CFG = dict(
+    preset="paper",  # masks and the anchor
     mask_ratio=0.9,
     anchor_every=2,
     anchor_delay=0,

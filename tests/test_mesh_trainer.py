@@ -19,6 +19,8 @@ from tests.tiny import tiny_llama
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLAGS = [
+    "--preset",  # the paper's masks and anchor; the default boundary runs in test_cpt_recipe's mesh test
+    "paper",
     "--num_stages",
     "2",
     "--max_steps",

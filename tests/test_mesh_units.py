@@ -27,7 +27,13 @@ from tests.tiny import make_tiny_causal_lm, pattern_dataset, tiny_llama
 )
 def test_run_settings_refuse_what_the_mesh_cannot_do(knob, value, rule):
     with pytest.raises(ValueError, match=f"{knob}={value!r} is invalid: it must {rule}"):
-        RunSettings(config=MeshConfig(**{knob: value}), microbatch_size=1, microbatches=1, seq_len=8, max_steps=1)
+        RunSettings(
+            config=MeshConfig(preset="paper", **{knob: value}),
+            microbatch_size=1,
+            microbatches=1,
+            seq_len=8,
+            max_steps=1,
+        )
 
 
 def test_run_settings_need_positive_sizes():

@@ -36,7 +36,7 @@ BASE = dict(
 )
 RUNS = {
     "dense": dict(mask_ratio=0.0, anchor=False),
-    "m95_ap": dict(num_stages=2, anchor_every=1, anchor_delay=1),
+    "m95_ap": dict(preset="paper", num_stages=2, anchor_every=1, anchor_delay=1),
 }
 LEDGER_KEYS = [f"comm/{name}_bytes_per_token" for name in (*CIRCUITS, "total")]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -34,6 +34,7 @@ def main(output_dir: str) -> None:
         save_strategy="steps",
         save_steps=2,
         lr_scheduler_type="constant",
+        preset="paper",
         num_stages=2,
         mask_ratio=0.5,
         anchor_every=2,

@@ -78,9 +78,7 @@ def _scales(grouped: Tensor, top: float) -> Tensor:
     return torch.where(absmax > 0, scale, torch.ones_like(scale))
 
 
-def quantize(
-    values: Tensor, quant: str, bits: int, groups: int, noise: Tensor | None = None
-) -> tuple[Tensor, Tensor]:
+def quantize(values: Tensor, quant: str, bits: int, groups: int, noise: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """values [..., D] → (bf16 scales [..., groups], packed uint8 codes [..., code bytes]); one scale per
     contiguous group (``_grouped``; groups = 1: per token). ``noise`` (uniform [0, 1), the values' shape)
     turns round-to-nearest into stochastic rounding (int only)."""
