@@ -105,7 +105,7 @@ COMPOSED = {
     "outliers8+spca64+int4": dict(boundary_codec="outliers8+spca64+int4", anchor=False),
     "outliers8+spca32+int4": dict(boundary_codec="outliers8+spca32+int4", anchor=False),
 }
-COMPOSED_ALL_SEEDS = ("Dense", "outliers8+int4x8")
+COMPOSED_ALL_SEEDS = ("Dense", "outliers8+int8", "outliers8+int4x8")  # the default and the 4-bit candidate
 ABLATIONS = {
     "p=0.90": dict(mask_ratio=0.90),
     "p=0.99": dict(mask_ratio=0.99),
