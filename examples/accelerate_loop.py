@@ -2,8 +2,10 @@
 
     python examples/accelerate_loop.py --steps 8
 
-Fine-tunes the last two layers of the embedded SmolLM2-135M-Instruct on GSM8K answers with p = 0.95
-on Y = 4 stages, an anchor gradient every 2 steps landing 2 steps late, gradient accumulation 2.
+Fine-tunes the last two layers of the embedded SmolLM2-135M-Instruct on GSM8K answers with the paper's
+method (``preset="paper"``: p = 0.95, the anchor prior) on Y = 4 stages, an anchor gradient every 2 steps
+landing 2 steps late, gradient accumulation 2. ``MeshPlugin(num_stages=4)`` alone gives the default,
+quality-keeping boundary (``outliers8+int8``, no anchor) instead.
 Against the same loop on plain accelerate, only these lines change:
 
     -from accelerate import Accelerator
@@ -11,7 +13,7 @@ Against the same loop on plain accelerate, only these lines change:
 
     -accelerator = Accelerator(gradient_accumulation_steps=args.grad_accum)
     +accelerator = Accelerator(gradient_accumulation_steps=args.grad_accum,
-    +                          mesh_plugin=MeshPlugin(mask_ratio=0.95, num_stages=4, anchor_every=2, anchor_delay=2))
+    +                          mesh_plugin=MeshPlugin(preset="paper", num_stages=4, anchor_every=2, anchor_delay=2))
 
 The AdamW below becomes a SpectralAdamW inside ``prepare`` (the scheduler follows it); the optimizer
 step hooks move the mask clock and run the anchor. ``accelerator.log`` adds the mesh's ``comm/*``,
@@ -51,7 +53,7 @@ def main(argv: list[str] | None = None) -> list[float]:
 
     accelerator = Accelerator(
         gradient_accumulation_steps=args.grad_accum,
-        mesh_plugin=MeshPlugin(mask_ratio=0.95, num_stages=4, anchor_every=2, anchor_delay=2),
+        mesh_plugin=MeshPlugin(preset="paper", num_stages=4, anchor_every=2, anchor_delay=2),
     )
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
 

