@@ -171,8 +171,9 @@ def format_summary(summary: dict) -> str:
     verdict = "improved" if summary["dense_eval_loss_after"] < summary["dense_eval_loss_before"] else "GOT WORSE"
     lines = [
         "",
-        f"SmolLM2-135M SFT on GSM8K: {_boundary_words(s)} Y={s['num_stages']} anchor={s['anchor']} "
-        f"(every {s['anchor_every']}, Δ={s['anchor_delay']}), {s['max_steps']} steps, "
+        f"SmolLM2-135M SFT on GSM8K: {_boundary_words(s)} Y={s['num_stages']} anchor={s['anchor']}"
+        + (f" (every {s['anchor_every']}, Δ={s['anchor_delay']})" if s["anchor"] else "")
+        + f", {s['max_steps']} steps, "
         f"{summary['trainable_parameters']:,} trainable parameters",
         f"dense eval loss: before {summary['dense_eval_loss_before']:.4f} -> after "
         f"{summary['dense_eval_loss_after']:.4f} ({verdict})",
