@@ -1,6 +1,6 @@
 r"""Continued pre-training (plain causal-LM loss on every token) with MeshTrainer.
 
-    python recipes/cpt.py --output_dir runs/cpt --max_steps 200 --mask_ratio 0.95 --num_stages 4
+    python recipes/cpt.py --output_dir runs/cpt --max_steps 200 --num_stages 4     # --preset paper: M95 + AP
     python recipes/cpt.py --output_dir runs/cpt --text_files "notes/*.md" book.txt --block_size 256 --max_steps 200
     accelerate launch --config_file accelerate_configs/cpu_single_process.yaml recipes/cpt.py \
         --output_dir runs/cpt --max_steps 20

@@ -1,6 +1,6 @@
 r"""Supervised fine-tuning with MeshSFTTrainer: every SFTConfig flag, TRL's model/LoRA flags and the mesh knobs.
 
-    python recipes/sft.py --output_dir runs/sft --max_steps 200 --mask_ratio 0.95 --num_stages 4
+    python recipes/sft.py --output_dir runs/sft --max_steps 200 --num_stages 4     # --preset paper: M95 + AP
     python recipes/sft.py --output_dir runs/sft-lora --use_peft --lora_r 16 --lora_target_modules all-linear
     python recipes/sft.py --output_dir runs/arith --dataset arithmetic --use_peft --max_steps 100
     accelerate launch --config_file accelerate_configs/cpu_single_process.yaml recipes/sft.py --output_dir runs/sft
