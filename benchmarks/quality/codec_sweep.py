@@ -19,9 +19,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from benchmarks.quality.report import boundary_bf16_bytes
 from benchmarks.quality.smollm2_probe import before_line, load_rows, main
-from hf_meshtune.boundary.compose.spec import parse_codec
-from hf_meshtune.boundary.masking import keep_count
 
 OUT = Path(__file__).resolve().parent / "codec_sweep"
 H, DENSE_BF16 = 576, 576 * 2
@@ -66,12 +65,8 @@ ROWS: dict[str, dict] = {
 
 
 def bf16_bytes(knobs: dict) -> int:
-    """Formula bytes per token and boundary on a bf16 wire (forward; the backward is the same size)."""
-    codec = knobs.get("boundary_codec")
-    if codec is not None:
-        return parse_codec(codec).payload_bytes(H, 2)
-    ratio = knobs.get("mask_ratio", 0.95)
-    return DENSE_BF16 if ratio == 0.0 else keep_count(H, ratio) * 2
+    """Formula bytes per token and boundary on a bf16 wire at SmolLM2's width (report.boundary_bf16_bytes)."""
+    return boundary_bf16_bytes(knobs, H)
 
 
 def table() -> str:

@@ -148,10 +148,18 @@ def codecs(runs: list[dict]) -> list[str]:
     return lines
 
 
-def _composed_bytes(run: dict, hidden: int) -> int:
-    """bf16 bytes per token and boundary of a composed-table row (the codec's formula; Dense = 2·H)."""
-    codec = run["spec"]["knobs"].get("boundary_codec")
-    return parse_codec(codec).payload_bytes(hidden, 2) if codec else 2 * hidden
+def boundary_bf16_bytes(knobs: dict, hidden: int) -> int:
+    """Formula bytes per token and boundary on a bf16 wire (forward; the backward is the same size) of a row's
+    mesh knobs: a composed codec's payload, else K values of a mask (the paper's p = 0.95 unless given; 2·H at 0)."""
+    codec = knobs.get("boundary_codec")
+    if codec is not None:
+        return parse_codec(codec).payload_bytes(hidden, 2)
+    ratio = knobs.get("mask_ratio", 0.95)
+    return 2 * hidden if ratio == 0.0 else keep_count(hidden, ratio) * 2
+
+
+def _mean_final_eval_loss(runs: list[dict]) -> float:
+    return statistics.mean(_logs(r, "eval_loss")[-1] for r in runs)
 
 
 def composed(runs: list[dict]) -> list[str]:
@@ -174,7 +182,7 @@ def composed(runs: list[dict]) -> list[str]:
     ]
     for row in dict.fromkeys(row for row, _ in grouped):
         first = next(rs[0] for (r, _), rs in grouped.items() if r == row)
-        size = _composed_bytes(first, hidden)
+        size = boundary_bf16_bytes(first["spec"]["knobs"], hidden)
         seeds = sorted({r["spec"]["seed"] for (r_, _), rs in grouped.items() if r_ == row for r in rs})
         label = row if row == "Dense" else f"`{row}`"
         cells = [label, ",".join(map(str, seeds)), str(size), f"{2 * hidden / size:.1f}×"]
@@ -211,16 +219,13 @@ def composed_plot(runs: list[dict], out: Path) -> list[str]:
     for task in TASK_ORDER:
         if ("Dense", task) not in grouped:
             continue
-        base = statistics.mean(_logs(r, "eval_loss")[-1] for r in grouped[("Dense", task)])
-        points = []
-        for (row, t), rs in grouped.items():
-            if t == task and row != "Dense":
-                loss = statistics.mean(_logs(r, "eval_loss")[-1] for r in rs)
-                points.append((_composed_bytes(rs[0], hidden), 100 * (loss - base) / base))
-        if ("M95+AP", task) in paper:
-            loss = statistics.mean(_logs(r, "eval_loss")[-1] for r in paper[("M95+AP", task)])
-            points.append((keep_count(hidden, 0.95) * 2, 100 * (loss - base) / base))
-        points.sort()
+        base = _mean_final_eval_loss(grouped[("Dense", task)])
+        rows = [rs for (row, t), rs in grouped.items() if t == task and row != "Dense"]
+        rows += [paper[("M95+AP", task)]] if ("M95+AP", task) in paper else []
+        points = sorted(  # the eval loss gaps like a perplexity: lower is better
+            (boundary_bf16_bytes(rs[0]["spec"]["knobs"], hidden), _gap(_mean_final_eval_loss(rs), base, "perplexity"))
+            for rs in rows
+        )
         ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=task)
     ax.axhline(0.0, color="black", linewidth=0.8, label="Dense")
     ax.axhline(1.0, color="grey", linewidth=0.8, linestyle="--", label="+1 %")
