@@ -127,9 +127,13 @@ def run_ledger(args: argparse.Namespace) -> int:
         settings = L.settings_for_row(row, global_batch=args.batch_size, seq_len=args.seq_len, **knobs)
         ledgers[row] = L.ledger_for_config(config, settings)
     if args.boundary_codec is not None:
+        fits = L.parse_codec(args.boundary_codec).needs_fit  # with the anchor, its geometry is refitted every round
         for row, name in (("M95", args.boundary_codec), ("M95+AP", f"{args.boundary_codec}+AP")):
             settings = L.settings_for_row(row, global_batch=args.batch_size, seq_len=args.seq_len, **knobs)
-            ledgers[name] = L.ledger_for_config(config, replace(settings, boundary_codec=args.boundary_codec))
+            refit = 1 if settings.anchor and fits else 0
+            ledgers[name] = L.ledger_for_config(
+                config, replace(settings, boundary_codec=args.boundary_codec, codec_refit_every=refit)
+            )
     if args.json:
         print(json.dumps({name: led.to_dict() for name, led in ledgers.items()}, indent=2))
     else:

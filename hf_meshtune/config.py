@@ -29,6 +29,7 @@ __all__ = [
     "MeshArguments",
     "MeshConfig",
     "MeshTrainingArguments",
+    "codec_refit_every",
     "require_mesh_supported",
     "require_saved_knobs",
 ]
@@ -133,6 +134,15 @@ class MeshArguments:
             "never wait."
         },
     )
+    codec_refit_every: int | None = field(
+        default=None,
+        metadata={
+            "help": "Anchor rounds between refits of a fitted boundary_codec's geometry (outlier dims, PCA bases) "
+            "from the anchor's dense activations; both sides of a boundary switch to it at the same fast step "
+            "(after the step that applied that round's gradient). 0 = keep the calibration made at the start. "
+            "None = 1 when the anchor runs and the codec fits geometry, else 0."
+        },
+    )
     anchor_max_staleness: int | None = field(
         default=None,
         metadata={
@@ -215,6 +225,7 @@ class MeshArguments:
         require(0.0 <= self.anchor_beta <= 1.0, "anchor_beta", self.anchor_beta, "lie in [0, 1]")
         _require_optional_positive("anchor_microbatches", self.anchor_microbatches)
         _require_optional_positive("anchor_max_staleness", self.anchor_max_staleness)
+        _require_codec_refit(self)
         require(self.spectral_tau > 0, "spectral_tau", self.spectral_tau, "be > 0")
         require(0.0 <= self.spectral_alpha <= 1.0, "spectral_alpha", self.spectral_alpha, "lie in [0, 1]")
         _require_optional_positive("spectral_rank", self.spectral_rank)
@@ -298,6 +309,41 @@ def require_saved_knobs(
             current[knob],
             f"equal the checkpoint's value {saved.get(knob)!r} {context} (start a new run to change it)",
         )
+
+
+def codec_refit_every(cfg) -> int:
+    """Anchor rounds between refits of the codec's geometry: ``codec_refit_every``, or when unset 1 with
+    the anchor and a codec that fits geometry, else 0 (never)."""
+    every = getattr(cfg, "codec_refit_every", None)
+    if every is not None:
+        return every
+    spec = composed_codec(cfg)
+    return 1 if getattr(cfg, "anchor", False) and spec is not None and spec.needs_fit else 0
+
+
+def _require_codec_refit(cfg) -> None:
+    """A refit asked for with nothing to refit or no anchor to fit it is refused (it would never happen)."""
+    every = cfg.codec_refit_every
+    if every is None:
+        return
+    require(every >= 0, "codec_refit_every", every, "be >= 0")
+    if every == 0:
+        return
+    spec = composed_codec(cfg)
+    require(
+        spec is not None and spec.needs_fit,
+        "codec_refit_every",
+        every,
+        f"be 0 or None with boundary_codec={cfg.boundary_codec!r} (only a codec with outliers<N> or a projection "
+        "fits geometry to refit)",
+    )
+    require(
+        bool(cfg.anchor),
+        "codec_refit_every",
+        every,
+        "be 0 or None when anchor=False (the anchor's dense passes supply the refit; without the anchor the codec "
+        "keeps the calibration made at the start)",
+    )
 
 
 def require_mesh_supported(cfg) -> None:

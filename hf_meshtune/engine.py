@@ -25,7 +25,7 @@ from .anchor.batches import AnchorBatches
 from .anchor.circuit import AnchorCircuit
 from .boundary.compose.handle import ComposedHandle, attach_composed
 from .boundary.hooks import BoundaryHandle, attach_boundaries
-from .config import MeshArguments, composed_codec, require_saved_knobs
+from .config import MeshArguments, codec_refit_every, composed_codec, require_saved_knobs
 from .ledger import Ledger, compute_ledger, param_shapes_of, settings_from_knobs
 from .optim.spectral import SpectralAdamW
 
@@ -46,6 +46,7 @@ RESUME_KNOBS = (
     "anchor_beta",
     "anchor_microbatches",
     "anchor_max_staleness",
+    "codec_refit_every",
     "spectral_tau",
     "spectral_relative_tau",
     "spectral_alpha",
@@ -84,7 +85,14 @@ class MeshEngine:
         """The anchor circuit on ``params`` (the matrices the spectral filter acts on), drawing its own ``batches``."""
         cfg = self.config
         self.anchor = AnchorCircuit(
-            self.model, params, self.boundaries, cfg.anchor_every, cfg.anchor_delay, batches, loss_fn
+            self.model,
+            params,
+            self.boundaries,
+            cfg.anchor_every,
+            cfg.anchor_delay,
+            batches,
+            loss_fn,
+            refit_every=codec_refit_every(cfg),
         )
         return self.anchor
 
@@ -129,6 +137,8 @@ class MeshEngine:
             entries.update(getattr(optimizer, "last_diagnostics", {}) or {})
         if self.anchor is not None and self.anchor.last_staleness is not None:
             entries["anchor/staleness_steps"] = float(self.anchor.last_staleness)
+        if self.anchor is not None and self.anchor.refit_every:
+            entries["anchor/codec_refits"] = float(self.anchor.refits)
         return entries
 
     def ledger(self, tokens_per_step: int) -> Ledger:

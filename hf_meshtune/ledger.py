@@ -30,7 +30,7 @@ from ._validation import require
 from .boundary.compose.spec import parse_codec
 from .boundary.masking import keep_count
 from .comm.wire import CIRCUITS
-from .config import ANCHOR_PAYLOADS, composed_codec
+from .config import ANCHOR_PAYLOADS, codec_refit_every, composed_codec
 
 DTYPE_BYTES: dict[str, int] = {
     "float64": 8,
@@ -79,6 +79,7 @@ class LedgerSettings:
     anchor_tokens_per_round: int | None = None
     param_dtype: str = "bfloat16"  # after the fields above, so positional construction of them still works
     boundary_codec: str | None = None  # a composed codec (compose.spec) instead of the mask p
+    codec_refit_every: int = 0  # anchor rounds between refits of the codec's geometry (0: never)
 
     def __post_init__(self) -> None:
         _require_int("num_replicas", self.num_replicas, 1)
@@ -107,6 +108,7 @@ class LedgerSettings:
         _require_int("anchor_rank", self.anchor_rank, 1)
         if self.anchor_tokens_per_round is not None:
             _require_int("anchor_tokens_per_round", self.anchor_tokens_per_round, 1, "be None or an integer >= 1")
+        _require_int("codec_refit_every", self.codec_refit_every, 0)
         if self.boundary_codec is not None:
             require(
                 not parse_codec(self.boundary_codec).is_mask,
@@ -221,7 +223,22 @@ def _anchor_bytes_per_token(
         params = sum(math.prod(sh) for sh in shapes) * DTYPE_BYTES[s.param_dtype] / round_tokens
     per_replica = sum(anchor_payload_numel(sh, s.anchor_payload, s.anchor_rank) for sh in shapes)
     delivery = fast * per_replica * DTYPE_BYTES[s.grad_dtype]
-    return pipeline / round_tokens + params + delivery / round_tokens
+    return pipeline / round_tokens + params + delivery / round_tokens + _refit_bytes_per_token(hidden_size, s)
+
+
+def _refit_bytes_per_token(hidden_size: int, s: LedgerSettings) -> float:
+    """Codec refits (``codec_refit_every``): every refit round, boundary b's geometry (float32) goes to
+    stages b and b+1 of every fast replica; after every fast step each replica's Y stages agree on
+    the geometry in use with a ring all-reduce of one int64 (2·(Y-1)·8 bytes per replica)."""
+    if not s.codec_refit_every or s.boundary_codec is None or s.num_stages < 2:
+        return 0.0
+    spec = parse_codec(s.boundary_codec)
+    if not spec.needs_fit:
+        return 0.0
+    fast, T = s.fast_replicas, s.tokens_per_step
+    geometry = (s.num_stages - 1) * 2 * fast * spec.geometry_numel(hidden_size) * 4
+    agree = 2 * (s.num_stages - 1) * 8 / T
+    return geometry / (fast * T * s.anchor_every * s.codec_refit_every) + agree
 
 
 def _circuits(
@@ -294,6 +311,7 @@ def settings_from_knobs(knobs: Any, *, dtype: str, tokens_per_step: int, **overr
         "num_stages": knobs.num_stages,
         "mask_ratio": knobs.mask_ratio,
         "boundary_codec": None if composed_codec(knobs) is None else knobs.boundary_codec,
+        "codec_refit_every": codec_refit_every(knobs),
         "tokens_per_step": tokens_per_step,
         "activation_dtype": dtype,
         "grad_dtype": dtype,

@@ -2943,6 +2943,32 @@ def _cases() -> list[Case]:
         ),
         Case(
             COMPOSED,
+            "codec_refit_every=1 with anchor=False",
+            "`MeshConfig(...)`",
+            lambda: MeshConfig(boundary_codec="outliers8+int8", anchor=False, codec_refit_every=1),
+            ValueError,
+            "codec_refit_every=1 is invalid: it must be 0 or None when anchor=False (the anchor's dense passes supply "
+            "the refit; without the anchor the codec keeps the calibration made at the start)",
+        ),
+        Case(
+            COMPOSED,
+            "codec_refit_every=2 with a codec that fits nothing",
+            "`MeshConfig(...)`",
+            lambda: MeshConfig(boundary_codec="int8", anchor=True, codec_refit_every=2),
+            ValueError,
+            "codec_refit_every=2 is invalid: it must be 0 or None with boundary_codec='int8' (only a codec with "
+            "outliers<N> or a projection fits geometry to refit)",
+        ),
+        Case(
+            COMPOSED,
+            "codec_refit_every=-1",
+            "`MeshConfig(...)`",
+            lambda: MeshConfig(boundary_codec="outliers8+int8", anchor=True, codec_refit_every=-1),
+            ValueError,
+            "codec_refit_every=-1 is invalid: it must be >= 0",
+        ),
+        Case(
+            COMPOSED,
             "boundary_codec='int4x0'",
             "`MeshConfig(...)`",
             lambda: MeshConfig(boundary_codec="int4x0"),

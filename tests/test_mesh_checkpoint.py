@@ -88,6 +88,8 @@ def test_a_checkpoint_of_another_mesh_or_a_damaged_file_is_refused_by_name(tmp_p
 # ---------------------------------------------------------------------------------------------
 STEPS = 16
 ANCHOR = {"anchor": True, "anchor_every": 2, "anchor_delay": 0, "anchor_lockstep": True, "spectral_tau": 1e-3}
+# the anchor in lockstep with a fitted codec: its geometry is refitted every round (codec_refit_every)
+ANCHOR.update(mask_ratio=0.0, boundary_codec="outliers2+pca8+int8")
 
 
 def _launch(mesh: str, out: Path, config: dict, **env: str) -> subprocess.Popen:
@@ -157,10 +159,11 @@ def test_a_mesh_killed_by_pid_resumes_bit_exactly_without_the_anchor(tmp_path):
 
 
 def test_a_resumed_mesh_with_the_anchor_in_lockstep_continues_bit_exactly(tmp_path):
-    """3x2 with the anchor in lockstep (a snapshot every 2 steps, its gradient applied at once): the
-    run resumed from step 8 repeats the uninterrupted one bit for bit — losses, fast parameters,
-    θ_global, the anchor's rounds (the snapshot of step 8 first, as the checkpoint holds it) and the
-    step at which each of its gradients was applied."""
+    """3x2 with the anchor in lockstep (a snapshot every 2 steps, its gradient applied at once) and a
+    codec whose geometry it refits every round: the run resumed from step 8 repeats the uninterrupted
+    one bit for bit — losses, fast parameters, θ_global, the anchor's rounds (the snapshot of step 8
+    first, as the checkpoint holds it), the step at which each of its gradients was applied, and the
+    geometry both sides of the boundary switched to after each of those steps."""
     full, resumed = tmp_path / "full", tmp_path / "resumed"
     _finish(_launch("3x2", full, ANCHOR, CHECKPOINT_EVERY="8"))
     _finish(_launch("3x2", resumed, ANCHOR, RESUME_FROM=str(full / "checkpoint-8")))
@@ -169,10 +172,17 @@ def test_a_resumed_mesh_with_the_anchor_in_lockstep_continues_bit_exactly(tmp_pa
         if b.role == "anchor":
             assert b.anchor_rounds == list(range(0, STEPS + 1, 2)) and a.anchor_rounds == b.anchor_rounds[4:]
             assert a.losses == b.losses[4:]
+            if b.stage == 0:  # it fits boundary 0
+                assert [s for s, _ in b.geometry] == b.anchor_rounds and a.geometry == b.geometry[4:]
             continue
         assert a.first_step == 8 and a.steps == STEPS - 8
         assert b.arrivals == [(s, s) for s in range(0, STEPS, 2)] + [(STEPS, STEPS)]
         assert a.arrivals == b.arrivals[4:]
+        sent = dict(before[4].geometry)  # the anchor's fits of boundary 0, by snapshot
+        assert [(step, s) for step, s, _, _ in b.geometry] == [(s, s) for s in range(0, STEPS, 2)]
+        side = 3 if b.stage == 0 else 2  # (step, snapshot, digest in, digest out): stage 0 encodes, stage 1 decodes
+        assert [entry[side] for entry in b.geometry] == [sent[s] for _, s, _, _ in b.geometry]
+        assert a.geometry == b.geometry[4:]
         assert a.losses == b.losses[8:]
         for mine, theirs in zip(b.global_params, a.global_params):
             assert torch.equal(mine, theirs)

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from .._validation import require
+from ..boundary.compose.handle import ComposedHandle
 from ..boundary.hooks import BoundaryHandle
 from ..boundary.masking import private_rng
 
@@ -28,11 +29,13 @@ Batch = Mapping[str, torch.Tensor]
 
 @dataclass
 class PendingGradient:
-    """A dense gradient in flight: taken at ``snapshot_step``, applied at ``deliver_step``."""
+    """A dense gradient in flight: taken at ``snapshot_step``, applied at ``deliver_step``; with a codec
+    refit, the boundary geometry fitted on the same dense pass travels with it (``geometry``)."""
 
     snapshot_step: int
     deliver_step: int
     grads: dict[str, torch.Tensor]
+    geometry: list[dict] | None = None
 
 
 class AnchorCircuit:
@@ -46,17 +49,20 @@ class AnchorCircuit:
         delay: Δ, fast steps from snapshot to delivery (``anchor_delay``).
         batches: ``round → list of microbatches`` for the anchor's own data.
         loss_fn: ``(model, batch) → scalar loss``.
+        refit_every: every that many rounds (0: never) the composed codecs' geometry is refitted on the
+            round's dense boundary activations and used from the step after its delivery on.
     """
 
     def __init__(
         self,
         model: nn.Module,
         params: Mapping[str, nn.Parameter],
-        boundaries: BoundaryHandle | None,
+        boundaries: BoundaryHandle | ComposedHandle | None,
         every: int,
         delay: int,
         batches: Callable[[int], Sequence[Batch]],
         loss_fn: Callable[[nn.Module, Batch], torch.Tensor],
+        refit_every: int = 0,
     ) -> None:
         require(every >= 1, "anchor_every", every, "be >= 1")
         require(delay >= 0, "anchor_delay", delay, "be >= 0")
@@ -64,6 +70,14 @@ class AnchorCircuit:
         self.model, self.params, self.boundaries = model, dict(params), boundaries
         self.every, self.delay = every, delay
         self.batches, self.loss_fn = batches, loss_fn
+        require(
+            refit_every == 0 or hasattr(boundaries, "refit_geometry"),
+            "codec_refit_every",
+            refit_every,
+            "be 0 unless the boundaries are a composed codec (masks have no geometry to refit)",
+        )
+        self.refit_every = refit_every
+        self.refits = 0  # geometries delivered (and loaded)
         self.pending: list[PendingGradient] = []
         self.last_staleness: int | None = None
         self.rounds_done = 0
@@ -74,10 +88,18 @@ class AnchorCircuit:
         Returns the snapshot steps delivered now (staleness = step - snapshot step).
         """
         if step % self.every == 0:
-            self.pending.append(PendingGradient(step, step + self.delay, self.dense_gradient(step // self.every)))
+            round_index = step // self.every
+            refit = self.refit_every > 0 and round_index % self.refit_every == 0
+            with self.boundaries.recording() if refit else contextlib.nullcontext():
+                grads = self.dense_gradient(round_index)
+            geometry = self.boundaries.refit_geometry() if refit else None
+            self.pending.append(PendingGradient(step, step + self.delay, grads, geometry))
         due = [p for p in self.pending if p.deliver_step <= step]
         self.pending = [p for p in self.pending if p.deliver_step > step]
         for arrival in due:
+            if arrival.geometry is not None:  # this step's forward ran on the old one; the next uses it
+                self.boundaries.load_geometries(arrival.geometry)
+                self.refits += 1
             optimizer.update_anchor(
                 {self.params[name]: grad for name, grad in arrival.grads.items()},
                 staleness=step - arrival.snapshot_step,
@@ -104,16 +126,18 @@ class AnchorCircuit:
 
     def state_dict(self) -> dict:
         return {
-            "pending": [(p.snapshot_step, p.deliver_step, p.grads) for p in self.pending],
+            "pending": [(p.snapshot_step, p.deliver_step, p.grads, p.geometry) for p in self.pending],
             "last_staleness": self.last_staleness,
             "rounds_done": self.rounds_done,
+            "refits": self.refits,
         }
 
     def load_state_dict(self, state: dict) -> None:
-        unknown = {name for _, _, grads in state["pending"] for name in grads} - set(self.params)
+        unknown = {name for _, _, grads, *_ in state["pending"] for name in grads} - set(self.params)
         require(
             not unknown, "anchor state", sorted(unknown)[:3], "only name parameters of this model's spectral matrices"
         )
-        self.pending = [PendingGradient(s, d, g) for s, d, g in state["pending"]]
+        self.pending = [PendingGradient(*entry) for entry in state["pending"]]  # (s, d, g[, geometry])
         self.last_staleness = state["last_staleness"]
         self.rounds_done = state["rounds_done"]
+        self.refits = state.get("refits", 0)

@@ -15,9 +15,10 @@ import torch
 from torch import nn
 
 from .._validation import require
+from ..boundary.compose.codec import ComposedCodec
 from ..comm.mailbox import Receiver
-from ..comm.messages import DATA, GRADIENTS, ROUNDS, STOP, TICK, UPDATES, flatten, unflatten
-from ..config import require_saved_knobs
+from ..comm.messages import DATA, GEOMETRY, GRADIENTS, ROUNDS, STOP, TICK, UPDATES, flatten, unflatten
+from ..config import codec_refit_every, composed_codec, require_saved_knobs
 from ..dp.outer import OuterUpdate
 from ..runtime.checkpoint import read_rank_state
 from ..runtime.results import MeshResult
@@ -25,6 +26,7 @@ from ..runtime.settings import Batches, RunSettings
 from ..runtime.stage import StageWorker
 from ..topology import MeshGroups
 from .follower import OuterFollower, update_shapes
+from .geometry import refit_message
 from .link import first_lockstep_snapshot
 
 __all__ = ["AnchorWorker"]
@@ -46,6 +48,11 @@ class AnchorWorker(StageWorker):
         self.ticked = 0  # lockstep: θ_global is complete up to this fast step (the last TICK)
         self.first_round = 0
         self.stopped = False
+        self.refit_every = codec_refit_every(cfg)
+        spec = composed_codec(cfg)
+        self.refit_codec = None  # fits boundary `stage` (this stage's output) on each refit round
+        if self.refit_every and self.stage < self.topology.stages - 1:
+            self.refit_codec = ComposedCodec(spec, self.stage, self.module.hidden_size, cfg.mask_seed)
         if settings.resume_from is not None:
             self._resume(settings.resume_from)
 
@@ -145,19 +152,38 @@ class AnchorWorker(StageWorker):
             previous, round_index = target, round_index + 1
         return self._finish_anchor()
 
+    def _geometry_targets(self) -> list[int]:
+        """The fast ranks that use boundary ``stage``'s geometry: stages s and s+1 of every fast replica."""
+        return [self.topology.rank(r, s) for r in self.topology.fast_replicas for s in (self.stage, self.stage + 1)]
+
     def _round(self, round_index: int, snapshot: int) -> None:
         self.model.zero_grad(set_to_none=True)
         self.module.step = round_index
+        refit = self.refit_codec is not None and round_index % self.refit_every == 0
+        self.module.record = [] if refit else None
         ids, labels = (t.to(self.device) for t in self.batches(round_index))
-        loss = self.pipeline_step(ids, labels)
+        try:
+            loss = self.pipeline_step(ids, labels)
+        finally:
+            recorded, self.module.record = self.module.record, None
         if loss is not None:
             self.result.losses.append(loss)
+        works = []
+        if refit:  # the geometry first: it is small, and the fast side waits for it with the gradient
+            header, geometry, digest = refit_message(self.refit_codec, snapshot, torch.cat(recorded))
+            for dst in self._geometry_targets():
+                works.append(
+                    self.wire.isend("anchor", header, dst, group=self.groups.link_group, tag=GEOMETRY.header_tag)
+                )
+                works.append(
+                    self.wire.isend("anchor", geometry, dst, group=self.groups.link_group, tag=GEOMETRY.payload_tag)
+                )
+            self.result.geometry.append((snapshot, digest))
         payload = flatten([p.grad if p.grad is not None else torch.zeros_like(p) for _, p in self.matrices])
         header = GRADIENTS.encode(DATA, snapshot)
         # to every fast replica at once: the anchor's uplink is shared among them, so no fast node's
         # downlink gets the whole gradient at the anchor's full rate (one delivery after another
         # would fill that node's queue and hold up its pipeline and DP traffic behind it)
-        works = []
         for replica in self.topology.fast_replicas:
             dst = self.topology.rank(replica, self.stage)
             works.append(self.wire.isend("anchor", header, dst, group=self.groups.link_group, tag=GRADIENTS.header_tag))
@@ -181,4 +207,13 @@ class AnchorWorker(StageWorker):
                 group=self.groups.link_group,
                 tag=GRADIENTS.header_tag,
             )
+        if self.refit_codec is not None:
+            for dst in self._geometry_targets():
+                self.wire.send(
+                    "anchor",
+                    GEOMETRY.encode(STOP, -1, -1, 0),
+                    dst,
+                    group=self.groups.link_group,
+                    tag=GEOMETRY.header_tag,
+                )
         return self._finish(self.applied_step)

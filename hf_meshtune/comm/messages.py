@@ -1,7 +1,7 @@
 """The anchor link's messages: one schema that sender and receiver both read.
 
 Every message is an int64 header on its channel's header tag, followed (for a DATA header) by one
-float32 payload on the channel's payload tag. Three channels cross the anchor link:
+float32 payload on the channel's payload tag. Four channels cross the anchor link:
 
 * ``UPDATES`` (fast replica 0, stage s → anchor stage s): a committed DiLoCo sync in wire form,
   ``[kind, step, fragment, numel]``, ``step`` = the fast step after which it was committed, the
@@ -11,7 +11,10 @@ float32 payload on the channel's payload tag. Three channels cross the anchor li
 * ``GRADIENTS`` (anchor stage s → stage s of every fast replica): ``[kind, snapshot]`` and the
   stage's 2-D dense gradients of that snapshot, flattened in ``anchor_matrices`` order;
 * ``ROUNDS`` (anchor stage 0 → the other anchor stages): ``[snapshot]`` of the next round, -1 when
-  there are no more rounds (no payload).
+  there are no more rounds (no payload);
+* ``GEOMETRY`` (anchor stage s → stages s and s+1 of every fast replica, with ``codec_refit_every``):
+  ``[kind, snapshot, boundary, numel]`` and boundary s's codec geometry fitted on that round's dense
+  activations (``compose.codec.geometry_to_flat``).
 
 A STOP header ends a channel. Tensors travel as float32 on the CPU (the link is a gloo group,
 whatever the pipeline's backend).
@@ -30,12 +33,14 @@ from .._validation import require
 
 __all__ = [
     "DATA",
+    "GEOMETRY",
     "GRADIENTS",
     "ROUNDS",
     "STOP",
     "TICK",
     "UPDATES",
     "Channel",
+    "GeometryHeader",
     "GradientHeader",
     "RoundHeader",
     "UpdateHeader",
@@ -60,6 +65,13 @@ class GradientHeader(NamedTuple):
 
 class RoundHeader(NamedTuple):
     snapshot: int
+
+
+class GeometryHeader(NamedTuple):
+    kind: int
+    snapshot: int
+    boundary: int
+    numel: int
 
 
 @dataclass(frozen=True)
@@ -91,6 +103,7 @@ class Channel:
 UPDATES = Channel("updates", UpdateHeader, header_tag=101, payload_tag=102)
 GRADIENTS = Channel("gradients", GradientHeader, header_tag=201, payload_tag=202)
 ROUNDS = Channel("rounds", RoundHeader, header_tag=301, payload_tag=None)
+GEOMETRY = Channel("geometry", GeometryHeader, header_tag=401, payload_tag=402)
 
 
 def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -130,6 +130,7 @@ class StageModule(nn.Module):
         self.codec_in, self.codec_out = codec_in, codec_out
         self.step, self.microbatch = 0, 0
         self.dense = False  # True: both sides run dense (the codecs' calibration pass)
+        self.record: list[torch.Tensor] | None = None  # a list: every forward's outgoing hidden state lands here
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.embed_tokens is not None:
@@ -151,6 +152,8 @@ class StageModule(nn.Module):
             hidden = out[0] if isinstance(out, tuple) else out
         if self.lm_head is not None:
             return self.lm_head(self.norm(hidden))
+        if self.record is not None:  # the anchor's dense round: the geometry refit learns from it
+            self.record.append(hidden.detach())
         if self.codec_out is not None and not self.dense:
             return self.codec_out.send(hidden, self.step, self.microbatch)
         if self.mask_out is not None:

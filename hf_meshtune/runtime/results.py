@@ -45,6 +45,9 @@ class MeshResult:
     first_step: int = 0  # the step this process started from (a resumed run's checkpoint step)
     anchor_lost_at: int | None = None  # fast step at which the anchor link broke (fast ranks; None: it held)
     calibration_bytes: float = 0.0  # of wire["sent"]["pp_fwd"]: the codecs' one-off calibration pass (sent)
+    # codec refits from the anchor: fast, (step after which it switched, snapshot, digest in, digest out);
+    # anchor, (snapshot, digest of the geometry it sent)
+    geometry: list[tuple] = field(default_factory=list)
 
 
 def gather_results(
@@ -119,6 +122,7 @@ def summarize(results: list[MeshResult], topology: MeshTopology, trainer, seq_le
         "anchor_arrivals": len(staleness),
         "anchor_staleness_mean": statistics.fmean(staleness) if staleness else None,
         "anchor_staleness_max": max(staleness) if staleness else None,
+        "codec_refits": max((len(r.geometry) for r in fast), default=0),  # geometry switches from the anchor's fits
         "step_seconds_mean": statistics.fmean(step_seconds) if step_seconds else None,
         "final_loss": fast[-1].losses[-1] if fast and fast[-1].losses else None,
         "mesh_env": os.environ.get(MESH_ENV),

@@ -12,7 +12,8 @@ One fast step, top to bottom (``FastWorker.run``):
      stage s of the other fast replicas every ``dp_sync_every / dp_fragments`` steps;
   6. after it, this loop reads what the step did: a heal (a restarted replica took a peer's state:
      the loop goes on from the peer's step) and the committed syncs, which it counts and (replica 0)
-     forwards to the anchor (``anchor.link``);
+     forwards to the anchor (``anchor.link``); with ``codec_refit_every`` the replica's stages agree on
+     the newest codec geometry the anchor sent them all and switch to it together (``anchor.geometry``);
   7. the LR scheduler, logs, a mesh checkpoint when due (``runtime.checkpoint``), the callbacks.
 """
 
@@ -27,9 +28,10 @@ import torch.distributed as dist
 from torch import nn
 
 from .._validation import require
+from ..anchor.geometry import FastGeometryLink
 from ..anchor.link import FastAnchorLink
 from ..comm.messages import flatten
-from ..config import require_saved_knobs
+from ..config import codec_refit_every, require_saved_knobs
 from ..dp.baselines import GradientSync
 from ..dp.diloco import StreamingDiLoCo
 from ..dp.ft import host_replica_store, make_manager
@@ -59,6 +61,7 @@ class FastWorker(StageWorker):
         else:
             self._setup_gradient_sync()
         self.anchor = self._setup_anchor_link()
+        self.geometry = self._setup_geometry_link()
         self._step = 0
         self._healed_to: int | None = None
         self._dp_bytes_at_last_sync = 0.0
@@ -138,6 +141,29 @@ class FastWorker(StageWorker):
             lockstep=(cfg.anchor_every, cfg.anchor_delay) if cfg.anchor_lockstep else None,
         )
 
+    def _setup_geometry_link(self) -> FastGeometryLink | None:
+        cfg, module, topology = self.settings.config, self.module, self.topology
+        refit = codec_refit_every(cfg)
+        if not refit or self.anchor is None:
+            return None
+        sources = [
+            (side, codec, topology.anchor_rank(boundary))
+            for side, codec, boundary in (
+                ("in", module.codec_in, self.stage - 1),
+                ("out", module.codec_out, self.stage),
+            )
+            if codec is not None
+        ]
+        return FastGeometryLink(
+            self.wire,
+            self.groups.link_group,
+            self.groups.pp_group,
+            topology.stages,
+            sources,
+            lockstep=(cfg.anchor_every, cfg.anchor_delay, refit) if cfg.anchor_lockstep else None,
+            who=f"rank {self.rank} (fast replica {self.replica}, stage {self.stage})",
+        )
+
     # --- state: heals, checkpoints, resume ----------------------------------------------------------
     def _stage_state(self) -> dict:
         """What a peer's stage s gives a restarted replica's stage s when it heals (torchft reads it in
@@ -166,6 +192,7 @@ class FastWorker(StageWorker):
             "rng": torch.get_rng_state(),
             "diloco": self.diloco.state_dict() if self.manager is not None else None,
             "codecs": [c.geometry() if c is not None else None for c in (self.module.codec_in, self.module.codec_out)],
+            "geometry_snapshot": None if self.geometry is None else self.geometry.current,
         }
 
     def _resume(self, checkpoint: str) -> None:
@@ -175,6 +202,8 @@ class FastWorker(StageWorker):
         for codec, geometry in zip((self.module.codec_in, self.module.codec_out), state.get("codecs") or (None, None)):
             if codec is not None and geometry is not None and geometry["rest_dims"] is not None:
                 codec.load_geometry(geometry)  # the geometry the run had, not a new fit
+        if self.geometry is not None and state.get("geometry_snapshot") is not None:
+            self.geometry.current = state["geometry_snapshot"]  # later refits only
         if self.manager is not None:
             self.diloco.load_state_dict(state["diloco"])
         torch.set_rng_state(state["rng"])
@@ -250,6 +279,8 @@ class FastWorker(StageWorker):
             self.anchor.drain(self.optimizer, step)
         self.optimizer.step()  # DiLoCo's sync runs in its post-hook
         step = self._after_optimizer_step(step)
+        if self.geometry is not None:
+            self.geometry.after_step(step)
         if self.scheduler is not None:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -302,6 +333,9 @@ class FastWorker(StageWorker):
             self.anchor.drain(self.optimizer, self._step, final=True)
             self.result.arrivals = self.anchor.arrivals
             self.result.anchor_lost_at = self.anchor.lost_at
+        if self.geometry is not None:
+            self.geometry.close()
+            self.result.geometry = self.geometry.switches
         result = self._finish(self._step)
         if self.manager is not None:
             self.manager.shutdown(wait=False)

@@ -18,6 +18,8 @@ Single-process training runs exactly ``receive(send(h))``: what the mesh's two s
 
 from __future__ import annotations
 
+import hashlib
+import math
 from typing import Any
 
 import torch
@@ -28,7 +30,7 @@ from ..masking import stable_seed
 from .quant import dequantize, quantize
 from .spec import SCALE_BYTES, CodecSpec, code_bytes
 
-__all__ = ["ComposedCodec", "geometry_layout"]
+__all__ = ["ComposedCodec", "geometry_digest", "geometry_from_flat", "geometry_layout", "geometry_to_flat"]
 
 _STD_FLOOR = 1e-6  # a dim that never varies is standardised by this instead of 0
 
@@ -63,9 +65,13 @@ class ComposedCodec:
     def ready(self) -> bool:
         return self.rest_dims is not None
 
-    @torch.no_grad()
     def fit(self, hidden: Tensor) -> None:
-        """Fit the geometry on dense boundary activations [..., H] (float64 statistics)."""
+        """Fit the geometry on dense boundary activations [..., H] (float64 statistics) and use it."""
+        self.load_geometry(self.fitted(hidden))
+
+    @torch.no_grad()
+    def fitted(self, hidden: Tensor) -> dict[str, Tensor | None]:
+        """The geometry ``fit`` would load for dense activations [..., H], without loading it."""
         spec, H = self.spec, self.hidden_size
         rows = hidden.detach().reshape(-1, hidden.shape[-1]).to("cpu", torch.float64)
         require(rows.shape[-1] == H, "hidden_size", rows.shape[-1], f"equal the codec's hidden_size={H}")
@@ -88,7 +94,10 @@ class ComposedCodec:
             basis = vectors[:, -spec.rank :].flip(-1)
             geometry.update(mean=mean.float(), std=std.float() if spec.projection == "spca" else None)
             geometry["basis"] = basis.float().contiguous()
-        self.load_geometry(geometry)
+        geometry.setdefault("mean", None)
+        geometry.setdefault("std", None)
+        geometry.setdefault("basis", None)
+        return geometry
 
     def geometry(self) -> dict[str, Tensor | None]:
         """What both sides of the boundary must hold identically (checkpointed and sent on the mesh)."""
@@ -296,3 +305,34 @@ def geometry_layout(codec: ComposedCodec) -> list[tuple[str, tuple[int, ...], to
             layout.append(("std", (rest,), torch.float32))
         layout.append(("basis", (rest, spec.rank), torch.float32))
     return layout
+
+
+def geometry_to_flat(codec: ComposedCodec, geometry: dict[str, Tensor | None]) -> Tensor:
+    """A geometry as one float32 CPU tensor in ``geometry_layout`` order (dims are < 2^24: exact)."""
+    parts = [geometry[name].detach().reshape(-1).to("cpu", torch.float32) for name, _, _ in geometry_layout(codec)]
+    return torch.cat(parts)
+
+
+def geometry_from_flat(codec: ComposedCodec, flat: Tensor) -> dict[str, Tensor | None]:
+    """Inverse of ``geometry_to_flat``; a ValueError unless the size is exactly the layout's."""
+    layout = geometry_layout(codec)
+    total = sum(math.prod(shape) for _, shape, _ in layout)
+    require(flat.numel() == total, "codec geometry size", flat.numel(), f"equal the layout's {total} values")
+    geometry: dict[str, Tensor | None] = {"mean": None, "std": None, "basis": None}
+    at = 0
+    for name, shape, kind in layout:
+        n = math.prod(shape)
+        geometry[name] = flat[at : at + n].reshape(shape).to(kind).clone()
+        at += n
+    return geometry
+
+
+def geometry_digest(geometry: dict[str, Tensor | None]) -> str:
+    """A hash of a geometry's exact values (to check that two processes hold the same one)."""
+    digest = hashlib.blake2b(digest_size=8)
+    for name in ("outlier_dims", "rest_dims", "mean", "std", "basis"):
+        value = geometry.get(name)
+        if value is not None:
+            digest.update(name.encode())
+            digest.update(value.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()

@@ -8,7 +8,8 @@ backward when the gradient message is built). ``eval()``, ``no_grad`` and ``gene
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +39,8 @@ class ComposedHandle(BoundaryHooks):
     enabled: bool = True
     counter: PayloadCounter = field(default_factory=PayloadCounter)
     _hooks: list = field(default_factory=list, repr=False)
+    _recorded: list[list[Tensor]] | None = field(default=None, repr=False)
+    _real: Tensor | None = field(default=None, repr=False)
 
     @property
     def spec(self) -> CodecSpec | None:
@@ -64,6 +67,38 @@ class ComposedHandle(BoundaryHooks):
         batch = first_batch()
         self.calibrate(model, {k: v for k, v in batch.items() if k != "labels"})
 
+    # --- refits from the anchor's dense passes ---------------------------------------------------
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[None]:
+        """Inside: every dense training forward (the anchor's, ``disabled()``) leaves its boundary
+        outputs at the real tokens for ``refit_geometry``."""
+        self._recorded, self._real = [[] for _ in self.codecs], None
+        try:
+            yield
+        finally:
+            self._real = None
+
+    def refit_geometry(self) -> list[dict[str, Tensor | None]]:
+        """Every codec's geometry fitted on what ``recording`` saw (not loaded: the anchor delivers it)."""
+        recorded, self._recorded = self._recorded, None
+        require(
+            recorded is not None and all(recorded),
+            "codec refit",
+            "no dense forward recorded",
+            "follow a recording() with at least one dense training forward",
+        )
+        return [codec.fitted(torch.cat(rows)) for codec, rows in zip(self.codecs, recorded)]
+
+    def load_geometries(self, geometries: list[dict[str, Tensor | None]]) -> None:
+        """Use ``geometries`` (one per boundary, as ``refit_geometry`` gives them) from the next forward on."""
+        for codec, geometry in zip(self.codecs, geometries, strict=True):
+            codec.load_geometry(geometry)
+
+    def _on_model_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        super()._on_model_forward(module, args, kwargs)
+        if self._recorded is not None:
+            self._real = kwargs.get("attention_mask")
+
     def state_dict(self) -> dict:
         return {"step": self.step, "codecs": [codec.geometry() for codec in self.codecs]}
 
@@ -80,9 +115,13 @@ class ComposedHandle(BoundaryHooks):
                 codec.load_geometry(geometry)
 
     def _on_layer_output(self, codec: ComposedCodec, module: nn.Module, args: tuple, output: Any) -> Any:
+        hidden = output[0] if isinstance(output, tuple) else output
+        if self._recorded is not None and module.training and not self.enabled:  # the anchor's dense pass
+            rows = hidden.detach()
+            real = self._real
+            self._recorded[codec.boundary].append(rows[real.to(rows.device).bool()] if real is not None else rows)
         if not self._is_training_forward(module):
             return None
-        hidden = output[0] if isinstance(output, tuple) else output
         microbatch = max(self.microbatch, 0)
         payload = codec.send(hidden, self.step, microbatch)
         self.counter.fwd_bytes += payload.numel() * payload.element_size()

@@ -66,6 +66,16 @@ class CodecSpec:
         """Whether the codec learns geometry (outlier dims, a basis) from dense activations."""
         return self.outliers > 0 or self.projection is not None
 
+    def geometry_numel(self, hidden_size: int) -> int:
+        """Values of the fitted geometry both sides hold (``codec.geometry_layout``): outlier and other
+        dims, then with a projection μ (and σ for spca) and the H-N × r basis; 0 without a fit."""
+        if not self.needs_fit:
+            return 0
+        rest = hidden_size - self.outliers
+        if self.projection is None:
+            return hidden_size
+        return hidden_size + rest * (2 if self.projection == "spca" else 1) + rest * self.rank
+
     def coded_width(self, hidden_size: int) -> int:
         """D: the values per token the quantiser sees (r with a projection, else H - N)."""
         return self.rank if self.projection else hidden_size - self.outliers

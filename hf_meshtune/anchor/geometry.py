@@ -1,0 +1,149 @@
+"""Codec geometry from the anchor's dense passes, on the mesh: both sides of a boundary switch together.
+
+With ``codec_refit_every`` (a composed codec that fits geometry, the anchor on), anchor stage s fits
+boundary s's geometry (outlier dims, PCA basis, …) on the hidden states its dense round sends on, and
+sends it (``GEOMETRY``) to the two fast stages of every replica that share boundary s: stage s
+encodes with it, stage s+1 decodes with it. The two receive it independently, so neither may start
+using it alone. After every fast step the stages of a replica therefore agree on the newest geometry
+all of them hold — one int64 MIN all-reduce over the replica's pipeline group (booked on the anchor
+circuit) — and switch to it together, for the next step's forward. With ``anchor_lockstep`` a round's
+geometry counts only from the step that applied the round's gradient (snapshot + ``anchor_delay``),
+each stage waiting for it there, so runs and resumes repeat bit for bit; otherwise a geometry counts
+once every stage has it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .._validation import require
+from ..boundary.compose.codec import ComposedCodec, geometry_digest, geometry_from_flat, geometry_to_flat
+from ..comm.errors import is_link_error
+from ..comm.mailbox import Receiver
+from ..comm.messages import DATA, GEOMETRY
+from ..comm.wire import Wire
+from .link import first_lockstep_snapshot
+
+__all__ = ["FastGeometryLink", "refit_message"]
+
+
+def refit_message(codec: ComposedCodec, snapshot: int, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """The anchor's side: (header, payload, digest) of boundary ``codec.boundary``'s geometry fitted on
+    the dense hidden states ``hidden`` [..., H] of the round on ``snapshot``."""
+    geometry = codec.fitted(hidden)
+    payload = geometry_to_flat(codec, geometry)
+    header = GEOMETRY.encode(DATA, snapshot, codec.boundary, payload.numel())
+    return header, payload, geometry_digest(geometry)
+
+
+class FastGeometryLink:
+    """A fast stage's end: the geometry of its incoming (``codec_in``) and outgoing (``codec_out``)
+    boundaries from the anchor stages that fit them, and the switch its replica agrees on. ``sources``:
+    (side "in"/"out", the codec, the anchor rank that fits its boundary) per codec of the stage.
+
+    ``switches`` lists (fast step after which it switched, snapshot, digest in, digest out) per switch;
+    ``current`` is the snapshot of the geometry in use (-1: the calibration at the start).
+    ``lockstep`` = (``anchor_every``, ``anchor_delay``, ``codec_refit_every``), None for the paper's
+    asynchronous anchor.
+    """
+
+    def __init__(
+        self,
+        wire: Wire,
+        link_group,
+        pp_group,
+        stages: int,
+        sources: list[tuple[str, ComposedCodec, int]],
+        *,
+        lockstep: tuple[int, int, int] | None,
+        who: str,
+    ) -> None:
+        self.wire, self.pp_group, self.stages, self.who, self.lockstep = wire, pp_group, stages, who, lockstep
+        self.sides = [side for side, _, _ in sources]  # "in" / "out"
+        self.codecs = [codec for _, codec, _ in sources]
+        self.inboxes = [Receiver(wire, link_group, src, GEOMETRY, lambda header: header.numel) for *_, src in sources]
+        self.held: list[dict[int, torch.Tensor]] = [{} for _ in sources]  # per side: snapshot → geometry payload
+        self.ended = [False for _ in sources]  # that side's inbox ended (STOP, or the anchor was lost)
+        self.current = -1
+        self.next_due: int | None = None  # lockstep: the next refit round's snapshot
+        self.switches: list[tuple[int, int, str, str]] = []
+
+    def _take(self, side: int, message) -> None:
+        if message is None:
+            self.ended[side] = True
+            return
+        header, payload = message
+        codec = self.codecs[side]
+        require(
+            header.boundary == codec.boundary,
+            "codec geometry boundary",
+            header.boundary,
+            f"be {codec.boundary}, the boundary this stage's codec serves",
+        )
+        self.held[side][header.snapshot] = payload
+
+    def _wait_for(self, snapshot: int) -> None:
+        """Lockstep: every side's geometry of ``snapshot``, waited for (unless that side ended)."""
+        for side, inbox in enumerate(self.inboxes):
+            while not self.ended[side] and snapshot not in self.held[side]:
+                self._take(side, inbox.next())
+
+    def _due(self, step: int) -> int:
+        """Lockstep: the newest refit snapshot whose gradient was applied by fast step ``step`` (after
+        waiting for its geometry), or the one in use."""
+        every, delay, refit_every = self.lockstep
+        if self.next_due is None:
+            self.next_due = first_lockstep_snapshot(step, every)
+        newest = self.current
+        while self.next_due + delay <= step:
+            snapshot, self.next_due = self.next_due, self.next_due + every
+            if (snapshot // every) % refit_every:
+                continue
+            self._wait_for(snapshot)
+            if all(snapshot in held for held in self.held):
+                newest = snapshot
+        return newest
+
+    def after_step(self, step: int) -> None:
+        """After fast step ``step``'s optimizer step: the replica's stages agree on the newest geometry
+        each of them holds and, if it is new, use it from the next forward on."""
+        if self.lockstep is not None:
+            local = self._due(step)
+        else:
+            for side, inbox in enumerate(self.inboxes):
+                for message in inbox.ready():
+                    self._take(side, message)
+            complete = set.intersection(*(set(held) for held in self.held))
+            local = max(complete | {self.current})
+        agreed = torch.tensor([local], dtype=torch.long)
+        if self.stages > 1:
+            self.wire.all_reduce(
+                "anchor", agreed, self.stages, lambda t: dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.pp_group)
+            )
+        snapshot = int(agreed.item())
+        if snapshot <= self.current:
+            return
+        digests = {}
+        for side, codec in enumerate(self.codecs):
+            geometry = geometry_from_flat(codec, self.held[side][snapshot])
+            codec.load_geometry(geometry)
+            digests[self.sides[side]] = geometry_digest(geometry)
+        for held in self.held:
+            for old in [s for s in held if s <= snapshot]:
+                del held[old]
+        self.current = snapshot
+        self.switches.append((step, snapshot, digests.get("in", ""), digests.get("out", "")))
+
+    def close(self) -> None:
+        """The end of the run (after the anchor's STOP): every inbox drained and joined; a link that
+        broke means the anchor is gone (the gradient link warns about it), not a bug."""
+        for side, inbox in enumerate(self.inboxes):
+            while not self.ended[side]:
+                self._take(side, inbox.next())
+            try:
+                inbox.join()
+            except RuntimeError as err:
+                cause = err.__cause__ if err.__cause__ is not None else err
+                if not is_link_error(cause):
+                    raise
