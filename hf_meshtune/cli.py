@@ -195,7 +195,15 @@ def _add_demo_parser(subparsers: argparse._SubParsersAction) -> None:
         if str(f.type) in ("bool", "bool | None"):
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
         else:
-            kind = {"int": int, "float": float, "float | None": float, "str": str, "str | None": str}[str(f.type)]
+            kinds = {
+                "int": int,
+                "int | None": int,
+                "float": float,
+                "float | None": float,
+                "str": str,
+                "str | None": str,
+            }
+            kind = kinds[str(f.type)]
             p.add_argument(flag, type=kind, default=f.default, help=f"(default {f.default})")
     p.set_defaults(handler=run_demo)
 

@@ -38,8 +38,11 @@ ROWS: dict[str, dict] = {
     "outliers8_int3g71": dict(boundary_codec="outliers8+int3g71", anchor=False, optim="adamw_torch"),
     "outliers8_int3": dict(boundary_codec="outliers8+int3", anchor=False, optim="adamw_torch"),
     "outliers8_spca226_int4": dict(boundary_codec="outliers8+spca226+int4", anchor=False, optim="adamw_torch"),
-    "outliers8_int4g71_ap": dict(boundary_codec="outliers8+int4g71", anchor=True, anchor_every=10, anchor_delay=10),
+    "outliers8_int4g71_ap": dict(
+        boundary_codec="outliers8+int4g71", anchor=True, anchor_every=10, anchor_delay=10, codec_refit_every=0
+    ),
     "dense_seed1": dict(mask_ratio=0.0, anchor=False, optim="adamw_torch", seed=1),
+    "outliers8_int8_seed1": dict(boundary_codec="outliers8+int8", anchor=False, optim="adamw_torch", seed=1),
     "outliers8_int3g71_seed1": dict(boundary_codec="outliers8+int3g71", anchor=False, optim="adamw_torch", seed=1),
 }
 

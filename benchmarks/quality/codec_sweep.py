@@ -28,37 +28,48 @@ H, DENSE_BF16 = 576, 576 * 2
 ROWS: dict[str, dict] = {
     "dense": dict(mask_ratio=0.0, anchor=False),
     "m95_ap": dict(preset="paper"),  # the paper: M95, zero fill, anchor prior
-    "outliers8_int4g71_ap": dict(boundary_codec="outliers8+int4g71", anchor=True),
+    "outliers8_int4g71_ap": dict(boundary_codec="outliers8+int4g71", anchor=True, codec_refit_every=0),
     "outliers8_int4g71": dict(boundary_codec="outliers8+int4g71", anchor=False),
-    "outliers8_int8_ap": dict(boundary_codec="outliers8+int8", anchor=True),
+    "outliers8_int8_ap": dict(boundary_codec="outliers8+int8", anchor=True, codec_refit_every=0),
     "outliers8_int8": dict(boundary_codec="outliers8+int8", anchor=False),
     "dense_ap": dict(mask_ratio=0.0, anchor=True),  # the anchor prior on a dense boundary: what AP itself does
     # PCA as a rotation: all but the weakest directions, int4 with one scale per group of directions of like variance
-    "outliers8_pca560_int4g70_ap": dict(boundary_codec="outliers8+pca560+int4g70", anchor=True),
-    "outliers8_pca456_int4g57_ap": dict(boundary_codec="outliers8+pca456+int4g57", anchor=True),
+    "outliers8_pca560_int4g70_ap": dict(boundary_codec="outliers8+pca560+int4g70", anchor=True, codec_refit_every=0),
+    # the same with its outlier dims and basis refitted on the anchor's dense rounds (codec_refit_every=1)
+    "outliers8_pca560_int4g70_ap_refit": dict(
+        boundary_codec="outliers8+pca560+int4g70", anchor=True, codec_refit_every=1
+    ),
+    "outliers8_pca456_int4g57_ap": dict(boundary_codec="outliers8+pca456+int4g57", anchor=True, codec_refit_every=0),
     "outliers8_pca512_int4g64": dict(boundary_codec="outliers8+pca512+int4g64", anchor=False),  # 288 B: 4.0×
     "outliers8_pca448_int4g56": dict(boundary_codec="outliers8+pca448+int4g56", anchor=False),  # 256 B: 4.5×
-    "outliers8_int4g71sr_ap": dict(boundary_codec="outliers8+int4g71sr", anchor=True),  # stochastic rounding backward
-    "outliers8_int4_ap": dict(boundary_codec="outliers8+int4", anchor=True),  # one scale per token: valid at every H
-    "outliers8_int3g71_ap": dict(boundary_codec="outliers8+int3g71", anchor=True),
-    "outliers8_int3_ap": dict(boundary_codec="outliers8+int3", anchor=True),
+    "outliers8_int4g71sr_ap": dict(
+        boundary_codec="outliers8+int4g71sr", anchor=True, codec_refit_every=0
+    ),  # stochastic rounding backward
+    "outliers8_int4_ap": dict(
+        boundary_codec="outliers8+int4", anchor=True, codec_refit_every=0
+    ),  # one scale per token: valid at every H
+    "outliers8_int3g71_ap": dict(boundary_codec="outliers8+int3g71", anchor=True, codec_refit_every=0),
+    "outliers8_int3_ap": dict(boundary_codec="outliers8+int3", anchor=True, codec_refit_every=0),
     "outliers8_int3g71": dict(boundary_codec="outliers8+int3g71", anchor=False),
     "outliers8_int3": dict(boundary_codec="outliers8+int3", anchor=False),
     "outliers8_int4": dict(boundary_codec="outliers8+int4", anchor=False),
     "outliers8_int2g71": dict(boundary_codec="outliers8+int2g71", anchor=False),
     # the anchor prior's filter at a milder setting: 70 % of the raw gradient kept (the default keeps 30 %)
-    "outliers8_int4g71_ap_alpha07": dict(boundary_codec="outliers8+int4g71", anchor=True, spectral_alpha=0.7),
-    "outliers8_int2g71_ap": dict(boundary_codec="outliers8+int2g71", anchor=True),
-    "outliers8_spca226_int4_ap": dict(boundary_codec="outliers8+spca226+int4", anchor=True),
+    "outliers8_int4g71_ap_alpha07": dict(
+        boundary_codec="outliers8+int4g71", anchor=True, codec_refit_every=0, spectral_alpha=0.7
+    ),
+    "outliers8_int2g71_ap": dict(boundary_codec="outliers8+int2g71", anchor=True, codec_refit_every=0),
+    "outliers8_spca226_int4_ap": dict(boundary_codec="outliers8+spca226+int4", anchor=True, codec_refit_every=0),
     "outliers8_spca226_int4": dict(boundary_codec="outliers8+spca226+int4", anchor=False),
-    "outliers8_spca113_int4_ap": dict(boundary_codec="outliers8+spca113+int4", anchor=True),
-    "pca57_int8_ap": dict(boundary_codec="pca57+int8", anchor=True),
+    "outliers8_spca113_int4_ap": dict(boundary_codec="outliers8+spca113+int4", anchor=True, codec_refit_every=0),
+    "pca57_int8_ap": dict(boundary_codec="pca57+int8", anchor=True, codec_refit_every=0),
     "pca57_int8": dict(boundary_codec="pca57+int8", anchor=False),
     # a second seed (data order, sampling) for the rows that decide the default
     "dense_seed1": dict(mask_ratio=0.0, anchor=False, seed=1),
-    "outliers8_int8_ap_seed1": dict(boundary_codec="outliers8+int8", anchor=True, seed=1),
+    "outliers8_int8_seed1": dict(boundary_codec="outliers8+int8", anchor=False, seed=1),  # the default
+    "outliers8_int8_ap_seed1": dict(boundary_codec="outliers8+int8", anchor=True, codec_refit_every=0, seed=1),
     "outliers8_int4g71_seed1": dict(boundary_codec="outliers8+int4g71", anchor=False, seed=1),
-    "outliers8_int4g71_ap_seed1": dict(boundary_codec="outliers8+int4g71", anchor=True, seed=1),
+    "outliers8_int4g71_ap_seed1": dict(boundary_codec="outliers8+int4g71", anchor=True, codec_refit_every=0, seed=1),
     "outliers8_int3g71_seed1": dict(boundary_codec="outliers8+int3g71", anchor=False, seed=1),
     "outliers8_int3_seed1": dict(boundary_codec="outliers8+int3", anchor=False, seed=1),
 }

@@ -54,6 +54,7 @@ class DemoSettings:
     anchor: bool | None = None
     anchor_every: int = 10
     anchor_delay: int = 10
+    codec_refit_every: int | None = None
     mask_fill: str = "zeros"
     mask_protect_dims: int = 0
     mask_rescale: bool = False

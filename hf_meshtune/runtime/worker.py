@@ -154,6 +154,8 @@ class FastWorker(StageWorker):
             )
             if codec is not None
         ]
+        if not sources:  # Y = 1: no boundary
+            return None
         return FastGeometryLink(
             self.wire,
             self.groups.link_group,
