@@ -412,8 +412,13 @@ def test_protected_dims_are_always_kept_and_the_rest_stays_uniform():
     others[protected] = False
     expected = (keep - 2) / (hidden - 2)  # the other K - m dims: a uniform subset of the rest
     assert float((counts[others] - expected).abs().max()) < 0.03
-    # same draw as without protection for a row whose uniform top-K already held both dims
-    assert not torch.equal(idx, keep_indices(0, 1, 0, seq, hidden, keep, 0))
+    # the same draw as without protection for a row whose uniform top-K already held both dims; every
+    # other row differs (it now holds a protected dim its uniform draw lacked)
+    plain = keep_indices(0, 1, 0, seq, hidden, keep, 0)
+    held_both = (plain == 3).any(-1) & (plain == 17).any(-1)
+    assert 0 < int(held_both.sum()) < seq
+    assert torch.equal(idx[held_both], plain[held_both])
+    assert bool((idx[~held_both] != plain[~held_both]).any(-1).all())
 
 
 def test_protected_dims_must_leave_room_for_random_ones():
