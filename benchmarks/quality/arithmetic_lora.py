@@ -34,6 +34,7 @@ ROWS: dict[str, dict] = {
     "m95_ap": dict(preset="paper", anchor_every=10, anchor_delay=10),  # the paper, as benchmarks/chain runs it
     "outliers8_int8": dict(boundary_codec="outliers8+int8", anchor=False, optim="adamw_torch"),
     "outliers8_int4x8": dict(boundary_codec="outliers8+int4x8", anchor=False, optim="adamw_torch"),  # = int4g71 here
+    "outliers8_pca512_int4g64": dict(boundary_codec="outliers8+pca512+int4g64", anchor=False, optim="adamw_torch"),
     "outliers8_int4": dict(boundary_codec="outliers8+int4", anchor=False, optim="adamw_torch"),
     "outliers8_int3g71": dict(boundary_codec="outliers8+int3g71", anchor=False, optim="adamw_torch"),
     "outliers8_int3": dict(boundary_codec="outliers8+int3", anchor=False, optim="adamw_torch"),

@@ -70,6 +70,7 @@ ROWS: dict[str, dict] = {
     "outliers8_int8_ap_seed1": dict(boundary_codec="outliers8+int8", anchor=True, codec_refit_every=0, seed=1),
     "outliers8_int4g71_seed1": dict(boundary_codec="outliers8+int4g71", anchor=False, seed=1),
     "outliers8_int4g71_ap_seed1": dict(boundary_codec="outliers8+int4g71", anchor=True, codec_refit_every=0, seed=1),
+    "outliers8_pca512_int4g64_seed1": dict(boundary_codec="outliers8+pca512+int4g64", anchor=False, seed=1),
     "outliers8_int3g71_seed1": dict(boundary_codec="outliers8+int3g71", anchor=False, seed=1),
     "outliers8_int3_seed1": dict(boundary_codec="outliers8+int3", anchor=False, seed=1),
 }
@@ -102,6 +103,7 @@ def table() -> str:
         boundary = knobs.get("boundary_codec") or ("dense" if knobs.get("mask_ratio") == 0.0 else "mask0.95 (zeros)")
         prior = "yes" if knobs.get("anchor", True) else "no"
         prior += f" (α = {knobs['spectral_alpha']})" if "spectral_alpha" in knobs else ""
+        prior += ", geometry refitted every round" if knobs.get("codec_refit_every") else ""
         lines.append(
             f"| {name} | `{boundary}` | {seed} | {prior} | {bytes_bf16} | "
             f"{DENSE_BF16 / bytes_bf16:.1f}× | {measured:.0f} | {after:.4f} | {gap:+.1%} | {retained:.0%} | "
