@@ -16,6 +16,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.distributed import mesh_launch
@@ -32,6 +33,7 @@ def _read(path: Path) -> str | None:
         return None
 
 
+@pytest.mark.slow
 def test_killing_the_anchor_leaves_the_fast_circuit_training_to_the_end(tmp_path):
     command = [
         *mesh_launch("3x2", "--optional-replica", "2"),

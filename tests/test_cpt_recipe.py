@@ -174,6 +174,7 @@ def test_bad_input_is_rejected_before_training(tmp_path, cpt):
     assert not (tmp_path / "never").exists()
 
 
+@pytest.mark.slow
 def test_cpt_recipe_runs_on_a_launched_3x2_mesh(tmp_path):
     """`meshtune launch` runs the recipe unchanged: fixed-length blocks are the mesh's fixed-shape rows."""
     out = tmp_path / "mesh"

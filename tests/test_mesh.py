@@ -279,6 +279,7 @@ def mesh_run():
         server.shutdown()
 
 
+@pytest.mark.slow
 def test_mesh_3x2_trains_and_its_loss_falls(mesh_run):
     fast_last = [r["result"] for r in mesh_run if r["result"].role == "fast" and r["result"].stage == 1]
     for result in fast_last:
@@ -289,6 +290,7 @@ def test_mesh_3x2_trains_and_its_loss_falls(mesh_run):
         assert last < first - 0.2, (first, last, [round(v, 2) for v in result.losses])
 
 
+@pytest.mark.slow
 def test_mesh_wire_carries_compact_boundaries_and_powersgd_factors(mesh_run):
     keep = keep_count(HIDDEN, 0.9)
     per_step = MICRO * MICROBATCHES * SEQ * keep * 4
@@ -317,6 +319,7 @@ def test_mesh_wire_carries_compact_boundaries_and_powersgd_factors(mesh_run):
     assert sum(syncs[:2]) == pytest.approx(predicted)  # fragments 0 and 1 together: the whole stage once
 
 
+@pytest.mark.slow
 def test_fast_replicas_share_global_params_and_the_anchor_follows_them(mesh_run):
     by_rank = {rec["result"].rank: rec["result"] for rec in mesh_run}
     for stage in range(2):
@@ -326,6 +329,7 @@ def test_fast_replicas_share_global_params_and_the_anchor_follows_them(mesh_run)
             torch.testing.assert_close(fanchor, fa, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_anchor_gradient_equals_a_dense_gradient_on_its_snapshot(mesh_run):
     anchors = {rec["result"].stage: rec for rec in mesh_run if rec["result"].role == "anchor"}
     rounds0, rounds1 = anchors[0]["rounds"], anchors[1]["rounds"]
@@ -350,6 +354,7 @@ def test_anchor_gradient_equals_a_dense_gradient_on_its_snapshot(mesh_run):
             torch.testing.assert_close(stage_round["payload"], expected, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_fast_replicas_receive_anchor_gradients_with_measured_staleness(mesh_run):
     for record in mesh_run:
         r = record["result"]
@@ -358,6 +363,7 @@ def test_fast_replicas_receive_anchor_gradients_with_measured_staleness(mesh_run
             assert all(arrival >= snapshot for arrival, snapshot in r.arrivals)
 
 
+@pytest.mark.slow
 def test_stalling_the_anchor_does_not_slow_fast_steps(lighthouse, launcher):
     """SIGSTOP the whole anchor replica for 2 s in the middle of training: fast steps go on at their pace."""
     records = launcher(_mesh_worker, 6, lighthouse, MESH_CFG, 80, 2.0, timeout=300)
@@ -374,6 +380,7 @@ def test_stalling_the_anchor_does_not_slow_fast_steps(lighthouse, launcher):
     assert len(probe["result"].arrivals) >= 2
 
 
+@pytest.mark.slow
 def test_a_stopped_anchor_fades_the_filter_out_and_is_used_again_when_it_returns(lighthouse, launcher):
     """SIGSTOP the anchor replica for 12 fast steps with anchor_max_staleness = 4: rank 0's bases age
     past 4 and fade (counted per step); after SIGCONT the anchor catches up, deliveries older than 4

@@ -128,6 +128,7 @@ def _progress(out: Path, rank: int) -> tuple[int, int] | None:
         return None
 
 
+@pytest.mark.slow
 def test_a_mesh_killed_by_pid_resumes_bit_exactly_without_the_anchor(tmp_path):
     """Uninterrupted 2x2 run vs the same run SIGKILLed (every process, by PID) after step 10 and
     resumed from its newest complete checkpoint: the same losses and θ_global, bit for bit."""
@@ -158,6 +159,7 @@ def test_a_mesh_killed_by_pid_resumes_bit_exactly_without_the_anchor(tmp_path):
         assert all(torch.equal(before.params[n], after.params[n]) for n in before.params)
 
 
+@pytest.mark.slow
 def test_a_resumed_mesh_with_the_anchor_in_lockstep_continues_bit_exactly(tmp_path):
     """3x2 with the anchor in lockstep (a snapshot every 2 steps, its gradient applied at once) and a
     codec whose geometry it refits every round: the run resumed from step 8 repeats the uninterrupted

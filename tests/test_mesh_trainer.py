@@ -63,6 +63,7 @@ def _launch(mesh: str, output_dir: str, *extra: str, launcher: tuple[str, ...] =
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=400, cwd=ROOT)
 
 
+@pytest.mark.slow
 def test_meshtrainer_script_runs_unchanged_on_a_launched_3x2_mesh(tmp_path):
     out = tmp_path / "run"
     proc = _launch("3x2", str(out))
@@ -94,6 +95,7 @@ def test_meshtrainer_script_runs_unchanged_on_a_launched_3x2_mesh(tmp_path):
         assert not torch.equal(saved.state_dict()[name], initial.state_dict()[name]), name
 
 
+@pytest.mark.slow
 def test_lora_on_the_mesh_syncs_and_filters_only_the_adapter_and_saves_a_plain_peft_adapter(tmp_path):
     from peft import LoraConfig, PeftModel, get_peft_model
 
@@ -120,6 +122,7 @@ def test_lora_on_the_mesh_syncs_and_filters_only_the_adapter_and_saves_a_plain_p
     assert "## Trained with hf_meshtune" in (out / "README.md").read_text()
 
 
+@pytest.mark.slow
 def test_trl_sft_script_runs_unchanged_on_a_launched_mesh(tmp_path):
     """MeshSFTTrainer on the mesh: TRL's tokenized rows and completion-only collator feed the pipeline."""
     out = tmp_path / "trl"
@@ -148,6 +151,7 @@ def test_trl_sft_script_runs_unchanged_on_a_launched_mesh(tmp_path):
     assert "MeshSFTTrainer" in (out / "README.md").read_text()
 
 
+@pytest.mark.slow
 def test_meshtrainer_runs_with_every_replica_a_job_of_its_own(tmp_path):
     """``--max-restarts``: three gloo worlds of two processes meet only through torchft; the summary
     still covers the whole mesh (results travel through the launcher's store) and only replica 0 saves."""
@@ -176,6 +180,7 @@ def _step_losses(stdout: str) -> dict[int, float]:
     return {entry["step"]: entry["loss"] for entry in lines}
 
 
+@pytest.mark.slow
 def test_meshtrainer_writes_mesh_checkpoints_and_resumes_from_one_exactly(tmp_path):
     """``--save_strategy steps`` writes checkpoint-N/mesh/; ``--resume_from_checkpoint`` continues from
     one with the losses of the uninterrupted run, bit for bit (no anchor: nothing runs on its own clock)."""
@@ -214,6 +219,7 @@ def _child_with_rank(parent: int, rank: int) -> int | None:
     return None
 
 
+@pytest.mark.slow
 def test_meshtrainer_trains_on_when_the_anchor_replica_is_killed(tmp_path):
     """``--optional-replica 2``: SIGKILL the anchor's stage 0 at step 6; the fast replicas run every
     step, rank 0 writes the summary (anchor lost at its step) and the trained model is saved."""
@@ -251,6 +257,7 @@ def test_meshtrainer_trains_on_when_the_anchor_replica_is_killed(tmp_path):
     assert not torch.equal(saved.state_dict()["lm_head.weight"], initial.state_dict()["lm_head.weight"])
 
 
+@pytest.mark.slow
 def test_a_mesh_that_does_not_fit_the_world_fails_fast_on_every_rank(tmp_path):
     proc = _launch("2x2", str(tmp_path / "bad"), "--num_stages", "3")
     assert proc.returncode != 0
@@ -258,6 +265,7 @@ def test_a_mesh_that_does_not_fit_the_world_fails_fast_on_every_rank(tmp_path):
     assert "num_stages=3 is invalid: it must equal Y = 2 of the mesh 2x2" in text
 
 
+@pytest.mark.slow
 def test_the_same_script_runs_under_accelerate_launch_with_its_own_lighthouse(tmp_path):
     """accelerate's yaml for a local CPU mesh; no TORCHFT_LIGHTHOUSE, so global rank 0 starts one."""
     out = tmp_path / "acc"

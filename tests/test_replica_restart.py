@@ -19,6 +19,8 @@ import torch
 
 from tests.distributed import mesh_launch
 
+pytestmark = pytest.mark.slow  # real launches with kills and restarts
+
 REPO = Path(__file__).resolve().parents[1]
 STEPS, KILL_AT = 80, 10
 

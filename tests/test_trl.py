@@ -278,12 +278,14 @@ def test_the_gspo_anchor_gradient_is_the_dense_gradient_of_the_loss_on_the_rollo
 
 def test_gspo_fits_a_composed_codec_on_the_first_prompts_and_trains_through_it(tokenizer, tmp_path):
     """Before any rollout, the codec's outlier dims and mean are fitted on a dense forward of the first
-    training prompts as TRL renders them: the same geometry as a fit on those prompts done here."""
-    from hf_meshtune.boundary.compose.codec import ComposedCodec
+    training prompts as TRL renders them: the same geometry as a fit on those prompts done here (with
+    ``codec_refit_every=0`` it is still the one after training). With the default refit the anchor's
+    rounds on the rollouts replace it."""
+    from hf_meshtune.boundary.compose.codec import ComposedCodec, geometry_digest
     from hf_meshtune.boundary.compose.spec import parse_codec
     from hf_meshtune.trl_trainers import CALIBRATION_PROMPTS
 
-    trainer = grpo(tokenizer, tmp_path / "codec", boundary_codec="outliers2+spca8+int4")
+    trainer = grpo(tokenizer, tmp_path / "codec", boundary_codec="outliers2+spca8+int4", codec_refit_every=0)
     batch = trainer._prompt_batch()
     assert batch["input_ids"].shape[0] == min(CALIBRATION_PROMPTS, len(trainer.train_dataset))
     text = tokenizer.decode(batch["input_ids"][0][batch["attention_mask"][0].bool()])
@@ -300,6 +302,10 @@ def test_gspo_fits_a_composed_codec_on_the_first_prompts_and_trains_through_it(t
         "outliers2+spca8+int4"
     ).payload_bytes(32, 4)
     assert any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
+    refitted = grpo(tokenizer, tmp_path / "refit", boundary_codec="outliers2+spca8+int4")
+    refitted.train()
+    assert [e["anchor/codec_refits"] for e in refitted.state.log_history if "loss" in e] == [0.0, 1.0]
+    assert geometry_digest(refitted.mesh_boundaries.codecs[0].geometry()) != geometry_digest(reference.geometry())
 
 
 def test_gspo_with_lora_saves_an_adapter_and_uses_the_disabled_adapter_as_reference(tokenizer, tmp_path):

@@ -32,7 +32,7 @@ def _namespaces_unavailable() -> str | None:
 
 
 _UNAVAILABLE = _namespaces_unavailable()
-pytestmark = pytest.mark.skipif(_UNAVAILABLE is not None, reason=_UNAVAILABLE or "")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(_UNAVAILABLE is not None, reason=_UNAVAILABLE or "")]
 
 _SERVER = """
 import socket, sys
