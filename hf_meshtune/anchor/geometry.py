@@ -57,9 +57,8 @@ class FastGeometryLink:
         sources: list[tuple[str, ComposedCodec, int]],
         *,
         lockstep: tuple[int, int, int] | None,
-        who: str,
     ) -> None:
-        self.wire, self.pp_group, self.stages, self.who, self.lockstep = wire, pp_group, stages, who, lockstep
+        self.wire, self.pp_group, self.stages, self.lockstep = wire, pp_group, stages, lockstep
         self.sides = [side for side, _, _ in sources]  # "in" / "out"
         self.codecs = [codec for _, codec, _ in sources]
         self.inboxes = [Receiver(wire, link_group, src, GEOMETRY, lambda header: header.numel) for *_, src in sources]

@@ -163,7 +163,6 @@ class FastWorker(StageWorker):
             topology.stages,
             sources,
             lockstep=(cfg.anchor_every, cfg.anchor_delay, refit) if cfg.anchor_lockstep else None,
-            who=f"rank {self.rank} (fast replica {self.replica}, stage {self.stage})",
         )
 
     # --- state: heals, checkpoints, resume ----------------------------------------------------------

@@ -75,6 +75,9 @@ class ComposedHandle(BoundaryHooks):
         self._recorded, self._real = [[] for _ in self.codecs], None
         try:
             yield
+        except BaseException:
+            self._recorded = None  # nothing half-recorded outlives a failed pass
+            raise
         finally:
             self._real = None
 
