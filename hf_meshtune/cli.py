@@ -15,6 +15,7 @@ import re
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import fields, replace
+from types import SimpleNamespace
 
 from hf_meshtune._validation import require
 from hf_meshtune.launch import launch_mesh
@@ -98,6 +99,7 @@ def _add_ledger_parser(subparsers: argparse._SubParsersAction) -> None:
 def run_ledger(args: argparse.Namespace) -> int:
     """Handler of ``meshtune ledger``: one ledger per requested standard row, as a table or JSON."""
     from hf_meshtune import ledger as L  # lazy: pulls in torch and transformers
+    from hf_meshtune.config import codec_refit_every
 
     config, preset = _ledger_config(args, L.PRESETS)
     num_replicas, num_stages = _parse_mesh(args.mesh)
@@ -127,10 +129,10 @@ def run_ledger(args: argparse.Namespace) -> int:
         settings = L.settings_for_row(row, global_batch=args.batch_size, seq_len=args.seq_len, **knobs)
         ledgers[row] = L.ledger_for_config(config, settings)
     if args.boundary_codec is not None:
-        fits = L.parse_codec(args.boundary_codec).needs_fit  # with the anchor, its geometry is refitted every round
         for row, name in (("M95", args.boundary_codec), ("M95+AP", f"{args.boundary_codec}+AP")):
             settings = L.settings_for_row(row, global_batch=args.batch_size, seq_len=args.seq_len, **knobs)
-            refit = 1 if settings.anchor and fits else 0
+            # the knob's own default: refits every round with the anchor and a codec that fits geometry
+            refit = codec_refit_every(SimpleNamespace(anchor=settings.anchor, boundary_codec=args.boundary_codec))
             ledgers[name] = L.ledger_for_config(
                 config, replace(settings, boundary_codec=args.boundary_codec, codec_refit_every=refit)
             )

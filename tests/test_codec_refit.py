@@ -175,3 +175,19 @@ def test_on_the_mesh_both_sides_of_a_boundary_switch_together_to_the_anchors_fit
         assert all(step >= snapshot for step, snapshot in switches)
         assert [out for *_, out in sender.geometry] == [sent[s] for _, s in switches]
         assert [inc for _, _, inc, _ in receiver.geometry] == [sent[s] for _, s in switches]
+
+
+def test_a_refit_with_nothing_recorded_and_a_geometry_for_another_boundary_are_refused():
+    from hf_meshtune.anchor.geometry import FastGeometryLink
+    from hf_meshtune.comm.messages import GeometryHeader
+
+    model = tiny_llama(seed=0)
+    handle = attach_composed(model, 2, CODEC)
+    with handle.recording():
+        pass  # no dense forward ran
+    with pytest.raises(ValueError, match=r"codec refit='no dense forward recorded' is invalid: it must follow"):
+        handle.refit_geometry()
+    link = FastGeometryLink.__new__(FastGeometryLink)  # its message check alone, without a link to receive on
+    link.codecs, link.held, link.ended = [handle.codecs[0]], [{}], [False]
+    with pytest.raises(ValueError, match=r"codec geometry boundary=1 is invalid: it must be 0, the boundary"):
+        link._take(0, (GeometryHeader(1, 4, 1, 3), torch.zeros(3)))

@@ -315,12 +315,11 @@ def geometry_to_flat(codec: ComposedCodec, geometry: dict[str, Tensor | None]) -
 
 def geometry_from_flat(codec: ComposedCodec, flat: Tensor) -> dict[str, Tensor | None]:
     """Inverse of ``geometry_to_flat``; a ValueError unless the size is exactly the layout's."""
-    layout = geometry_layout(codec)
-    total = sum(math.prod(shape) for _, shape, _ in layout)
+    total = codec.spec.geometry_numel(codec.hidden_size)
     require(flat.numel() == total, "codec geometry size", flat.numel(), f"equal the layout's {total} values")
     geometry: dict[str, Tensor | None] = {"mean": None, "std": None, "basis": None}
     at = 0
-    for name, shape, kind in layout:
+    for name, shape, kind in geometry_layout(codec):
         n = math.prod(shape)
         geometry[name] = flat[at : at + n].reshape(shape).to(kind).clone()
         at += n
