@@ -32,6 +32,7 @@ from ._validation import require
 from .comm.wire import CIRCUITS
 from .report_plots import bar_series, draw_bytes, draw_loss
 from .runtime.job import SUMMARY_NAME as MESH_SUMMARY_NAME
+from .runtime.results import wire_bytes_per_token
 
 __all__ = [
     "BYTES_PLOT_NAME",
@@ -78,7 +79,7 @@ def write_report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None =
 
     ``out_dir`` defaults to ``run_dir``. Returns ``{"report", "loss_plot", "bytes_plot"}`` (paths as
     strings), ``"rows"`` (one ``run_row`` per run, in folder order) and ``"bars"`` (the values drawn:
-    ``{"<run> analytic" | "<run> measured": {circuit: bytes per token}}``).
+    ``{"<run> analytic" | "<run> wire": {circuit: bytes per token}}``).
     """
     root = Path(run_dir)
     require(root.is_dir(), "run_dir", str(run_dir), "be an existing folder")
@@ -182,7 +183,9 @@ def run_row(run: RunFiles) -> dict[str, Any]:
 
     Training numbers come from the log history first, then from the mesh summary, then from the
     demo's summary. ``bytes_per_token`` is analytic (the ledger: ``pp_fwd``, ``pp_bwd``, ``dp``,
-    ``anchor``, ``total``), ``measured_bytes_per_token`` what the distributed mesh put on the wire.
+    ``anchor``, ``total``); from a distributed mesh, ``wire_bytes_per_token`` what it put on its links,
+    the sum of ``measured_bytes_per_token`` (point-to-point payloads, counted) and
+    ``booked_bytes_per_token`` (all-reduces at a ring's 2(n-1)/n, a formula; None in older summaries).
     """
     history, mesh, demo = run.log_history, run.mesh or {}, run.demo or {}
     demo_log = demo.get("last_log") if isinstance(demo.get("last_log"), dict) else {}
@@ -203,7 +206,11 @@ def run_row(run: RunFiles) -> dict[str, Any]:
         "bytes_per_token": _first(
             _logged_ledger(history), _logged_ledger([demo_log]), _circuit_dict(mesh.get("analytic_bytes_per_token"))
         ),
-        "measured_bytes_per_token": _circuit_dict(mesh.get("measured_bytes_per_token")),
+        "wire_bytes_per_token": _circuit_dict(wire_bytes_per_token(mesh)),
+        "measured_bytes_per_token": _circuit_dict(mesh.get("measured_bytes_per_token"))
+        if "wire_bytes_per_token" in mesh
+        else None,
+        "booked_bytes_per_token": _circuit_dict(mesh.get("booked_bytes_per_token")),
         "compression_vs_dense": _first(
             _last_logged(history, "comm/compression_vs_dense_ratio"),
             _last_logged([demo_log], "comm/compression_vs_dense_ratio"),
@@ -251,14 +258,15 @@ def _circuit_dict(values: Any) -> dict[str, float | None] | None:
 
 
 def format_report(root: Path, rows: list[dict[str, Any]]) -> str:
-    """The Markdown report: a table of runs, the mesh's measured bytes if any, both plots."""
+    """The Markdown report: a table of runs, the mesh's bytes on the wire if any, both plots."""
     lines = [
         f"# Training report: `{root}`",
         "",
         f"{len(rows)} run{'s' if len(rows) != 1 else ''}. Bytes per token are per fast-circuit token, summed "
         "over every link of the mesh: *analytic* is the byte ledger of the last training log "
-        "(`comm/*_bytes_per_token`), *measured* is what the distributed mesh put on the wire "
-        f"(`{MESH_SUMMARY_NAME}`).",
+        "(`comm/*_bytes_per_token`); *on the wire* is what the distributed mesh put on its links "
+        f"(`{MESH_SUMMARY_NAME}`): *measured* point-to-point payloads plus all-reduces *booked* at a ring's "
+        "2(n-1)/n × the tensor bytes (a formula: the backend's own traffic is not visible to the mesh).",
         "",
         "## Runs",
         "",
@@ -268,7 +276,7 @@ def format_report(root: Path, rows: list[dict[str, Any]]) -> str:
     meshes = [row for row in rows if row["mesh"] is not None]
     if meshes:
         lines += [
-            "## Distributed mesh: measured on the wire",
+            "## Distributed mesh: bytes on the wire",
             "",
             *_mesh_bytes_table(meshes),
             "",
@@ -323,24 +331,14 @@ def _runs_table(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def _mesh_bytes_table(rows: list[dict[str, Any]]) -> list[str]:
-    table = [_table_row(["run", "mesh", "circuit", "measured B/token", "analytic B/token"]), "|---|---|---|---:|---:|"]
+    header = ["run", "mesh", "circuit", "measured sends", "booked all-reduces", "on the wire", "analytic"]
+    table = [_table_row([*header[:3], *(f"{h} B/token" for h in header[3:])]), "|---|---|---|---:|---:|---:|---:|"]
     for row in rows:
-        measured, analytic = (
-            row["measured_bytes_per_token"] or {},
-            _circuit_dict(row["mesh"].get("analytic_bytes_per_token")) or {},
-        )
+        analytic = _circuit_dict(row["mesh"].get("analytic_bytes_per_token")) or {}
+        figures = [row[k] or {} for k in ("measured_bytes_per_token", "booked_bytes_per_token", "wire_bytes_per_token")]
         for circuit in (*CIRCUITS, "total"):
-            table.append(
-                _table_row(
-                    [
-                        row["run"],
-                        str(row["mesh"].get("mesh", "–")),
-                        circuit,
-                        _fmt(measured.get(circuit), ",.1f"),
-                        _fmt(analytic.get(circuit), ",.1f"),
-                    ]
-                )
-            )
+            cells = [_fmt(f.get(circuit), ",.1f") for f in (*figures, analytic)]
+            table.append(_table_row([row["run"], str(row["mesh"].get("mesh", "–")), circuit, *cells]))
     return table
 
 

@@ -19,10 +19,11 @@ __all__ = ["bar_series", "draw_bytes", "draw_loss"]
 
 
 def bar_series(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """``{"<run> analytic" | "<run> measured": {circuit: bytes per token}}``: the bars to draw."""
+    """``{"<run> analytic" | "<run> wire": {circuit: bytes per token}}``: the bars to draw (wire: what a
+    distributed mesh put on its links, measured sends plus booked all-reduces)."""
     series: dict[str, dict[str, float]] = {}
     for row in rows:
-        for kind, values in (("analytic", row["bytes_per_token"]), ("measured", row["measured_bytes_per_token"])):
+        for kind, values in (("analytic", row["bytes_per_token"]), ("wire", row["wire_bytes_per_token"])):
             if values:
                 series[f"{row['run']} {kind}"] = {c: float(values[c]) for c in CIRCUITS if values.get(c) is not None}
     return series
@@ -74,7 +75,7 @@ def _points(history: list[dict[str, Any]], key: str) -> tuple[list[float], list[
 
 
 def draw_bytes(series: dict[str, dict[str, float]], path: Path) -> None:
-    """Grouped bars: one group per circuit, one bar per run and kind (measured ones hatched), log y.
+    """Grouped bars: one group per circuit, one bar per run and kind (the mesh's wire bytes hatched), log y.
 
     A log axis has no zero: a circuit that sends nothing (no anchor, one stage) gets a "0" instead of a bar.
     """
@@ -92,7 +93,7 @@ def draw_bytes(series: dict[str, dict[str, float]], path: Path) -> None:
             color=f"C{runs.index(label.rsplit(' ', 1)[0]) % 10}",
             edgecolor="black",
             linewidth=0.5,
-            hatch="//" if label.endswith(" measured") else None,
+            hatch="//" if label.endswith(" wire") else None,
         )
         for x, height in zip(xs, heights):
             if height == 0:

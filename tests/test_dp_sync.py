@@ -72,6 +72,7 @@ def _train_stage(
                 "step": len(record["pre"]),
                 "update": update,
                 "handed": wire.handed["dp"],
+                "booked": wire.booked["dp"],
                 "sent": wire.sent["dp"],
                 "messages": wire.messages["dp"],
             }
@@ -183,14 +184,14 @@ def test_dense_sync_equals_outer_nesterov_step_on_mean_pseudo_gradient(dense_run
 
 
 # ---------------------------------------------------------------------------------------------
-# 3. bytes: r·(m+n) per compressed matrix, numel otherwise, 4 bytes each; ring factor on sent
+# 3. bytes: r·(m+n) per compressed matrix, numel otherwise, 4 bytes each; ring factor booked
 # ---------------------------------------------------------------------------------------------
 
 
 def test_powersgd_bytes_per_sync_match_rank(powersgd_run):
     n = len(powersgd_run)
     for run in powersgd_run:
-        before = {"handed": 0, "sent": 0, "messages": 0}
+        before = {"handed": 0, "booked": 0, "messages": 0}
         for sync in run["syncs"]:
             shapes = run["shapes"][sync["update"].fragment]
             payload = sum(
@@ -200,7 +201,9 @@ def test_powersgd_bytes_per_sync_match_rank(powersgd_run):
             assert payload == sum(dp_payload_numel(s, RANK) for s in shapes)  # the ledger's rule
             compressed = sum(1 for s in shapes if len(s) == 2 and RANK * sum(s) < math.prod(s))
             assert sync["handed"] - before["handed"] == payload * 4
-            assert sync["sent"] - before["sent"] == pytest.approx(payload * 4 * 2 * (n - 1) / n)
+            # the tensors handed to the all-reduce are counted; the ring's traffic is booked on them
+            assert sync["booked"] - before["booked"] == pytest.approx(payload * 4 * 2 * (n - 1) / n)
+            assert sync["sent"] == 0  # DP sends nothing point to point
             assert sync["messages"] - before["messages"] == len(shapes) + compressed  # P and Q each
             before = sync
     assert [len(run["shapes"][0]) for run in powersgd_run] == [2] * n

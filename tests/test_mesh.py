@@ -201,8 +201,8 @@ def _mesh_worker(
                 record["stall_start"] = time.perf_counter()
                 for pid in pids:
                     os.kill(pid, signal.SIGSTOP)
-                if stall_steps:
-                    while len(starts) < 10 + stall_steps:
+                if stall_steps:  # until rank 0 took that many steps (or a minute: a fast rank that waits)
+                    while len(starts) < 10 + stall_steps and time.perf_counter() - record["stall_start"] < 60:
                         time.sleep(0.01)
                 else:
                     time.sleep(stall)
@@ -296,11 +296,12 @@ def test_mesh_wire_carries_compact_boundaries_and_powersgd_factors(mesh_run):
     per_step = MICRO * MICROBATCHES * SEQ * keep * 4
     for record in mesh_run:
         r = record["result"]
-        wire = r.wire["sent"]
+        wire, booked = r.wire["sent"], r.wire["booked"]
         if r.role == "fast":
-            assert wire["pp_fwd"] == (per_step * 40 if r.stage == 0 else 0)
-            # backward payload + the replica's gradient-norm scalar (one float all-reduced per step)
-            assert wire["pp_bwd"] == (per_step * 40 if r.stage == 1 else 0) + 40 * 4 * 2 * (2 - 1) / 2
+            assert wire["pp_fwd"] == (per_step * 40 if r.stage == 0 else 0) and booked["pp_fwd"] == 0
+            # the backward payload is sent; the replica's gradient-norm scalar (one float per step) all-reduced
+            assert wire["pp_bwd"] == (per_step * 40 if r.stage == 1 else 0)
+            assert booked["pp_bwd"] == 40 * 4 * 2 * (2 - 1) / 2 and wire["dp"] == 0
             # PowerSGD: every sync hands r·(m+n) per compressed matrix, numel for the rest
             assert r.dp_syncs == 40 // 2  # one fragment every dp_sync_every / dp_fragments = 2 steps
         else:  # the anchor's own pipeline is dense: [B, T, H] per microbatch
@@ -365,16 +366,18 @@ def test_fast_replicas_receive_anchor_gradients_with_measured_staleness(mesh_run
 
 @pytest.mark.slow
 def test_stalling_the_anchor_does_not_slow_fast_steps(lighthouse, launcher):
-    """SIGSTOP the whole anchor replica for 2 s in the middle of training: fast steps go on at their pace."""
-    records = launcher(_mesh_worker, 6, lighthouse, MESH_CFG, 80, 2.0, timeout=300)
+    """SIGSTOP the whole anchor replica in the middle of training until rank 0 has taken 6 more steps:
+    fast steps go on at their pace (the stall ends on the steps, not on a clock, so a slow machine
+    gives the same test; a fast rank that waited for the anchor would hold the stall for its minute)."""
+    records = launcher(_mesh_worker, 6, lighthouse, MESH_CFG, 60, 0.0, 6, timeout=300)
     probe = next(r for r in records if r["result"].rank == 0)
     starts, t0, t1 = probe["starts"], probe["stall_start"], probe["stall_end"]
     gaps = [(b - a, a) for a, b in zip(starts, starts[1:])]
     during = [g for g, a in gaps if t0 <= a and a + g <= t1]
     outside = [g for g, a in gaps if a + g < t0 or a > t1]
-    assert len(during) >= 3, (len(during), gaps)
+    assert len(during) >= 4 and t1 - t0 < 60, (len(during), t1 - t0, gaps)
     typical = sorted(outside)[len(outside) // 2]
-    # a fast rank that waited for the anchor would spend the whole 2 s stall in one step
+    # and each of them at the pace of the steps outside the stall, measured in the same run
     assert max(during) < max(4 * typical, 0.5), (max(during), typical)
     # and the anchor caught up afterwards: its gradients kept arriving
     assert len(probe["result"].arrivals) >= 2

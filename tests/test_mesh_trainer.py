@@ -70,15 +70,22 @@ def test_meshtrainer_script_runs_unchanged_on_a_launched_3x2_mesh(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((out / "mesh_summary.json").read_text())
     assert summary["mesh"] == "3x2" and summary["fast_replicas"] == 2 and summary["steps"] == 12
-    # boundaries: exactly the analytic K values per token each way (+ one clipping scalar per step backward)
-    measured, analytic = summary["measured_bytes_per_token"], summary["analytic_bytes_per_token"]
-    assert measured["pp_fwd"] == analytic["pp_fwd"] == keep_count(64, 0.9) * 4
+    # boundaries: measured sends of exactly the analytic K values per token each way; the one clipping
+    # scalar per step backward is an all-reduce, so it is booked (ring factor) and not measured
+    measured, booked = summary["measured_bytes_per_token"], summary["booked_bytes_per_token"]
+    wire, analytic = summary["wire_bytes_per_token"], summary["analytic_bytes_per_token"]
+    assert measured["pp_fwd"] == analytic["pp_fwd"] == keep_count(64, 0.9) * 4 and booked["pp_fwd"] == 0
+    assert measured["pp_bwd"] == analytic["pp_bwd"] == keep_count(64, 0.9) * 4
     clip = 4 * 12 * 4 * (2 * (2 - 1) / 2) / summary["fast_tokens"]  # 4 fast ranks × 12 steps × one fp32 norm, ring
-    assert measured["pp_bwd"] == pytest.approx(analytic["pp_bwd"] + clip, rel=1e-12)
-    assert measured["dp"] == pytest.approx(analytic["dp"], rel=1e-9)
-    assert measured["anchor"] == pytest.approx(analytic["anchor"], rel=0.02)  # + headers and round messages
+    assert booked["pp_bwd"] == pytest.approx(clip, rel=1e-12)
+    # DP is all-reduces only: nothing measured, the booked ring traffic is the ledger's (tensor sizes × factor)
+    assert measured["dp"] == 0 and booked["dp"] == pytest.approx(analytic["dp"], rel=1e-9)
+    assert wire["anchor"] == pytest.approx(analytic["anchor"], rel=0.02)  # + headers and round messages
+    assert all(wire[c] == pytest.approx(measured[c] + booked[c], rel=1e-12) for c in wire)
     assert summary["anchor_rounds"] >= 2 and summary["anchor_arrivals"] >= 2
-    assert summary["anchor_staleness_max"] >= 0
+    # a delivery is computed on a snapshot and applied at a later step: never the snapshot's own step, and
+    # (no anchor_max_staleness here) never later than the run
+    assert 1 <= summary["anchor_staleness_max"] <= summary["steps"]
     # the loss fell and the saved model is a plain transformers checkpoint with the trained weights
     losses = [
         json.loads(line.split("] ", 1)[1])["loss"]
@@ -105,7 +112,8 @@ def test_lora_on_the_mesh_syncs_and_filters_only_the_adapter_and_saves_a_plain_p
     summary = json.loads((out / "mesh_summary.json").read_text())
     measured, analytic = summary["measured_bytes_per_token"], summary["analytic_bytes_per_token"]
     assert measured["pp_fwd"] == analytic["pp_fwd"] == keep_count(64, 0.9) * 4  # LoRA leaves the payload as it is
-    assert measured["dp"] == pytest.approx(analytic["dp"], rel=1e-9) and summary["dp_syncs_per_rank"] == 4 // 2
+    dp = summary["booked_bytes_per_token"]["dp"]  # all-reduces: booked at the ring factor
+    assert dp == pytest.approx(analytic["dp"], rel=1e-9) and summary["dp_syncs_per_rank"] == 4 // 2
     # DP: PowerSGD rank 2 of each stage's LoRA matrices (r = 4), nothing of the frozen base
     reference = get_peft_model(
         tiny_llama(seed=0, layers=4, hidden=64),
@@ -143,7 +151,8 @@ def test_trl_sft_script_runs_unchanged_on_a_launched_mesh(tmp_path):
     summary = json.loads((out / "mesh_summary.json").read_text())
     measured, analytic = summary["measured_bytes_per_token"], summary["analytic_bytes_per_token"]
     assert summary["steps"] == 4 and measured["pp_fwd"] == analytic["pp_fwd"] == keep_count(64, 0.9) * 4
-    assert measured["dp"] == pytest.approx(analytic["dp"], rel=1e-9) and summary["anchor_rounds"] >= 1
+    assert summary["booked_bytes_per_token"]["dp"] == pytest.approx(analytic["dp"], rel=1e-9)
+    assert summary["anchor_rounds"] >= 1
     history = json.loads((out / "trainer_state.json").read_text())["log_history"]
     assert [entry["step"] for entry in history] == [1, 2, 3, 4] and all(math.isfinite(e["loss"]) for e in history)
     _, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
@@ -162,9 +171,7 @@ def test_meshtrainer_runs_with_every_replica_a_job_of_its_own(tmp_path):
     summary = json.loads((out / "mesh_summary.json").read_text())
     assert summary["replicas_reported"] == 3 and summary["fast_replicas"] == 3 and summary["steps"] == 12
     assert summary["dp_syncs_per_rank"] == 12 // 2 and summary["heals"] == []
-    assert summary["measured_bytes_per_token"]["dp"] == pytest.approx(
-        summary["analytic_bytes_per_token"]["dp"], rel=1e-9
-    )
+    assert summary["booked_bytes_per_token"]["dp"] == pytest.approx(summary["analytic_bytes_per_token"]["dp"], rel=1e-9)
     assert sorted(p.name for p in out.iterdir() if p.name.startswith("mesh_summary")) == ["mesh_summary.json"]
     saved = AutoModelForCausalLM.from_pretrained(out)
     initial = tiny_llama(seed=0, layers=4, hidden=64)
@@ -251,7 +258,8 @@ def test_meshtrainer_trains_on_when_the_anchor_replica_is_killed(tmp_path):
     assert "optional replica 2 is lost; the other replicas go on" in output
     assert sorted(_step_losses(output)) == list(range(1, 25))
     summary = json.loads((out / "mesh_summary.json").read_text())
-    assert summary["steps"] == 24 and 6 <= summary["anchor_lost_at_step"] <= 10 and summary["replicas_reported"] == 2
+    # the loss is noticed at or after the kill (step 6) and before the end; every step ran after it
+    assert summary["steps"] == 24 and 6 <= summary["anchor_lost_at_step"] < 24 and summary["replicas_reported"] == 2
     saved = AutoModelForCausalLM.from_pretrained(out)
     initial = tiny_llama(seed=0, layers=4, hidden=64)
     assert not torch.equal(saved.state_dict()["lm_head.weight"], initial.state_dict()["lm_head.weight"])
@@ -287,9 +295,7 @@ def test_the_same_script_runs_under_accelerate_launch_with_its_own_lighthouse(tm
     summary = json.loads((out / "mesh_summary.json").read_text())
     assert summary["mesh"] == "3x2" and summary["mesh_env"] is None  # X inferred from WORLD_SIZE / num_stages
     assert summary["dp_syncs_per_rank"] == 12 // 2 and summary["anchor_rounds"] >= 2
-    assert summary["measured_bytes_per_token"]["dp"] == pytest.approx(
-        summary["analytic_bytes_per_token"]["dp"], rel=1e-9
-    )
+    assert summary["booked_bytes_per_token"]["dp"] == pytest.approx(summary["analytic_bytes_per_token"]["dp"], rel=1e-9)
 
 
 @pytest.mark.slow
@@ -307,7 +313,8 @@ def test_a_composed_codec_runs_on_the_mesh_with_one_geometry_per_boundary_and_re
     message = 2 * 4 + 2 + 3 * 4 + 2  # 2 fp32 outliers + a bf16 scale + 24 int4 codes + padding to fp32 words
     assert measured["pp_fwd"] == analytic["pp_fwd"] == message
     clip = 4 * 8 * 4 * (2 * (2 - 1) / 2) / summary["fast_tokens"]  # the gradient-norm scalar, as in the 3x2 test
-    assert measured["pp_bwd"] == pytest.approx(analytic["pp_bwd"] + clip, rel=1e-12)
+    assert measured["pp_bwd"] == analytic["pp_bwd"] == message  # the codec's message back, measured
+    assert summary["booked_bytes_per_token"]["pp_bwd"] == pytest.approx(clip, rel=1e-12)
     # calibration, per replica: stage 0's dense output on batches(0) (2·2 rows × 16 tokens × H fp32) + its geometry
     geometry = (2 + 62) * 8 + (62 + 62 + 62 * 24) * 4  # dims (int64); mean, std, basis (fp32)
     assert summary["codec_calibration_bytes"] == 2 * (4 * 16 * 64 * 4 + geometry)

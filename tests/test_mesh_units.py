@@ -104,10 +104,12 @@ def test_rows_are_padded_to_the_fixed_length_and_pads_never_count():
         _fixed_length([{"text": "a"}])
 
 
-def test_wire_books_only_known_circuits():
+def test_wire_keeps_measured_sends_and_booked_all_reduces_apart_and_books_only_known_circuits():
     wire = Wire()
     wire.record_all_reduce("dp", torch.zeros(10), participants=4)
-    assert wire.handed["dp"] == 40 and wire.sent["dp"] == 2 * 3 / 4 * 40
+    assert wire.handed["dp"] == 40 and wire.booked["dp"] == 2 * 3 / 4 * 40 and wire.sent["dp"] == 0
+    wire.record_send("dp", torch.zeros(3, dtype=torch.float16))
+    assert wire.sent["dp"] == 6 and wire.on_wire("dp") == 6 + 60 and wire.handed["dp"] == 46
     with pytest.raises(ValueError, match="circuit='telemetry' is invalid"):
         wire.record_send("telemetry", torch.zeros(1))
 

@@ -51,6 +51,14 @@ MESH_SUMMARY = {
     "seq_len": 64,
     "measured_bytes_per_token": {
         "pp_fwd": 116.0,
+        "pp_bwd": 116.0,
+        "dp": 0.0,
+        "anchor": 1249931.484375,
+        "total": 1250163.484375,
+    },
+    "booked_bytes_per_token": {"pp_fwd": 0.0, "pp_bwd": 0.0625, "dp": 9814.5, "anchor": 0.0, "total": 9814.5625},
+    "wire_bytes_per_token": {
+        "pp_fwd": 116.0,
         "pp_bwd": 116.0625,
         "dp": 9814.5,
         "anchor": 1249931.484375,
@@ -139,7 +147,7 @@ def test_report_rows_equal_the_log_history(trained, tmp_path):
         }
         assert row["compression_vs_dense"] == logs[-1]["comm/compression_vs_dense_ratio"]
         assert result["bars"][f"{name} analytic"] == {c: row["bytes_per_token"][c] for c in CIRCUITS}
-        assert row["measured_bytes_per_token"] is None
+        assert row["measured_bytes_per_token"] is row["wire_bytes_per_token"] is None
     assert rows["dense"]["anchor_staleness_steps"] is None
     assert rows["m95_ap"]["anchor_staleness_steps"] == 1.0
     assert rows["m95_ap"]["bytes_per_token"]["pp_fwd"] < rows["dense"]["bytes_per_token"]["pp_fwd"]
@@ -167,7 +175,8 @@ def test_tensorboard_event_files_carry_the_byte_ledger(trained):
     assert "train/anchor/staleness_steps" in accumulator.Tags()["scalars"]  # the last run has the anchor
 
 
-def test_mesh_summary_puts_measured_bytes_in_the_report_and_the_bars(tmp_path, capsys):
+def test_mesh_summary_puts_its_wire_bytes_in_the_report_and_the_bars(tmp_path, capsys):
+    """Measured sends and booked all-reduces side by side, their sum on the wire, the ledger beside it."""
     assert MESH_SUMMARY_NAME == SUMMARY_NAME
     run = tmp_path / "runs" / "mesh_3x2"
     run.mkdir(parents=True)
@@ -175,16 +184,35 @@ def test_mesh_summary_puts_measured_bytes_in_the_report_and_the_bars(tmp_path, c
     assert main(["report", str(tmp_path / "runs"), "--out", str(tmp_path / "out")]) == 0
     assert_png(tmp_path / "out" / "bytes_per_token.png")
     report = (tmp_path / "out" / "report.md").read_text()
-    measured, analytic = MESH_SUMMARY["measured_bytes_per_token"], MESH_SUMMARY["analytic_bytes_per_token"]
+    measured, booked = MESH_SUMMARY["measured_bytes_per_token"], MESH_SUMMARY["booked_bytes_per_token"]
+    wire, analytic = MESH_SUMMARY["wire_bytes_per_token"], MESH_SUMMARY["analytic_bytes_per_token"]
+    assert measured["total"] + booked["total"] == wire["total"]
     for circuit in (*CIRCUITS, "total"):
-        assert f"| mesh_3x2 | 3x2 | {circuit} | {measured[circuit]:,.1f} | {analytic[circuit]:,.1f} |" in report
+        cells = " | ".join(f"{f[circuit]:,.1f}" for f in (measured, booked, wire, analytic))
+        assert f"| mesh_3x2 | 3x2 | {circuit} | {cells} |" in report
     assert "| mesh_3x2 | 8 | 2,048 | 2,512,512 | 2 | 3 | 0.67 / 1 | 11.2 | 13.9548 |" in report
     row = write_report(tmp_path / "runs", tmp_path / "out")["rows"][0]
-    assert row["measured_bytes_per_token"] == measured and row["bytes_per_token"] == analytic
+    assert row["wire_bytes_per_token"] == wire and row["bytes_per_token"] == analytic
+    assert row["measured_bytes_per_token"] == measured and row["booked_bytes_per_token"] == booked
     assert row["steps"] == 8 and row["last_train_loss"] == MESH_SUMMARY["final_loss"]
     bars = write_report(tmp_path / "runs", tmp_path / "out")["bars"]
-    assert bars["mesh_3x2 measured"] == {c: measured[c] for c in CIRCUITS}
+    assert bars["mesh_3x2 wire"] == {c: wire[c] for c in CIRCUITS}
     assert bars["mesh_3x2 analytic"] == {c: analytic[c] for c in CIRCUITS}
+
+
+def test_a_mesh_summary_from_before_booked_bytes_reports_its_sum_as_on_the_wire(tmp_path):
+    """Older summaries had the sum alone, under ``measured_bytes_per_token``: it is their wire figure, and
+    the report does not pretend to know which part was measured."""
+    older = {k: v for k, v in MESH_SUMMARY.items() if k not in ("booked_bytes_per_token", "measured_bytes_per_token")}
+    older["measured_bytes_per_token"] = older.pop("wire_bytes_per_token")
+    run = tmp_path / "runs" / "old"
+    run.mkdir(parents=True)
+    (run / MESH_SUMMARY_NAME).write_text(json.dumps(older))
+    row = write_report(tmp_path / "runs", tmp_path / "out")["rows"][0]
+    assert row["wire_bytes_per_token"] == MESH_SUMMARY["wire_bytes_per_token"]
+    assert row["measured_bytes_per_token"] is row["booked_bytes_per_token"] is None
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert f"| old | 3x2 | dp | – | – | {MESH_SUMMARY['wire_bytes_per_token']['dp']:,.1f} |" in report
 
 
 def test_demo_summary_is_a_run(tmp_path):

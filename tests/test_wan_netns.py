@@ -89,8 +89,10 @@ def test_links_get_the_set_rate_and_the_delay_bridge_adds_its_delay_each_way(sta
     assert links.bridge_pid is not None
     assert sorted(star.namespaces()) == ["mtwtest-hub", "mtwtest-n0", "mtwtest-n1", "mtwtest-n2"]
     seen = _measure(0, 2, 2_000_000)
-    assert 55 <= seen["rtt_ms"] <= 75, seen  # 2 × 30 ms through the bridge, plus a little forwarding time
-    assert 12.0 <= seen["mbit"] <= 16.5, seen  # tbf caps at 16 Mbit/s; TCP gets most of it
+    # 2 × 30 ms through the bridge: never less; the user-space bridge adds its forwarding time, a few ms
+    # idle and tens of ms on a loaded machine, so the upper bound is loose
+    assert 58 <= seen["rtt_ms"] <= 110, seen
+    assert 8.0 <= seen["mbit"] <= 16.5, seen  # tbf caps at 16 Mbit/s; TCP gets most of it (half at worst)
     before = star.tx_bytes(2)
     _measure(0, 2, 500_000)
     assert star.tx_bytes(2) - before >= 500_000  # the kernel counter sees what the node sent
@@ -101,7 +103,7 @@ def test_up_is_idempotent_and_the_kernel_bridge_serves_zero_delay(star):
     links = star.up(2, rate_mbit=40.0, delay_ms=0.0)  # rebuilt, not stacked on the first
     assert links.bridge_pid is None and star.read_state() == links
     seen = _measure(1, 0, 4_000_000)
-    assert seen["rtt_ms"] < 10 and 30.0 <= seen["mbit"] <= 41.0, seen
+    assert seen["rtt_ms"] < 20 and 20.0 <= seen["mbit"] <= 41.0, seen  # the cap of 40, no 30 ms delay
     star.down()
     star.down()  # idempotent
     assert star.namespaces() == [] and star.read_state() is None
@@ -187,11 +189,11 @@ def test_a_cut_link_fails_the_mesh_within_the_timeout_naming_the_unreachable_pee
         time.sleep(0.2)
     star.set_link(3, up=False)
     cut = time.monotonic()
-    time.sleep(20)
+    thread.join(timeout=60)  # the link stays cut until the mesh has failed (or a minute: a hang)
     star.set_link(3, up=True)
     thread.join(timeout=120)
     assert not thread.is_alive() and "exited with code 1" in outcome["error"], outcome
-    assert outcome["end"] - cut < 8.0 + 25  # the timeout, then the launcher's stop: no hang
+    assert outcome["end"] - cut < 60  # the 8 s timeout, then the launcher's stop: no hang (default: 30 min)
     logs = {rank: (out / f"rank{rank}.log").read_text() for rank in range(6)}
     neighbour = "lost its pipeline link"
     assert neighbour in logs[2] and "rank 3 (replica 1, stage 1) at 10.77.0.13" in logs[2], logs[2][-2000:]
@@ -232,6 +234,11 @@ def test_the_dense_row_all_reduces_every_gradient_every_step_across_namespaces(s
     assert result["bytes_per_token"]["dp"] == pytest.approx(
         replicas * params * 4 * 2 * (replicas - 1) / replicas / tokens, rel=1e-9
     )
+    # the DP bytes are booked (tensor bytes × a ring's 2(n-1)/n), not seen; here they are 89 % of the
+    # traffic, so the nodes' kernel counters check the factor: never less than booked, and only TCP/IP
+    # headers and the control traffic on top (the committed WAN runs: 0.3-1.2 %)
+    total = result["bytes_per_token"]["total"]
+    assert total <= result["kernel_bytes_per_token"] <= 1.05 * total, (result["kernel_bytes_per_token"], total)
     records = [json.loads((tmp_path / "dense" / f"rank{r}.json").read_text()) for r in range(6)]
     assert all(r["dp_syncs"] == 3 and len(r["dp_sync_bytes"]) == 3 for r in records)
     assert torch.isfinite(torch.tensor(result["losses"])).all()

@@ -1,11 +1,19 @@
 """The one place every byte of the mesh goes through on its way to a communication backend.
 
 ``Wire`` wraps point-to-point sends/receives and all-reduces and counts, per circuit (``pp_fwd``,
-``pp_bwd``, ``dp``, ``anchor``), the bytes of the tensors it hands to the backend: what this
-process puts on its links. Summed over all processes, ``sent`` is the mesh's traffic, the measured
-counterpart of the analytic ``ledger``. For an all-reduce the backend moves more than the tensor:
-a ring all-reduce of P bytes over n participants sends 2·(n-1)/n·P per participant, which is what
-``all_reduce`` books (and what the ledger assumes); ``handed`` keeps the plain tensor bytes.
+``pp_bwd``, ``dp``, ``anchor``), what this process puts on its links, in two kinds that are never
+mixed up:
+
+- ``sent``, **measured**: the bytes of the tensors handed to a point-to-point send (the payload; the
+  transport's headers come on top).
+- ``booked``, **booked by formula**: for an all-reduce the backend moves more than the tensor and the
+  Wire cannot see how much, so it books a ring all-reduce's traffic, 2·(n-1)/n·P per participant for
+  P bytes over n participants (what the ledger assumes). The tensor bytes themselves are measured
+  (``handed``); the factor is an assumption, checked against the kernel's byte counters by the WAN
+  test of the dense row (``tests/test_wan_netns.py``).
+
+Summed over all processes, ``sent + booked`` is the mesh's traffic, the counterpart of the analytic
+``ledger``.
 """
 
 from __future__ import annotations
@@ -38,12 +46,14 @@ def _zeros() -> dict[str, float]:
 class Wire:
     """Byte counters of one process by circuit, and the wrapped backend calls that feed them.
 
-    ``sent[c]``: bytes this process put on its links for circuit c (all-reduces as ring traffic);
+    ``sent[c]``: measured payload bytes of this process's point-to-point sends for circuit c;
+    ``booked[c]``: its all-reduces' ring traffic, 2·(n-1)/n × the tensor bytes (a formula);
     ``received[c]``: bytes of point-to-point messages it received; ``handed[c]``: tensor bytes given
     to the backend (sends and all-reduce inputs); ``messages[c]``: number of backend calls.
     """
 
     sent: dict[str, float] = field(default_factory=_zeros)
+    booked: dict[str, float] = field(default_factory=_zeros)
     received: dict[str, float] = field(default_factory=_zeros)
     handed: dict[str, float] = field(default_factory=_zeros)
     messages: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CIRCUITS, 0))
@@ -71,7 +81,7 @@ class Wire:
         require(participants >= 1, "participants", participants, "be >= 1")
         with self._lock:
             self.handed[circuit] += nbytes(tensor)
-            self.sent[circuit] += 2.0 * (participants - 1) / participants * nbytes(tensor)
+            self.booked[circuit] += 2.0 * (participants - 1) / participants * nbytes(tensor)
             self.messages[circuit] += 1
 
     def send(self, circuit: str, tensor: torch.Tensor, dst: int, group=None, tag: int = 0) -> None:
@@ -94,14 +104,20 @@ class Wire:
         self.record_all_reduce(circuit, tensor, participants)
         return reduce(tensor)
 
+    def on_wire(self, circuit: str) -> float:
+        """This process's traffic for ``circuit``: measured sends plus booked all-reduces."""
+        self._check(circuit)
+        return self.sent[circuit] + self.booked[circuit]
+
     def reset(self) -> None:
-        for counters in (self.sent, self.received, self.handed, self.messages):
+        for counters in (self.sent, self.booked, self.received, self.handed, self.messages):
             for key in counters:
                 counters[key] = 0
 
     def to_dict(self) -> dict[str, dict[str, float]]:
         return {
             "sent": dict(self.sent),
+            "booked": dict(self.booked),
             "received": dict(self.received),
             "handed": dict(self.handed),
             "messages": dict(self.messages),

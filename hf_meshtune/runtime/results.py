@@ -82,19 +82,37 @@ def log_history(results: list[MeshResult], summary: dict) -> list[dict]:
         {"step": first + i + 1, "loss": statistics.fmean(losses[i] for losses in per_replica)} for i in range(steps)
     ]
     if history:
-        measured = summary["measured_bytes_per_token"]
-        history[-1].update({f"comm/measured_{name}_bytes_per_token": float(value) for name, value in measured.items()})
+        for kind in ("measured", "booked", "wire"):
+            figures = summary[f"{kind}_bytes_per_token"]
+            history[-1].update({f"comm/{kind}_{name}_bytes_per_token": float(v) for name, v in figures.items()})
     return history
 
 
+def wire_bytes_per_token(summary: dict) -> dict[str, float] | None:
+    """A ``mesh_summary.json``'s traffic per fast token by circuit (measured sends + booked all-reduces).
+
+    Summaries written before the two kinds were told apart have no ``wire_bytes_per_token``; their
+    ``measured_bytes_per_token`` held the same sum under that name. None when neither is there.
+    """
+    return summary.get("wire_bytes_per_token") or summary.get("measured_bytes_per_token")
+
+
 def summarize(results: list[MeshResult], topology: MeshTopology, trainer, seq_len: int) -> dict:
-    """Measured bytes per fast token by circuit (all ranks) next to the analytic ledger, and more."""
+    """Bytes per fast token by circuit (all ranks) next to the analytic ledger, and more.
+
+    Three figures per circuit: ``measured`` (payload of point-to-point sends, counted from the
+    tensors), ``booked`` (all-reduces as ring traffic, 2·(n-1)/n × the tensor bytes: a formula) and
+    ``wire`` (their sum, what the ledger predicts).
+    """
     fast = [r for r in results if r.role == "fast"]
     tokens = sum(r.tokens for r in fast if r.stage == 0)
     calibration = sum(r.calibration_bytes for r in results)
     measured = {c: sum(r.wire["sent"][c] for r in results) / max(tokens, 1) for c in CIRCUITS}
     measured["pp_fwd"] -= calibration / max(tokens, 1)  # the one-off pass is reported on its own below
-    measured["total"] = sum(measured.values())
+    booked = {c: sum(r.wire["booked"][c] for r in results) / max(tokens, 1) for c in CIRCUITS}
+    wire = {c: measured[c] + booked[c] for c in CIRCUITS}
+    for figures in (measured, booked, wire):
+        figures["total"] = sum(figures.values())
     steps = max((r.steps for r in fast), default=0)
     rounds = max((len(r.anchor_rounds) for r in results if r.role == "anchor"), default=0)
     settings = _ledger_settings(topology, trainer, seq_len, tokens // max(steps * len(topology.fast_replicas), 1))
@@ -112,7 +130,9 @@ def summarize(results: list[MeshResult], topology: MeshTopology, trainer, seq_le
         "steps": steps,
         "fast_tokens": tokens,
         "seq_len": seq_len,
-        "measured_bytes_per_token": measured,
+        "measured_bytes_per_token": measured,  # point-to-point payloads, counted
+        "booked_bytes_per_token": booked,  # all-reduces at the ring's 2(n-1)/n, a formula
+        "wire_bytes_per_token": wire,  # the two together: the analytic ledger's counterpart
         "codec_calibration_bytes": calibration,  # sent once before the first step, not in pp_fwd above
         "analytic_bytes_per_token": analytic,
         "analytic_settings": dataclasses.asdict(settings),

@@ -247,9 +247,9 @@ class FastWorker(StageWorker):
                 g.mul_(max_norm / (norm + 1e-6))
 
     def _count_dp_sync(self) -> None:
-        """Record one DP sync and the ``dp`` bytes this process sent for it."""
+        """Record one DP sync and the ``dp`` bytes this process put on its links for it (booked)."""
         self.result.dp_syncs += 1
-        sent = self.wire.sent["dp"]
+        sent = self.wire.on_wire("dp")
         self.result.dp_sync_bytes.append(sent - self._dp_bytes_at_last_sync)
         self._dp_bytes_at_last_sync = sent
         if self.manager is not None:
