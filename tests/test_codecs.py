@@ -1,6 +1,7 @@
 """Tests of the baseline boundary codecs (hf_meshtune.boundary.codecs): each codec against a plain float64
 reference of its forward and backward, the dense model outside training forwards, wire-byte
-formulas against the handle's measured counter, and argument validation."""
+formulas (what the handle books: these codecs build no message) checked against the composed codec's
+packed messages where both have the scheme, and argument validation."""
 
 from __future__ import annotations
 
@@ -285,8 +286,30 @@ def test_topk_default_compresses_twenty_fold():
     assert TopKCodec(576, compression=10).k == 29
 
 
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_the_quant_formula_is_the_size_of_a_packed_int_message(bits):
+    """QuantCodec books ⌈H·b/8⌉ + 2 bytes a token; the composed ``int<b>`` codec builds that message
+    (codes packed into bytes, one bf16 scale) as a tensor: its bytes, counted, are the formula's."""
+    from hf_meshtune.boundary.compose import ComposedCodec, parse_codec
+
+    hidden = randn(3, 5, 576, seed=bits).bfloat16()
+    payload = ComposedCodec(parse_codec(f"int{bits}"), 0, 576).encode_activation(hidden)
+    counted = payload.numel() * payload.element_size() / 15
+    assert counted == QuantCodec(576, bits=bits).wire_bytes_per_token(576, 2)[0] == 576 * bits / 8 + 2
+
+
+def test_the_pca_formula_is_the_size_of_a_packed_projection_message():
+    from hf_meshtune.boundary.compose import ComposedCodec, parse_codec
+
+    hidden = randn(4, 16, 576, seed=3).bfloat16()
+    codec = ComposedCodec(parse_codec("pca29"), 0, 576)
+    codec.fit(hidden.float())
+    payload = codec.encode_activation(hidden)
+    assert payload.numel() * payload.element_size() / 64 == PCACodec(576).wire_bytes_per_token(576, 2)[0] == 29 * 2
+
+
 @pytest.mark.parametrize("codec", sorted(CODECS))
-def test_counter_matches_wire_bytes_after_one_step(codec):
+def test_the_counter_books_every_token_at_every_boundary_both_ways_after_one_step(codec):
     model = tiny_llama()
     ids = token_batch()
     handle = fitted_handle(codec, model, ids)  # 3 stages: 2 boundaries

@@ -78,6 +78,12 @@ class BoundaryCodec(nn.Module):
     ``fit``) and ``needs_keys`` (keeps per-sample history, one bytes key per batch row). Every forward
     records ``last_wire_bytes``: the (forward, backward) bytes of that call's messages, values counted
     at ``dtype_bytes`` each plus every index and scale, which ``CodecHandle`` adds to its counter.
+
+    These baseline codecs simulate their wire (the rebuild is computed directly, no message tensor is
+    built), so their bytes are **booked by formula**: tokens × ``wire_bytes_per_token`` (``DeltaQuantCodec``
+    books each row's choice, full or delta). The formulas of ``int<b>`` and ``pca<r>`` are checked
+    against the packed messages of the composed codec (``boundary/compose``), which the trainer and
+    the mesh use and whose counter counts the bytes of the message tensors themselves.
     """
 
     name: ClassVar[str]
@@ -117,7 +123,7 @@ class BoundaryCodec(nn.Module):
         )
 
     def _record(self, hidden: Tensor) -> None:
-        """Fixed-size messages: tokens × ``wire_bytes_per_token``."""
+        """Fixed-size messages, booked: tokens × ``wire_bytes_per_token``."""
         self._same_width(hidden.shape[-1])
         tokens = hidden.numel() // hidden.shape[-1]
         fwd, bwd = self.wire_bytes_per_token(self.hidden_size, self.dtype_bytes)
