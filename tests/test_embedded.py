@@ -53,6 +53,20 @@ def test_pretrained_model_is_competent_on_gsm8k_answers(smollm2):
     assert max(float(loss) for loss in losses) < 3.0
 
 
+def _pretrained_eval_loss(smollm2, seq_len: int, eval_items: int) -> float:
+    """The demo's eval split scored by the untouched model in one padded batch: mean loss per answer token."""
+    from transformers import DataCollatorForSeq2Seq
+
+    from hf_meshtune.apps.demo import gsm8k_splits
+
+    model, tokenizer = smollm2
+    _, evaluation = gsm8k_splits(tokenizer, seq_len, eval_items)
+    batch = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)(list(evaluation))
+    model.eval()
+    with torch.no_grad():
+        return float(model(**batch).loss)
+
+
 @pytest.mark.parametrize(
     "flags,fwd_bytes",
     [
@@ -63,14 +77,18 @@ def test_pretrained_model_is_competent_on_gsm8k_answers(smollm2):
     ],
     ids=["default", "paper"],
 )
-def test_demo_runs_end_to_end_through_the_cli(tmp_path, capsys, flags, fwd_bytes):
+def test_demo_runs_end_to_end_through_the_cli(smollm2, tmp_path, capsys, flags, fwd_bytes):
     out = tmp_path / "demo"
     size = ["--max-steps", "2", "--batch-size", "2", "--seq-len", "96", "--eval-items", "4", "--train-last-layers", "2"]
     code = main(["demo", "--output-dir", str(out), *size, *flags])
     assert code == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["trainable_parameters"] == 2 * 3_540_096 + 576
-    assert summary["dense_eval_loss_before"] > 0 and summary["dense_eval_loss_after"] > 0
+    # before: the pretrained model's loss on the 4 held-out items, as computed here without the trainer;
+    # after: the 2 steps moved the trained layers, and the model stayed competent (uniform would be 10.8)
+    assert summary["dense_eval_loss_before"] == pytest.approx(_pretrained_eval_loss(smollm2, 96, 4), rel=1e-5)
+    assert summary["dense_eval_loss_after"] != summary["dense_eval_loss_before"]
+    assert summary["dense_eval_loss_after"] < 3.0
     assert summary["ledger"]["pp_fwd_bytes_per_token"] == fwd_bytes  # Y-1 = 3 boundaries
     assert summary["last_log"]["comm/measured_pp_fwd_bytes_per_token"] == fwd_bytes
     if flags:

@@ -7,6 +7,7 @@ import json
 import math
 
 import pytest
+import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_meshtune.apps.assets import smollm2_checkpoint
@@ -53,7 +54,18 @@ def tiny_dir(tmp_path_factory):
     return path
 
 
-def test_gspo_recipe_trains_scores_and_saves_a_plain_checkpoint(tiny_dir, tmp_path):
+def test_gspo_recipe_trains_scores_and_saves_a_plain_checkpoint(tiny_dir, tmp_path, monkeypatch):
+    from hf_meshtune.apps import arithmetic
+
+    scored = []  # (weights, score) of every exact_match call: before training, then after
+
+    def spy(model, *args, **kwargs):
+        score = exact_match(model, *args, **kwargs)
+        scored.append(({k: v.detach().clone() for k, v in model.state_dict().items()}, score))
+        return score
+
+    exact_match = arithmetic.exact_match
+    monkeypatch.setattr(arithmetic, "exact_match", spy)
     out = tmp_path / "gspo"
     metrics = load_script("recipes/gspo.py").main(
         [
@@ -76,7 +88,15 @@ def test_gspo_recipe_trains_scores_and_saves_a_plain_checkpoint(tiny_dir, tmp_pa
             *MESH,
         ]
     )
-    assert 0.0 <= metrics["eval_exact_match_before"] <= 1.0 and 0.0 <= metrics["eval_exact_match_after"] <= 1.0
+    # before: the untouched model's score; after: the score of the weights that were saved. (The tiny random
+    # policy earns no reward on arithmetic, so its advantages are 0 and the weights need not move here;
+    # tests/test_trl.py trains GSPO with a graded reward and checks that they do.)
+    (initial, before), (trained, after) = scored
+    assert (metrics["eval_exact_match_before"], metrics["eval_exact_match_after"]) == (before, after)
+    start = AutoModelForCausalLM.from_pretrained(tiny_dir).state_dict()
+    saved = AutoModelForCausalLM.from_pretrained(out).state_dict()
+    assert all(torch.equal(initial[k], start[k]) for k in start)
+    assert all(torch.equal(trained[k], saved[k]) for k in saved)
     assert json.loads((out / "gspo_results.json").read_text()) == metrics
     args = json.loads((out / "trainer_state.json").read_text())
     assert args["global_step"] == 2 and any("comm/pp_fwd_bytes_per_token" in e for e in args["log_history"])

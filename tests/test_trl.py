@@ -115,6 +115,40 @@ def test_arithmetic_problems_are_exact_and_the_reward_reads_the_last_integer():
         problems(3, operators="/")
 
 
+class _Scripted(torch.nn.Module):
+    """A "model" whose greedy generation is a scripted reply per prompt, in order (for scoring tests)."""
+
+    def __init__(self, tokenizer, replies: list[str]) -> None:
+        super().__init__()
+        self.tokenizer, self.replies, self.prompts = tokenizer, iter(replies), []
+        self.anchor = torch.nn.Parameter(torch.zeros(1))
+
+    @property
+    def device(self) -> torch.device:
+        return self.anchor.device
+
+    def generate(self, input_ids, attention_mask, max_new_tokens, do_sample, pad_token_id):
+        assert not self.training and not do_sample and self.tokenizer.padding_side == "left"
+        self.prompts += self.tokenizer.batch_decode(input_ids, skip_special_tokens=True)
+        replies = [self.tokenizer(next(self.replies), add_special_tokens=False)["input_ids"] for _ in input_ids]
+        width = max(map(len, replies))
+        tail = torch.tensor([r + [pad_token_id] * (width - len(r)) for r in replies])
+        return torch.cat([input_ids, tail], dim=1)
+
+
+def test_exact_match_scores_each_greedy_answer_against_its_own_problem(tokenizer):
+    """3 of 5 right, over batches of 2: 0.6; the model is left as it was (training mode, padding side)."""
+    from hf_meshtune.apps.arithmetic import exact_match
+
+    items = problems(5, seed=1)
+    right = {0, 2, 3}
+    replies = [f"It is {int(p['answer']) + (0 if i in right else 1)}." for i, p in enumerate(items)]
+    model = _Scripted(tokenizer, replies).train()
+    assert exact_match(model, tokenizer, items, batch_size=2) == 3 / 5
+    assert model.training and tokenizer.padding_side == "right"
+    assert [p["question"] in prompt for p, prompt in zip(items, model.prompts)] == [True] * 5
+
+
 # --- SFT ------------------------------------------------------------------------------------
 
 
