@@ -1,0 +1,163 @@
+"""The README's figures are the committed results: every table a benchmark writes from its JSON is
+written again here from the committed JSON and compared with the committed Markdown, and the README's
+tables that quote them are checked row by row (or number by number, where the README condenses a
+table). A rerun that is committed without the README, or a README edited by hand, fails here."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+
+
+def _section(heading: str) -> str:
+    """The README text from ``heading`` (a whole heading line) to the next heading of the same level."""
+    level = heading.split(" ", 1)[0]
+    start = README.index(f"\n{heading}\n")
+    following = re.search(rf"\n{re.escape(level)} ", README[start + len(heading) + 2 :])
+    return README[start : start + len(heading) + 2 + following.start()] if following else README[start:]
+
+
+def _rows(text: str) -> list[str]:
+    """Table body rows (no header, no separator) of every Markdown table in ``text``."""
+    lines = text.splitlines()
+    rows = []
+    for i, line in enumerate(lines):
+        if not line.startswith("|") or set(line) <= set("|-: "):
+            continue
+        if i + 1 < len(lines) and set(lines[i + 1]) <= set("|-: ") and lines[i + 1].startswith("|"):
+            continue  # a header: the separator follows it
+        rows.append(line)
+    return rows
+
+
+def _numbers(text: str) -> list[tuple[float, int]]:
+    """(value, decimals) of every number in ``text``; 1.1k reads as 1100 with precision 100."""
+    found = []
+    for whole, frac, kilo in re.findall(r"(?<![\w.])(\d[\d,]*)(?:\.(\d+))?(k)?", text):
+        value = float(whole.replace(",", "") + ("." + frac if frac else ""))
+        decimals = len(frac)
+        if kilo:
+            value, decimals = value * 1000, decimals - 3
+        found.append((value, decimals))
+    return found
+
+
+def _rounds_to(value: float, decimals: int, source: list[tuple[float, int]]) -> bool:
+    """Some source number agrees with ``value`` to the coarser of the two printed precisions (half a unit
+    of the last digit): the README may round a number further, or quote it where the table rounded it."""
+    return any(abs(s - value) <= 0.5 * 10.0 ** -min(decimals, d) + 1e-9 for s, d in source)
+
+
+def test_the_mesh_benchmark_tables_are_its_committed_run():
+    from benchmarks.mesh.run import table
+
+    results = json.loads((ROOT / "benchmarks/mesh/results/mesh_3x2.json").read_text())
+    written = table(results)
+    assert (ROOT / "benchmarks/mesh/results/mesh_3x2.md").read_text().strip() == written.strip()
+    quoted = _rows(_section("## The distributed mesh"))
+    for row in _rows(written):
+        assert row in quoted, row
+
+
+def test_the_byte_ledger_table_is_what_meshtune_ledger_prints(capsys):
+    from hf_meshtune.cli import main
+
+    assert main(["ledger"]) == 0
+    printed = _rows(capsys.readouterr().out)
+    quoted = _rows(_section("## The byte ledger"))
+    assert printed and all(row in quoted for row in printed), printed
+
+
+def test_the_soak_table_is_its_committed_run():
+    from benchmarks.reliability.soak import markdown
+
+    summary = json.loads((ROOT / "benchmarks/reliability/results/soak.json").read_text())
+    written = markdown(summary)
+    assert (ROOT / "benchmarks/reliability/results/soak.md").read_text() == written
+    quoted = _rows(_section("## Reliability soak: scripted faults on emulated links"))
+    assert _rows(written)[0] in quoted
+
+
+def test_the_wan_report_is_its_committed_run_and_the_readme_rounds_its_numbers(tmp_path):
+    from benchmarks.wan.run import write_report
+
+    report = json.loads((ROOT / "benchmarks/wan/results/wan.json").read_text())
+    write_report(report, tmp_path)
+    written = (tmp_path / "wan.md").read_text()
+    assert (ROOT / "benchmarks/wan/results/wan.md").read_text() == written
+    # the README condenses the main table: every number it prints is one of its row's, rounded
+    source = {row.split("|")[1].strip(): row for row in _rows(written)}
+    labels = {"torch PowerSGD hook (DDP)": "PowerSGD hook (DDP)"}
+    checked = 0
+    for row in _rows(_section("## WAN benchmark: measured throughput over shaped links")):
+        label = row.split("|")[1].strip()
+        match = next((s for name, s in source.items() if name.startswith(labels.get(label, label))), None)
+        if match is None or label in ("", "row"):
+            continue
+        values = _numbers(match)
+        cells = row.split("|")[2:]
+        for value, decimals in _numbers("|".join(cells)):
+            assert _rounds_to(value, decimals, values), (label, value, match)
+        checked += 1
+    assert checked >= 7
+
+
+@pytest.mark.parametrize("folder", ["codec_sweep", "arithmetic_lora"])
+def test_the_quality_sweeps_results_md_is_written_from_their_committed_json(folder):
+    import importlib
+
+    module = importlib.import_module(f"benchmarks.quality.{folder}")
+    assert (ROOT / "benchmarks/quality" / folder / "results.md").read_text() == module.table()
+
+
+def test_the_quality_benchmark_results_md_is_written_from_its_committed_json(tmp_path):
+    from benchmarks.quality import report
+
+    committed = ROOT / "benchmarks/quality/results"
+    shutil.copytree(committed, tmp_path / "results")
+    report.write_report(tmp_path / "results")
+    for written in sorted((tmp_path / "results").glob("*/results.md")):
+        mode = written.parent.name
+        assert written.read_text() == (committed / mode / "results.md").read_text(), mode
+
+
+def _source_row(readme_row: str, by_key: dict[tuple[str, str], list[str]]) -> list[str]:
+    """The results rows a README row of the codec sweep quotes: same boundary and anchor prior, every seed."""
+    first, prior = (cell.strip() for cell in readme_row.split("|")[1:3])
+    code = re.match(r"`([^`]+)`", first)
+    boundary = "mask0.95 (zeros)" if first.startswith("`M95") else code.group(1) if code else first
+    variant = "refitted" if "refitted" in first else "α = 0.7" if "α = 0.7" in prior else ""
+    return [
+        row
+        for (b, p), rows in by_key.items()
+        if b == boundary and p.startswith(prior[:2]) and variant in p
+        for row in rows
+    ]
+
+
+def test_the_readme_codec_sweep_rows_are_the_committed_runs_rounded():
+    """Every number from the B/token column on, in each README row of the SmolLM2 sweep, is one of its
+    runs' (seed 0, or the seed-1 run the row names), rounded."""
+    written = (ROOT / "benchmarks/quality/codec_sweep/results.md").read_text()
+    by_key: dict[tuple[str, str], list[str]] = {}
+    for row in _rows(written):
+        cells = [c.strip() for c in row.split("|")[1:]]
+        by_key.setdefault((cells[1].strip("`"), cells[3]), []).append(row)
+    section = _section("### Composed boundary codecs on SmolLM2: what keeps dense quality")
+    table = _rows(section.split("Read plainly")[0])
+    assert len(table) >= 15
+    for row in table:
+        sources = _source_row(row, by_key)
+        assert sources, row
+        values = [n for source in sources for n in _numbers("|".join(source.split("|")[5:]))]
+        for value, decimals in _numbers("|".join(row.split("|")[3:])):
+            if value == 1:  # "seed 1"
+                continue
+            assert _rounds_to(value, decimals, values), (row, value, sources)
