@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import resource
-import time
 from dataclasses import replace
 
 import pytest
@@ -138,7 +137,7 @@ def test_format_table_ratio_and_reference():
 
 @pytest.fixture(scope="module")
 def meta_models():
-    """Capture the models ledger_for_config builds, with the time and peak-memory growth it took."""
+    """Capture the models ledger_for_config builds, with the peak-memory growth it took."""
     original = transformers.AutoModelForCausalLM.from_config
     built = {}
     peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
@@ -149,10 +148,7 @@ def meta_models():
                 "from_config",
                 lambda cfg, **kw: built.setdefault(name, original(cfg, **kw)),
             )
-            start = time.perf_counter()
-            ledger = ledger_for_config(config, LedgerSettings())
-            built[name + "/seconds"] = time.perf_counter() - start
-            built[name + "/ledger"] = ledger
+            built[name + "/ledger"] = ledger_for_config(config, LedgerSettings())
     built["peak_growth_mib"] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak_before) / 1024
     return built
 
@@ -160,8 +156,7 @@ def meta_models():
 @pytest.mark.parametrize("name, params", [("llama-3.2-1b", 1.2358e9), ("smollm2-135m", 134.5e6)])
 def test_presets_on_meta_count_tied_params_once(meta_models, name, params):
     model = meta_models[name]
-    assert {p.device.type for p in model.parameters()} == {"meta"}
-    assert meta_models[name + "/seconds"] < 5.0
+    assert {p.device.type for p in model.parameters()} == {"meta"}  # no weights: the memory test bounds them
     total = sum(torch.Size(s).numel() for s in param_shapes_of(model))
     assert total == pytest.approx(params, rel=1e-3)  # an untied lm_head would add vocab * H
     assert meta_models[name + "/ledger"].hidden_size == PRESETS[name].hidden_size

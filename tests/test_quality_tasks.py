@@ -277,7 +277,7 @@ def test_sql_runaway_query_is_stopped(sql_task, monkeypatch):
     forever = "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT COUNT(*) FROM c"
     start = time.monotonic()
     assert not sql_task.score(item, forever)
-    assert time.monotonic() - start < 2.0
+    assert time.monotonic() - start < 0.2 + 5.0  # the timeout, and then some on a loaded machine; never forever
 
 
 # =============================================================================================

@@ -8,9 +8,10 @@ it by PID) and, at the end, ``OUT_DIR/result{rank}.pt``: ``{"result": MeshResult
 parameters, "global_params": θ_global of every fragment}`` (through a ``StageCallback``, as any caller
 would). ``STEP_SECONDS`` in the environment paces the steps (a soak's timeline); ``RESTART_DELAY_S``
 holds a restarted process back before it joins (a machine that takes a while to come back: the others
-meanwhile sync without it). ``CHECKPOINT_EVERY`` writes mesh checkpoints to
-OUT_DIR every that many steps (``CHECKPOINT_KEEP`` kept); ``RESUME_FROM`` continues from one;
-``LINK_TIMEOUT_S`` bounds pipeline sends/receives (default 30).
+meanwhile sync without it); ``RESTART_AFTER_STEP`` holds it back until another process's progress file
+shows that step (the same, as an event rather than a time: at most 180 s). ``CHECKPOINT_EVERY`` writes
+mesh checkpoints to OUT_DIR every that many steps (``CHECKPOINT_KEEP`` kept); ``RESUME_FROM`` continues
+from one; ``LINK_TIMEOUT_S`` bounds pipeline sends/receives (default 30).
 """
 
 from __future__ import annotations
@@ -45,10 +46,28 @@ def batches(replica: int):
     return draw
 
 
+def _wait_for_peer_step(out: str, step: int, limit_s: float = 180.0) -> None:
+    """Return once any first-generation process's progress file shows ``step`` (or after ``limit_s``)."""
+    deadline = time.monotonic() + limit_s
+    folder = os.path.join(out, "progress")
+    while step > 0 and time.monotonic() < deadline:
+        seen = []
+        for name in os.listdir(folder) if os.path.isdir(folder) else []:
+            if name.startswith("r") and name.endswith(".g0"):
+                try:
+                    seen.append(int(open(os.path.join(folder, name)).read().split()[1]))
+                except (OSError, ValueError, IndexError):
+                    pass
+        if max(seen, default=0) >= step:
+            return
+        time.sleep(0.05)
+
+
 def main(out: str, steps: int, overrides: dict) -> None:
     torch.set_num_threads(1)
     if int(os.environ.get("MESHTUNE_RESTART", "0")) > 0:
         time.sleep(float(os.environ.get("RESTART_DELAY_S", "0")))
+        _wait_for_peer_step(out, int(os.environ.get("RESTART_AFTER_STEP", "0")))
     dist.init_process_group("gloo")
     model = tiny_llama(seed=0, layers=4, hidden=64)
     stages = int(os.environ["MESHTUNE_MESH"].lower().split("x")[1])
