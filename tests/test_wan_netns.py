@@ -1,7 +1,7 @@
 """The WAN benchmark's emulated network (benchmarks/wan/netns.py) and one real row through it.
 
-Needs root and ``ip``/``tc`` (CI runs as root); the namespaces use their own prefix, so a benchmark
-running on the same machine is left alone.
+Needs root and ``ip``/``tc`` (CI runs as root); the namespaces use a prefix of this process's own, so a
+benchmark or another test run on the same machine is left alone.
 """
 
 from __future__ import annotations
@@ -34,6 +34,9 @@ def _namespaces_unavailable() -> str | None:
 _UNAVAILABLE = _namespaces_unavailable()
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(_UNAVAILABLE is not None, reason=_UNAVAILABLE or "")]
 
+# this process's own star: two suites at once (or a benchmark) each get theirs
+PREFIX = f"mtwt{os.getpid()}"
+
 _SERVER = """
 import socket, sys
 s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind((sys.argv[1], 5009)); s.listen(1)
@@ -59,7 +62,7 @@ print(json.dumps({"rtt_ms": sorted(rtts)[3] * 1000, "mbit": n * 8 / (time.perf_c
 
 @pytest.fixture
 def star(monkeypatch):
-    monkeypatch.setenv(netns.PREFIX_ENV, "mtwtest")
+    monkeypatch.setenv(netns.PREFIX_ENV, PREFIX)
     monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     yield netns
     netns.down()
@@ -87,7 +90,7 @@ def _measure(server_node: int, client_node: int, nbytes: int) -> dict:
 def test_links_get_the_set_rate_and_the_delay_bridge_adds_its_delay_each_way(star):
     links = star.up(3, rate_mbit=16.0, delay_ms=30.0)
     assert links.bridge_pid is not None
-    assert sorted(star.namespaces()) == ["mtwtest-hub", "mtwtest-n0", "mtwtest-n1", "mtwtest-n2"]
+    assert sorted(star.namespaces()) == [f"{PREFIX}-{name}" for name in ("hub", "n0", "n1", "n2")]
     seen = _measure(0, 2, 2_000_000)
     # 2 × 30 ms through the bridge: never less; the user-space bridge adds its forwarding time, a few ms
     # idle and tens of ms on a loaded machine, so the upper bound is loose
