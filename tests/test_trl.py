@@ -141,8 +141,9 @@ def test_exact_match_scores_each_greedy_answer_against_its_own_problem(tokenizer
     from hf_meshtune.apps.arithmetic import exact_match
 
     items = problems(5, seed=1)
+    assert len({p["answer"] for p in items}) == 5  # distinct: a reply scored against another item shows
     right = {0, 2, 3}
-    replies = [f"It is {int(p['answer']) + (0 if i in right else 1)}." for i, p in enumerate(items)]
+    replies = [f"It is {int(p['answer']) + (0 if i in right else 1000)}." for i, p in enumerate(items)]
     model = _Scripted(tokenizer, replies).train()
     assert exact_match(model, tokenizer, items, batch_size=2) == 3 / 5
     assert model.training and tokenizer.padding_side == "right"
