@@ -19,7 +19,7 @@ from transformers.training_args import OptimizerNames
 from ._validation import require
 from .boundary.compose.spec import CodecSpec, parse_codec
 from .boundary.fills import require_fill
-from .topology import in_replica_zero_job
+from .topology import MESH_ENV, in_replica_zero_job, launched_stages
 
 __all__ = [
     "ANCHOR_PAYLOADS",
@@ -35,6 +35,9 @@ __all__ = [
 ]
 
 SPECTRAL_ADAMW = "spectral_adamw"
+# Y when neither the knob nor a launched mesh (MESHTUNE_MESH) says: the paper's four stages
+DEFAULT_NUM_STAGES = 4
+
 # What `preset` fills in for the knobs left unset (None): "quality" (the default) = the cheapest boundary
 # measured to keep every metric within 1 % of Dense on SmolLM2 (benchmarks/quality: the main job's GSM8K
 # eval loss, LoRA arithmetic loss and exact match), "paper" = the literal method (M95, zero fill, anchor
@@ -73,8 +76,12 @@ class MeshArguments:
             "kept. None = the preset's (paper: 0.95; quality: no mask, its codec)."
         },
     )
-    num_stages: int = field(
-        default=4, metadata={"help": "Y: pipeline stages the decoder layers are split into (Y-1 masked boundaries)."}
+    num_stages: int | None = field(
+        default=None,
+        metadata={
+            "help": "Y: pipeline stages the decoder layers are split into (Y-1 boundaries). None = the mesh's Y "
+            f"when launched on one (meshtune launch --mesh XxY sets {MESH_ENV}), else {DEFAULT_NUM_STAGES}."
+        },
     )
     mask_seed: int = field(
         default=0, metadata={"help": "Base seed of the shared mask function g(ℓ, step, microbatch, T, H, seed)."}
@@ -214,6 +221,8 @@ class MeshArguments:
         if self.dp_powersgd_rank == 0:  # command lines cannot say None
             self.dp_powersgd_rank = None
         _apply_preset(self)
+        if self.num_stages is None:  # one source of truth for Y: the mesh this process was launched on
+            self.num_stages = launched_stages() or DEFAULT_NUM_STAGES
         _require_field_types(self)
         require(0.0 <= self.mask_ratio < 1.0, "mask_ratio", self.mask_ratio, "lie in [0, 1)")
         require(self.num_stages >= 1, "num_stages", self.num_stages, "be >= 1")

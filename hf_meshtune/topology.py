@@ -31,7 +31,15 @@ import torch.distributed as dist
 
 from ._validation import require
 
-__all__ = ["MESH_ENV", "REPLICA_ENV", "MeshGroups", "MeshTopology", "in_replica_zero_job", "parse_mesh"]
+__all__ = [
+    "MESH_ENV",
+    "REPLICA_ENV",
+    "MeshGroups",
+    "MeshTopology",
+    "in_replica_zero_job",
+    "launched_stages",
+    "parse_mesh",
+]
 
 MESH_ENV = "MESHTUNE_MESH"
 REPLICA_ENV = "MESHTUNE_REPLICA"
@@ -51,6 +59,12 @@ def parse_mesh(text: str, field: str = "mesh") -> tuple[int, int]:
     replicas, stages = int(match.group(1)), int(match.group(2))
     require(replicas >= 1 and stages >= 1, field, text, "have X >= 1 replicas and Y >= 1 stages")
     return replicas, stages
+
+
+def launched_stages() -> int | None:
+    """Y of the mesh this process was launched on (``$MESHTUNE_MESH``, set by ``meshtune launch``), or None."""
+    spec = os.environ.get(MESH_ENV)
+    return parse_mesh(spec, MESH_ENV)[1] if spec else None
 
 
 @dataclass(frozen=True)

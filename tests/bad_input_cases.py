@@ -1144,7 +1144,7 @@ def _cases() -> list[Case]:
             "`MeshConfig(...)`",
             lambda: MeshConfig(num_stages=2.5),
             ValueError,
-            "num_stages=2.5 is invalid: it must be of type int",
+            "num_stages=2.5 is invalid: it must be of type int or None",
         ),
         Case(
             KNOBS,
@@ -2276,7 +2276,7 @@ def _cases() -> list[Case]:
             "`MeshPlugin()`",
             plugin_from_env("MESHTUNE_NUM_STAGES", "2.5"),
             ValueError,
-            "MESHTUNE_NUM_STAGES='2.5' is invalid: it must be an int",
+            "MESHTUNE_NUM_STAGES='2.5' is invalid: it must be an int or 'none'",
         ),
         Case(
             ACCELERATE,

@@ -190,3 +190,25 @@ def test_the_demo_and_the_accelerate_plugin_take_the_preset_too(monkeypatch):
     monkeypatch.setenv("MESHTUNE_PRESET", "quality")
     plugin = MeshPlugin(num_stages=2)
     assert (plugin.boundary_codec, plugin.anchor) == (QUALITY_CODEC, False)
+
+
+def test_num_stages_defaults_to_the_launched_meshs_y_and_an_explicit_one_is_kept(tmp_path, monkeypatch):
+    """One source of truth for Y: ``meshtune launch --mesh 3x2`` sets MESHTUNE_MESH, so a script that does
+    not name num_stages gets 2; not launched, 4; an explicit value stays (the launched job then refuses one
+    that disagrees with the mesh, tests/test_mesh_trainer.py)."""
+    from hf_meshtune.topology import MeshTopology
+
+    monkeypatch.delenv("MESHTUNE_MESH", raising=False)
+    assert MeshConfig().num_stages == 4
+    monkeypatch.setenv("MESHTUNE_MESH", "3x2")
+    assert MeshConfig().num_stages == 2
+    args = MeshTrainingArguments(str(tmp_path), use_cpu=True, report_to="none")
+    assert args.num_stages == args.mesh_config.num_stages == 2
+    (parsed,) = HfArgumentParser(MeshTrainingArguments).parse_args_into_dataclasses(["--output_dir", str(tmp_path)])
+    assert parsed.num_stages == 2
+    assert MeshConfig(num_stages=3).num_stages == 3
+    with pytest.raises(ValueError, match=r"num_stages=3 is invalid: it must equal Y = 2 of the mesh 3x2"):
+        MeshTopology.from_environment(6, 3, anchor=True, num_layers=4)
+    monkeypatch.setenv("MESHTUNE_MESH", "3by2")
+    with pytest.raises(ValueError, match=r"MESHTUNE_MESH='3by2' is invalid: it must look like XxY"):
+        MeshConfig()

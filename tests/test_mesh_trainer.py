@@ -20,9 +20,7 @@ from tests.tiny import tiny_llama
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLAGS = [
     "--preset",  # the paper's masks and anchor; the default boundary runs in test_cpt_recipe's mesh test
-    "paper",
-    "--num_stages",
-    "2",
+    "paper",  # no --num_stages: Y comes from the launched mesh (MESHTUNE_MESH)
     "--max_steps",
     "12",
     "--per_device_train_batch_size",
@@ -289,6 +287,8 @@ def test_the_same_script_runs_under_accelerate_launch_with_its_own_lighthouse(tm
         "--output_dir",
         str(out),
         *FLAGS,
+        "--num_stages",  # accelerate launch sets no MESHTUNE_MESH: Y is the script's
+        "2",
     ]
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=400, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
