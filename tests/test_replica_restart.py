@@ -43,9 +43,16 @@ def killed_run(tmp_path_factory):
         str(out),
         str(STEPS),
     ]
-    # the restarted replica joins once the others have reached step KILL_AT + 6: at least two syncs (one
-    # every dp_sync_every / dp_fragments = 2 steps) without it, however fast the machine runs
-    env = {**os.environ, "PYTHONPATH": str(REPO), "RESTART_AFTER_STEP": str(KILL_AT + 6), "STEP_SECONDS": "0.1"}
+    # events, not clocks: the restarted replica joins once the others have reached step KILL_AT + 6 (at
+    # least two syncs, one every dp_sync_every / dp_fragments = 2 steps, without it), and the others wait
+    # after step KILL_AT + 12 until it has started (a restart is slow to import on a loaded machine)
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "RESTART_AFTER_STEP": str(KILL_AT + 6),
+        "HOLD_FOR_RESTART_AT": str(KILL_AT + 12),
+        "STEP_SECONDS": "0.1",
+    }
     launcher = subprocess.Popen(command, cwd=REPO, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 180
     try:

@@ -9,9 +9,12 @@ parameters, "global_params": θ_global of every fragment}`` (through a ``StageCa
 would). ``STEP_SECONDS`` in the environment paces the steps (a soak's timeline); ``RESTART_DELAY_S``
 holds a restarted process back before it joins (a machine that takes a while to come back: the others
 meanwhile sync without it); ``RESTART_AFTER_STEP`` holds it back until another process's progress file
-shows that step (the same, as an event rather than a time: at most 180 s). ``CHECKPOINT_EVERY`` writes
-mesh checkpoints to OUT_DIR every that many steps (``CHECKPOINT_KEEP`` kept); ``RESUME_FROM`` continues
-from one; ``LINK_TIMEOUT_S`` bounds pipeline sends/receives (default 30).
+shows that step (the same, as an event rather than a time: at most 180 s); ``HOLD_FOR_RESTART_AT`` makes
+the first-generation processes wait after that step until a restarted process has published its PID
+(so a restart that is slow to start on a loaded machine still rejoins before the run ends; at most
+300 s). ``CHECKPOINT_EVERY`` writes mesh checkpoints to OUT_DIR every that many steps
+(``CHECKPOINT_KEEP`` kept); ``RESUME_FROM`` continues from one; ``LINK_TIMEOUT_S`` bounds pipeline
+sends/receives (default 30).
 """
 
 from __future__ import annotations
@@ -63,6 +66,16 @@ def _wait_for_peer_step(out: str, step: int, limit_s: float = 180.0) -> None:
         time.sleep(0.05)
 
 
+def _wait_for_restarted(out: str, limit_s: float = 300.0) -> None:
+    """Return once a restarted process (generation >= 1) has published its PID, or after ``limit_s``."""
+    deadline = time.monotonic() + limit_s
+    folder = os.path.join(out, "progress")
+    while time.monotonic() < deadline:
+        if any(name.startswith("pid") and not name.endswith(".g0") for name in os.listdir(folder)):
+            return
+        time.sleep(0.05)
+
+
 def main(out: str, steps: int, overrides: dict) -> None:
     torch.set_num_threads(1)
     if int(os.environ.get("MESHTUNE_RESTART", "0")) > 0:
@@ -82,6 +95,7 @@ def main(out: str, steps: int, overrides: dict) -> None:
     with open(os.path.join(out, "progress", f"pid{rank}.g{restart}"), "w") as handle:  # every role, e.g. the anchor
         handle.write(str(os.getpid()))
     pace = float(os.environ.get("STEP_SECONDS", "0"))
+    hold_at = int(os.environ.get("HOLD_FOR_RESTART_AT", "0"))
 
     class Progress(StageCallback):
         def on_step_end(self, view) -> None:
@@ -91,6 +105,8 @@ def main(out: str, steps: int, overrides: dict) -> None:
             os.replace(f"{path}.tmp", path)
             if pace:
                 time.sleep(pace)
+            if hold_at and view.step == hold_at and restart == "0":
+                _wait_for_restarted(out)
 
     recorder = ParameterRecorder()
 
