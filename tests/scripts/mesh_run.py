@@ -49,31 +49,38 @@ def batches(replica: int):
     return draw
 
 
+def _poll(done, limit_s: float) -> None:
+    """Return once ``done()`` holds, or after ``limit_s`` (these waits are events with a hang cap)."""
+    deadline = time.monotonic() + limit_s
+    while not done() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _progress_names(out: str) -> list[str]:
+    folder = os.path.join(out, "progress")
+    return os.listdir(folder) if os.path.isdir(folder) else []
+
+
+def _first_generation_steps(out: str) -> list[int]:
+    """The steps the first-generation processes' progress files (``r{rank}.g0`` = "pid step") show."""
+    steps = []
+    for name in _progress_names(out):
+        if name.startswith("r") and name.endswith(".g0"):
+            try:
+                steps.append(int(open(os.path.join(out, "progress", name)).read().split()[1]))
+            except (OSError, ValueError, IndexError):
+                pass
+    return steps
+
+
 def _wait_for_peer_step(out: str, step: int, limit_s: float = 180.0) -> None:
     """Return once any first-generation process's progress file shows ``step`` (or after ``limit_s``)."""
-    deadline = time.monotonic() + limit_s
-    folder = os.path.join(out, "progress")
-    while step > 0 and time.monotonic() < deadline:
-        seen = []
-        for name in os.listdir(folder) if os.path.isdir(folder) else []:
-            if name.startswith("r") and name.endswith(".g0"):
-                try:
-                    seen.append(int(open(os.path.join(folder, name)).read().split()[1]))
-                except (OSError, ValueError, IndexError):
-                    pass
-        if max(seen, default=0) >= step:
-            return
-        time.sleep(0.05)
+    _poll(lambda: step <= 0 or max(_first_generation_steps(out), default=0) >= step, limit_s)
 
 
 def _wait_for_restarted(out: str, limit_s: float = 300.0) -> None:
     """Return once a restarted process (generation >= 1) has published its PID, or after ``limit_s``."""
-    deadline = time.monotonic() + limit_s
-    folder = os.path.join(out, "progress")
-    while time.monotonic() < deadline:
-        if any(name.startswith("pid") and not name.endswith(".g0") for name in os.listdir(folder)):
-            return
-        time.sleep(0.05)
+    _poll(lambda: any(n.startswith("pid") and not n.endswith(".g0") for n in _progress_names(out)), limit_s)
 
 
 def main(out: str, steps: int, overrides: dict) -> None:
