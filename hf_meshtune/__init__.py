@@ -16,6 +16,7 @@ from .boundary.masking import BoundaryMask, compact, expand, keep_count, keep_in
 from .config import SPECTRAL_ADAMW, MeshConfig, MeshTrainingArguments
 from .ledger import Ledger, LedgerSettings, compute_ledger, ledger_for_config
 from .optim.spectral import SpectralAdamW
+from .pipeline.placement import load_causal_lm
 from .trainer import MeshTrainer, MeshTrainerMixin
 
 # Integrations whose libraries are optional (TRL, PEFT) or heavy to import load on first use.
@@ -65,5 +66,6 @@ __all__ = [
     "keep_count",
     "keep_indices",
     "ledger_for_config",
+    "load_causal_lm",
     "split_stages",
 ]

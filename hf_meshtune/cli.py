@@ -93,6 +93,21 @@ def _add_ledger_parser(subparsers: argparse._SubParsersAction) -> None:
         "with the anchor: the M95 and M95+AP rows with the codec's message at every boundary",
     )
     p.add_argument("--json", action="store_true", help="print {row: ledger dict} as JSON")
+    memory = p.add_argument_group(
+        "memory", "--memory: the predicted memory of every process instead of bytes per token (memory_ledger)"
+    )
+    memory.add_argument("--memory", action="store_true", help="print the per-stage memory ledger")
+    memory.add_argument("--microbatch-size", type=int, default=1, help="rows per microbatch (default 1)")
+    memory.add_argument("--microbatches", type=int, default=4, help="microbatches per step M (default 4)")
+    memory.add_argument(
+        "--anchor", action=argparse.BooleanOptionalAction, default=False, help="replica X-1 is the anchor"
+    )
+    memory.add_argument(
+        "--gradient-checkpointing",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="the decoder layers are checkpointed (activations then count what is saved outside them)",
+    )
     p.set_defaults(handler=run_ledger)
 
 
@@ -110,6 +125,8 @@ def run_ledger(args: argparse.Namespace) -> int:
         args.mesh,
         f"have Y <= the model's {layers} decoder layers (each stage holds at least one)",
     )
+    if args.memory:
+        return _print_memory_ledger(args, config, num_replicas, num_stages)
     knobs = dict(
         num_replicas=num_replicas,
         num_stages=num_stages,
@@ -141,6 +158,26 @@ def run_ledger(args: argparse.Namespace) -> int:
     else:
         reference = L.PAPER_BYTES_PER_TOKEN if preset == _DEFAULT_PRESET else None
         print(L.format_table(ledgers, reference))
+    return 0
+
+
+def _print_memory_ledger(args: argparse.Namespace, config, num_replicas: int, num_stages: int) -> int:
+    from hf_meshtune.memory_ledger import MemorySettings, format_memory_table, predict_memory
+
+    settings = MemorySettings(
+        num_replicas=num_replicas,
+        num_stages=num_stages,
+        microbatch_size=args.microbatch_size,
+        microbatches=args.microbatches,
+        seq_len=args.seq_len,
+        dtype=args.dtype,
+        anchor=args.anchor,
+        powersgd_rank=args.powersgd_rank,
+        boundary_codec=args.boundary_codec,
+        gradient_checkpointing=args.gradient_checkpointing,
+    )
+    rows = predict_memory(config, settings)
+    print(json.dumps(rows, indent=2) if args.json else format_memory_table(rows, settings))
     return 0
 
 

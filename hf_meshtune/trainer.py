@@ -28,8 +28,11 @@ from .engine import MeshEngine
 from .ledger import Ledger
 from .model_card import mesh_card_section, write_mesh_card
 from .optim.spectral import SpectralAdamW, spectral_options
+from .pipeline.placement import stage_of
 from .runtime.checkpoint import atomic_torch_save, load_torch_file
+from .runtime.evaluation import evaluate_on_mesh
 from .runtime.job import is_distributed_job, train_on_mesh, validate_mesh_job
+from .runtime.saving import save_stage_shards
 from .topology import in_replica_zero_job
 
 __all__ = ["CHECKPOINT_STAGING", "MESH_STATE_NAME", "MeshCallback", "MeshTrainer", "MeshTrainerMixin"]
@@ -178,6 +181,30 @@ class MeshTrainerMixin:
             return super().train(resume_from_checkpoint, *args, **kwargs)
         return train_on_mesh(self, resume_from_checkpoint)
 
+    def _move_model_to_device(self, model, device):
+        """A model that holds one mesh stage (``pipeline.placement``) moves only the tensors it holds."""
+        if stage_of(model) is None:
+            return super()._move_model_to_device(model, device)
+        for module in model.modules():
+            for store in (module._parameters, module._buffers):
+                for tensor in store.values():
+                    if tensor is not None and not tensor.is_meta:
+                        tensor.data = tensor.data.to(device)
+        return None
+
+    def _on_mesh_stage(self) -> bool:
+        """True after a mesh run, where this process holds one stage of the model."""
+        return getattr(self, "mesh_run", None) is not None and stage_of(self.model) is not None
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"):
+        """The Trainer's evaluation; after a mesh run, the dense pipeline of the stages
+        (``runtime.evaluation``), the same metrics on every process."""
+        if not self._on_mesh_stage():
+            return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
+        if self.mesh_run.left_out:
+            return {}
+        return evaluate_on_mesh(self, eval_dataset, metric_key_prefix)
+
     # --- logs ---------------------------------------------------------------------------------
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs:
@@ -194,7 +221,17 @@ class MeshTrainerMixin:
 
     # --- checkpoints --------------------------------------------------------------------------
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """The Trainer's save, plus a model card naming the mesh settings (``model_card.py``)."""
+        """The Trainer's save, plus a model card naming the mesh settings (``model_card.py``). After a
+        mesh run each stage writes its own shard of a normal sharded checkpoint (``runtime.saving``); a
+        PEFT adapter is written whole by PEFT on rank 0."""
+        if self._on_mesh_stage() and getattr(self.model, "peft_config", None) is None:
+            if self.mesh_run.left_out:
+                return
+            output_dir = output_dir or self.args.output_dir
+            save_stage_shards(self, self.mesh_run.groups, output_dir, self.mesh_run.survivors)
+            if self.args.should_save:
+                self.write_model_card(output_dir)
+            return
         super().save_model(output_dir, _internal_call)
         if self.args.should_save:
             self.write_model_card(output_dir or self.args.output_dir)

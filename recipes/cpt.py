@@ -32,9 +32,9 @@ from dataclasses import dataclass, field
 
 import datasets
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, HfArgumentParser, default_data_collator
+from transformers import AutoConfig, AutoTokenizer, HfArgumentParser, default_data_collator
 
-from hf_meshtune import MeshTrainer, MeshTrainingArguments
+from hf_meshtune import MeshTrainer, MeshTrainingArguments, load_causal_lm
 from hf_meshtune._validation import require
 from hf_meshtune.apps.assets import gsm8k_items, smollm2_checkpoint
 from hf_meshtune.apps.demo import freeze_all_but_last
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     tokenizer = AutoTokenizer.from_pretrained(path)
     train, evaluation = cpt_splits(tokenizer, documents, script.block_size, script.eval_blocks)
-    model = AutoModelForCausalLM.from_pretrained(path)
+    model = load_causal_lm(path, num_stages=args.num_stages)  # on a launched mesh: this process's stage only
     if script.train_last_layers is not None:
         freeze_all_but_last(model, script.train_last_layers)
     if script.freeze_embeddings:

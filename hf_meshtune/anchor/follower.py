@@ -16,6 +16,7 @@ from torch import nn
 from .._validation import require
 from ..dp.outer import OuterUpdate, apply_outer_step, check_outer, outer_optimizer
 from ..dp.powersgd import PowerSGD
+from ..runtime.memory import tensor_bytes
 
 __all__ = ["OuterFollower", "update_shapes"]
 
@@ -34,6 +35,10 @@ class OuterFollower:
         self.fragments = fragments
         self._params = [list(f.parameters()) for f in fragments]
         self._optimizers = [outer_optimizer(ps, outer_lr, outer_momentum) for ps in self._params]
+
+    def state_bytes(self) -> int:
+        """Bytes of the outer momentum it replays (``runtime.memory``)."""
+        return tensor_bytes([optimizer.state for optimizer in self._optimizers])
 
     def apply(self, update: OuterUpdate) -> None:
         require(

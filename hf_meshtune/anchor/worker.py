@@ -56,6 +56,9 @@ class AnchorWorker(StageWorker):
         if settings.resume_from is not None:
             self._resume(settings.resume_from)
 
+    def _state_bytes(self) -> dict[str, int]:
+        return {**super()._state_bytes(), "anchor": self.follower.state_bytes()}
+
     def _resume(self, checkpoint: str) -> None:
         """θ_global and the outer momentum from fast replica 0's state of this stage: the anchor goes on
         from the checkpoint's step (its rounds draw batches from step / anchor_every on)."""

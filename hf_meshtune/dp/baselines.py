@@ -28,6 +28,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 
 from .._validation import require
 from ..comm.wire import Wire
+from ..runtime.memory import tensor_bytes
 
 __all__ = ["DP_MODES", "GradientSync"]
 
@@ -130,6 +131,13 @@ class GradientSync:
                 start_powerSGD_iter=start_iter,
                 random_seed=seed,
             )
+
+    def state_bytes(self) -> int:
+        """Bytes of torch's PowerSGD hook state (error feedback, P and Q memories; ``runtime.memory``)."""
+        if self.state is None:
+            return 0
+        state = self.state
+        return tensor_bytes([state.error_dict, state.p_memory_dict, state.q_memory_dict])
 
     def sync(self) -> None:
         """Replace every gradient by its average over the group (a missing gradient counts as zero)."""

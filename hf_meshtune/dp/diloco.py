@@ -30,6 +30,7 @@ from torchft.local_sgd import DiLoCo, _StreamingDiLoCoFragment
 
 from .._validation import require
 from ..comm.wire import Wire
+from ..runtime.memory import tensor_bytes
 from .outer import OuterUpdate, check_outer, outer_optimizer
 from .powersgd import PowerSGD, is_int
 
@@ -262,6 +263,14 @@ class StreamingDiLoCo:
         """θ_global of one fragment (the parameters of its last committed sync), in parameter order."""
         saved = self._diloco._fragments[fragment].original_parameters
         return [saved[name].clone() for name, _ in self.fragments[fragment].named_parameters()]
+
+    def state_bytes(self) -> int:
+        """Bytes this stage keeps for DP: θ_global of every fragment, the outer momentum, PowerSGD's Q
+        and error feedback (``runtime.memory``)."""
+        held = [[f.original_parameters, f._outer_optimizer.state] for f in self._diloco._fragments]
+        if self.codec is not None:
+            held.append([self.codec.q, self.codec.error])
+        return tensor_bytes(held)
 
     def state_dict(self) -> dict:
         """Everything a resumed run needs to sync exactly as this one would have: inner steps since the

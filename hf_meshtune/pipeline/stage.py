@@ -146,6 +146,11 @@ class StageModule(nn.Module):
         causal = create_causal_mask(
             config=self.config, inputs_embeds=hidden, attention_mask=None, cache=None, position_ids=positions
         )
+        return self.through_layers(hidden, positions, causal)
+
+    def through_layers(self, hidden: torch.Tensor, positions: torch.Tensor, causal) -> torch.Tensor:
+        """The stage after its input side: its decoder layers under the ``causal`` mask, then the head
+        (last stage) or the output side (the memory ledger traces this on meta tensors)."""
         rotary = self.rotary_emb(hidden, position_ids=positions)
         for layer in self.layers:
             out = layer(hidden, attention_mask=causal, position_ids=positions, position_embeddings=rotary)

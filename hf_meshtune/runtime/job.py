@@ -7,9 +7,11 @@ When the job has several processes (``WORLD_SIZE`` > 1: ``meshtune launch``, ``t
 2. the Trainer's data (train dataset + collator) becomes fixed-shape [B·M, T] batches: fast replica r
    at step t and the anchor at round k each draw their own rows (pure functions of seed and index);
 3. the process runs its stage (``runtime.bootstrap.run_worker``);
-4. at the end every process gets fast replica 0's final parameters (so ``save_model``/``evaluate``
-   work as after a single-process run), and rank 0 writes ``mesh_summary.json``: measured bytes per
-   token by circuit next to the analytic ledger, DP bytes per sync, anchor staleness, step times.
+4. at the end rank 0 writes ``mesh_summary.json``: measured bytes per token by circuit next to the
+   analytic ledger, DP bytes per sync, anchor staleness, step times, every process's memory. Every
+   process keeps only its stage (``pipeline.placement``): ``save_model`` writes one shard per stage
+   (``runtime.saving``) and ``evaluate`` runs the dense pipeline (``runtime.evaluation``); a PEFT
+   adapter's trainable tensors are shared to every process, so PEFT saves it whole.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import math
 import os
 import statistics
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -31,6 +34,7 @@ from ..anchor.batches import AnchorBatches
 from ..boundary.hooks import find_decoder_layers
 from ..config import require_mesh_supported
 from ..dp.ft import start_lighthouse
+from ..pipeline.placement import materialise
 from ..pipeline.stage import StageModule, untie_embeddings
 from ..topology import MeshGroups, MeshTopology
 from .bootstrap import job_store, run_worker
@@ -38,10 +42,20 @@ from .checkpoint import resolve_resume
 from .results import MeshResult, gather_results, log_history, summarize
 from .settings import RunSettings
 
-__all__ = ["LIGHTHOUSE_ENV", "SUMMARY_NAME", "is_distributed_job", "train_on_mesh", "validate_mesh_job"]
+__all__ = ["LIGHTHOUSE_ENV", "SUMMARY_NAME", "MeshRun", "is_distributed_job", "train_on_mesh", "validate_mesh_job"]
 
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 SUMMARY_NAME = "mesh_summary.json"
+
+
+@dataclass(frozen=True)
+class MeshRun:
+    """What a trainer keeps of its finished mesh run (``trainer.mesh_run``): its groups, and the group
+    of the processes still there (None: the whole world), for ``save_model`` and ``evaluate`` after it."""
+
+    groups: MeshGroups
+    survivors: object | None = None
+    left_out: bool = False  # an anchor process the fast ranks finished without (they saw its link break)
 
 
 def is_distributed_job() -> bool:
@@ -168,6 +182,10 @@ def train_on_mesh(trainer, resume_from_checkpoint: bool | str | None = None):
     lighthouse, server = _lighthouse(rank, topology)
     batches, anchor_batches, seq_len = _mesh_data(trainer, topology, rank)
     settings = _run_settings(args, topology, seq_len, lighthouse, checkpoint_every, resume_from)
+    if args.gradient_checkpointing:  # as Trainer.train() does; the stages call the checkpointed layers
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs or {"use_reentrant": False}
+        )
     torch.manual_seed(args.seed)
     result = run_worker(model, groups, settings, batches, anchor_batches)
     try:
@@ -272,10 +290,12 @@ def _finish(trainer, result: MeshResult, groups: MeshGroups, settings: RunSettin
     args, topology = trainer.args, groups.topology
     survivors = _survivors(result, topology, groups.fast_group, settings.dp_timeout_s)
     if survivors is not None and result.role == "anchor":  # given up by the fast ranks: nothing to share
+        trainer.mesh_run = MeshRun(groups, survivors, left_out=True)
         return TrainOutput(args.max_steps, math.nan, {})
     store = job_store(settings.dp_timeout_s) if topology.job_replica is not None else None
     results = gather_results(result, topology, settings.dp_timeout_s, survivors, store)
     _share_final_parameters(trainer.model, topology, survivors)
+    trainer.mesh_run = MeshRun(groups, survivors)
     summary = summarize(results, topology, trainer, seq_len)
     if groups.rank == 0:
         os.makedirs(args.output_dir, exist_ok=True)
@@ -315,13 +335,18 @@ def _survivors(result: MeshResult, topology: MeshTopology, fast_group, timeout_s
 
 
 def _share_final_parameters(model, topology: MeshTopology, group=None) -> None:
-    """Every process gets fast replica 0's final parameters (in a replica job: its own replica's; they
-    share θ_global), stage by stage (tensor broadcasts), so ``save_model``/``evaluate`` see the trained
-    model on any rank."""
+    """A PEFT adapter's trainable tensors (small beside the model) go from fast replica 0 (in a replica
+    job: its own replica; they share θ_global) to every process, stage by stage, so PEFT's own
+    ``save_pretrained`` writes the whole adapter on rank 0. A full model is never gathered: each stage
+    keeps its own tensors and ``save_model`` writes them as shards (``runtime.saving``)."""
+    if getattr(model, "peft_config", None) is None:
+        return
     source = topology.job_replica or 0
+    names = {id(p): n for n, p in model.named_parameters()}
     with torch.no_grad():
         for stage in range(topology.stages):
             owned = StageModule(model, stage, topology.stages, None, None)
             for param in owned.parameters():
                 if param.requires_grad:
+                    param = materialise(model, names[id(param)], "cpu")
                     dist.broadcast(param.data, src=topology.process_rank(topology.rank(source, stage)), group=group)

@@ -18,7 +18,9 @@ import torch.distributed as dist
 
 from ..comm.wire import CIRCUITS
 from ..ledger import LedgerSettings, compute_ledger, param_shapes_of, settings_from_knobs
+from ..memory_ledger import MemorySettings, predict_memory
 from ..topology import MESH_ENV, MeshTopology
+from .memory import MEMORY_PARTS
 
 __all__ = ["MeshResult", "gather_results", "log_history", "summarize"]
 
@@ -48,6 +50,8 @@ class MeshResult:
     # codec refits from the anchor: fast, (step after which it switched, snapshot, digest in, digest out);
     # anchor, (snapshot, digest of the geometry it sent)
     geometry: list[tuple] = field(default_factory=list)
+    released_bytes: int = 0  # model tensors given back at the start: the stages this process does not hold
+    memory: dict = field(default_factory=dict)  # bytes by part (``runtime.memory``), counted and measured
 
 
 def gather_results(
@@ -85,7 +89,24 @@ def log_history(results: list[MeshResult], summary: dict) -> list[dict]:
         for kind in ("measured", "booked", "wire"):
             figures = summary[f"{kind}_bytes_per_token"]
             history[-1].update({f"comm/{kind}_{name}_bytes_per_token": float(v) for name, v in figures.items()})
+        for name, value in summary.get("memory_max_gib", {}).items():  # the largest process's, by part
+            history[-1][f"memory/{name}(GiB)"] = value
     return history
+
+
+GIB = 1024**3
+
+
+def memory_table(results: list[MeshResult]) -> list[dict]:
+    """Every process's memory (``runtime.memory``) in GiB, with its rank, replica, stage and role."""
+    rows = []
+    for r in sorted(results, key=lambda r: r.rank):
+        if r.memory:
+            rows.append(
+                {"rank": r.rank, "replica": r.replica, "stage": r.stage, "role": r.role}
+                | {name: value / GIB for name, value in r.memory.items()}
+            )
+    return rows
 
 
 def wire_bytes_per_token(summary: dict) -> dict[str, float] | None:
@@ -121,6 +142,7 @@ def summarize(results: list[MeshResult], topology: MeshTopology, trainer, seq_le
     sync_count = sum(n for n, _ in syncs)
     staleness = [arrival - snapshot for r in fast for arrival, snapshot in r.arrivals]
     step_seconds = [s for r in fast for s in r.step_seconds[1:]] or [s for r in fast for s in r.step_seconds]
+    memory = memory_table(results)
     return {
         "mesh": f"{topology.replicas}x{topology.stages}",
         "fast_replicas": len(topology.fast_replicas),
@@ -148,7 +170,40 @@ def summarize(results: list[MeshResult], topology: MeshTopology, trainer, seq_le
         "mesh_env": os.environ.get(MESH_ENV),
         "resumed_from_step": min((r.first_step for r in fast), default=0),
         "anchor_lost_at_step": min((r.anchor_lost_at for r in fast if r.anchor_lost_at is not None), default=None),
+        "memory_gib": memory,  # per process: counted parts, the kernel's peak RSS (runtime.memory)
+        "memory_predicted_gib": _predicted_memory(trainer, topology, seq_len),  # memory_ledger, per (role, stage)
+        "memory_max_gib": {k: max(row[k] for row in memory) for k in _MEMORY_KEYS} if memory else {},
     }
+
+
+_MEMORY_KEYS = ("peak_rss", *MEMORY_PARTS, "counted")
+
+
+def _predicted_memory(trainer, topology: MeshTopology, seq_len: int) -> list[dict] | None:
+    """The memory ledger's prediction for this run (None for a PEFT model: the ledger predicts full
+    and partial fine-tunes of the model's own parameters)."""
+    model, args = trainer.model, trainer.args
+    if getattr(model, "peft_config", None) is not None:
+        return None
+    cfg = args.mesh_config
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    settings = MemorySettings(
+        num_replicas=topology.replicas,
+        num_stages=topology.stages,
+        microbatch_size=args.per_device_train_batch_size,
+        microbatches=args.gradient_accumulation_steps,
+        seq_len=seq_len,
+        dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
+        anchor=topology.anchor,
+        anchor_microbatches=cfg.anchor_microbatches or args.gradient_accumulation_steps,
+        powersgd_rank=cfg.dp_powersgd_rank,
+        spectral_rank=cfg.spectral_rank,
+        boundary_codec=cfg.boundary_codec,
+        mask_seed=cfg.mask_seed,
+        gradient_checkpointing=bool(getattr(args, "gradient_checkpointing", False)),
+    )
+    rows = predict_memory(model.config, settings, trainable.__contains__)
+    return [{k: (v / GIB if isinstance(v, int) and k != "stage" else v) for k, v in row.items()} for row in rows]
 
 
 def _ledger_settings(topology: MeshTopology, trainer, seq_len: int, tokens_per_step: int) -> LedgerSettings:

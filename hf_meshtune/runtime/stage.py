@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .._validation import require
 from ..anchor.link import anchor_matrices
 from ..boundary.compose.codec import geometry_layout
 from ..boundary.masking import private_rng
@@ -13,9 +14,11 @@ from ..comm.messages import flatten
 from ..comm.wire import Wire
 from ..config import composed_codec
 from ..dp.fragments import stage_fragments
+from ..pipeline.placement import materialised_bytes, release_unowned, stage_of
 from ..pipeline.schedule import MeshStage, build_schedule, run_schedule
 from ..pipeline.stage import build_stage, causal_lm_loss, stage_parameter_names
 from ..topology import MeshGroups
+from .memory import MEMORY_PARTS, ActivationMeter, current_rss, peak_rss, tensor_bytes
 from .results import MeshResult
 from .settings import Batches, RunSettings, StageView
 
@@ -35,26 +38,45 @@ class StageWorker:
         self.groups, self.topology, self.settings, self.batches = groups, groups.topology, settings, batches
         self.rank, self.replica, self.stage = groups.rank, groups.replica, groups.stage
         self.wire = Wire()
+        self.result = MeshResult(self.rank, self.replica, self.stage, self.role)
         self.model = model
         masked = not anchor and (settings.config.mask_ratio > 0 or composed_codec(settings.config) is not None)
         self.module = build_stage(model, self.stage, self.topology.stages, settings.config, masked=masked)
+        self._hold_only_this_stage()
         microbatches = (settings.anchor_microbatches or settings.microbatches) if anchor else settings.microbatches
-        self.device = next(model.parameters()).device
+        first = next(self.module.parameters())
+        self.device, self.dtype = first.device, first.dtype
         self.pipe = MeshStage(
             self.module,
             group=groups.pp_group,
             device=self.device,
             microbatch_size=settings.microbatch_size,
             seq_len=settings.seq_len,
-            dtype=next(model.parameters()).dtype,
+            dtype=self.dtype,
             wire=self.wire,
             anchor=anchor,
         )
         self.schedule = build_schedule(self.pipe, microbatches, causal_lm_loss(model))
         self.fragments = stage_fragments(self.module, settings.config.dp_fragments)
         self.matrices = anchor_matrices(model, self.module)
-        self.result = MeshResult(self.rank, self.replica, self.stage, self.role)
         self.peer_hosts: dict[int, str] = {}  # pipeline neighbours' addresses (bootstrap fills it)
+        self.activations = ActivationMeter(self.module.parameters())
+        self._gradient_peak = 0
+        self._rss_at_start = current_rss()
+
+    def _hold_only_this_stage(self) -> None:
+        """Give back every tensor of the model this process's stage does not hold (a model loaded per
+        stage by ``load_causal_lm`` holds no other already: its stage must be this process's)."""
+        stages = self.topology.stages
+        loaded = stage_of(self.model)
+        require(
+            loaded is None or loaded == (self.stage, stages),
+            "model stage",
+            loaded,
+            f"be (stage, Y) = {(self.stage, stages)} of rank {self.rank}: the model was loaded for another "
+            "stage (load it in the process that trains it, with the launched mesh's Y)",
+        )
+        self.result.released_bytes = release_unowned(self.model, self.module, self.stage, stages)
 
     # --- the codecs' geometry -------------------------------------------------------------------
     def calibrate_codecs(self) -> None:
@@ -69,7 +91,7 @@ class StageWorker:
             return
         ids, _ = self.batches(0)
         ids = ids.to(self.device)
-        dtype = next(self.model.parameters()).dtype
+        dtype = self.dtype
         before = self.wire.sent["pp_fwd"]
         group, replica, topology = self.groups.pp_group, self.replica, self.topology
         with self.naming_link_failure("the codec calibration pass with", self._neighbours()):
@@ -103,8 +125,11 @@ class StageWorker:
     # --- the pipeline ---------------------------------------------------------------------------
     def pipeline_step(self, ids: torch.Tensor, labels: torch.Tensor) -> float | None:
         """One pipeline step; a send/receive that fails or times out names the neighbours it waited on."""
-        with self.naming_link_failure("a message to or from", self._neighbours()):
-            return run_schedule(self.schedule, self.module, ids, labels)
+        with self.naming_link_failure("a message to or from", self._neighbours()), self.activations:
+            loss = run_schedule(self.schedule, self.module, ids, labels)
+        grads = tensor_bytes([p.grad for p in self.module.parameters() if p.grad is not None])
+        self._gradient_peak = max(self._gradient_peak, grads)
+        return loss
 
     def naming_link_failure(self, what: str, peers: list[int]):
         """A context in which a network failure names this process, the step and ``peers`` with addresses."""
@@ -134,8 +159,33 @@ class StageWorker:
         """θ_global of every fragment, flattened (overridden where another copy holds it)."""
         return [flatten([p.detach() for p in f.parameters()]) for f in self.fragments]
 
+    # --- memory ---------------------------------------------------------------------------------
+    def _state_bytes(self) -> dict[str, int]:
+        """Bytes of the optimizer, anchor, DP and codec state this process keeps (``runtime.memory``)."""
+        codecs = [c.geometry() for c in (self.module.codec_in, self.module.codec_out) if c is not None and c.ready]
+        return {"optimizer": 0, "anchor": 0, "dp": 0, "codec": tensor_bytes(codecs)}
+
+    def memory(self) -> dict[str, int]:
+        """What this process holds, in bytes: ``runtime.memory.MEMORY_PARTS`` counted from the tensors,
+        their sum (``counted``), the kernel's peak resident set and the resident set at the stage's start."""
+        parts = {
+            "weights": materialised_bytes(self.model),
+            "gradients": self._gradient_peak,
+            **self._state_bytes(),
+            "activations": self.activations.peak,
+        }
+        parts = {name: int(parts[name]) for name in MEMORY_PARTS}
+        return {
+            **parts,
+            "counted": sum(parts.values()),
+            "peak_rss": peak_rss(),
+            "rss_at_start": self._rss_at_start,
+            "released": int(self.result.released_bytes),
+        }
+
     def _finish(self, step: int) -> MeshResult:
         self.result.wire = self.wire.to_dict()
+        self.result.memory = self.memory()
         view = self.view(step)
         for callback in self.settings.callbacks:
             callback.on_train_end(view)

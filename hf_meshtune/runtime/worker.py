@@ -39,6 +39,7 @@ from ..optim.spectral import SpectralAdamW, spectral_options
 from ..pipeline.stage import stage_parameter_names
 from ..topology import MeshGroups
 from .checkpoint import read_rank_state, save_rank_state
+from .memory import tensor_bytes
 from .results import MeshResult
 from .settings import Batches, RunSettings
 from .stage import StageWorker
@@ -164,6 +165,16 @@ class FastWorker(StageWorker):
             sources,
             lockstep=(cfg.anchor_every, cfg.anchor_delay, refit) if cfg.anchor_lockstep else None,
         )
+
+    def _state_bytes(self) -> dict[str, int]:
+        own = super()._state_bytes()
+        state = [s for s in self.optimizer.state.values()]
+        anchor = [{k: v for k, v in s.items() if k.startswith("anchor_")} for s in state]
+        adam = [{k: v for k, v in s.items() if not k.startswith("anchor_")} for s in state]
+        dp = self.diloco.state_bytes() if self.manager is not None else 0
+        if self.gradient_sync is not None:
+            dp = self.gradient_sync.state_bytes()
+        return {**own, "optimizer": tensor_bytes(adam), "anchor": tensor_bytes(anchor), "dp": dp}
 
     # --- state: heals, checkpoints, resume ----------------------------------------------------------
     def _stage_state(self) -> dict:

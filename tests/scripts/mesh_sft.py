@@ -1,34 +1,62 @@
 """A user's single-process MeshTrainer script, unchanged, run by tests on a launched mesh.
 
-    python tests/scripts/mesh_sft.py OUTPUT_DIR [--lora] [MeshTrainingArguments flags...]
+    python tests/scripts/mesh_sft.py --output_dir OUT [--lora] [--checkpoint DIR] [--eval] [MeshTrainingArguments flags]
 
-``--lora`` trains a LoRA adapter (r = 4 on every linear layer) instead of the whole model.
+``--lora`` trains a LoRA adapter (r = 4 on every linear layer) instead of the whole model;
+``--checkpoint DIR`` loads the model from a saved folder with ``hf_meshtune.load_causal_lm`` (on the
+mesh: this process's stage only) instead of building the tiny Llama whole; ``--eval`` evaluates on 8
+held-out rows after training and writes the metrics to ``OUTPUT_DIR/eval_rank<r>.json``.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 
 import torch
 from transformers import HfArgumentParser
 
-from hf_meshtune import MeshTrainer, MeshTrainingArguments
+from hf_meshtune import MeshTrainer, MeshTrainingArguments, load_causal_lm
 from tests.tiny import pattern_dataset, tiny_llama
 
 
+def _take(argv: list[str], flag: str, value: bool = False):
+    if flag not in argv:
+        return None
+    i = argv.index(flag)
+    found = argv[i + 1] if value else True
+    del argv[i : i + (2 if value else 1)]
+    return found
+
+
 def main(argv: list[str]) -> None:
-    lora = "--lora" in argv
-    (args,) = HfArgumentParser(MeshTrainingArguments).parse_args_into_dataclasses([a for a in argv if a != "--lora"])
-    model = tiny_llama(seed=0, layers=4, hidden=64)
+    argv = list(argv)
+    lora, evaluate = _take(argv, "--lora"), _take(argv, "--eval")
+    checkpoint = _take(argv, "--checkpoint", value=True)
+    (args,) = HfArgumentParser(MeshTrainingArguments).parse_args_into_dataclasses(argv)
+    model = load_causal_lm(checkpoint) if checkpoint else tiny_llama(seed=0, layers=4, hidden=64)
     peft_config = None
     if lora:
         from peft import LoraConfig
 
         peft_config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM")
-    trainer = MeshTrainer(model=model, args=args, train_dataset=pattern_dataset(64, 16), peft_config=peft_config)
+    held_out = pattern_dataset(72, 16).select(range(64, 72)) if evaluate else None
+    trainer = MeshTrainer(
+        model=model,
+        args=args,
+        train_dataset=pattern_dataset(64, 16),
+        eval_dataset=held_out,
+        peft_config=peft_config,
+    )
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)  # as the transformers examples do
     trainer.save_model()
     trainer.save_state()
+    if evaluate:
+        metrics = trainer.evaluate()
+        rank = int(os.environ.get("RANK", "0"))
+        with open(os.path.join(args.output_dir, f"eval_rank{rank}.json"), "w") as handle:
+            json.dump(metrics, handle)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 

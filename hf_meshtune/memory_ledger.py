@@ -1,0 +1,226 @@
+"""The memory ledger: what each mesh process will hold, predicted from the config alone (no weights).
+
+Like the byte ledger, but for memory: for every stage of the fast circuit and of the anchor replica,
+the parts ``runtime.memory`` measures in a run, from the model's real shapes (the model is built on
+the meta device) and the run's settings:
+
+- ``weights``: the stage's parameters and buffers in the model dtype;
+- ``gradients``: one gradient per trainable parameter;
+- ``optimizer``: AdamW's two moments per trainable parameter (and a float32 step per tensor);
+- ``anchor``: fast ranks with the anchor, ``SpectralAdamW``'s anchor momentum (float32 or wider) and
+  filter bases U [m, r], d [r], V [n, r] per trainable matrix; the anchor replica, the outer momentum
+  it replays;
+- ``dp``: Streaming DiLoCo's θ_global backup and outer momentum per trainable parameter, PowerSGD's
+  float32 error feedback and Q [n, rank] per matrix it compresses;
+- ``codec``: the composed boundary codecs' geometry;
+- ``activations``: what autograd saves for backward, traced: the stage's forward runs once on meta
+  tensors of one microbatch's shape (with the loss on the last stage) under the same counting hooks
+  as the run's ``ActivationMeter``, times the microbatches a 1F1B stage s keeps in flight,
+  min(Y − s, M) (all M under GPipe, when M < Y). With gradient checkpointing the checkpointed layers
+  keep their inputs and recompute in backward under torch's own hooks, which neither the run's meter
+  nor this trace sees: the figure is then what autograd saves outside those layers (embeddings, head,
+  loss, boundaries), a lower bound.
+
+What no ledger can know is the process's own overhead (the Python runtime and libraries, allocator
+slack): a run's peak RSS is the predicted total plus that, shown beside it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ._validation import require
+
+__all__ = ["MemorySettings", "format_memory_table", "predict_memory"]
+
+_PARTS = ("weights", "gradients", "optimizer", "anchor", "dp", "codec", "activations")
+
+
+@dataclass(frozen=True)
+class MemorySettings:
+    """The run's shape: the mesh, the step's microbatches, the dtype and the method's knobs."""
+
+    num_replicas: int
+    num_stages: int
+    microbatch_size: int
+    microbatches: int
+    seq_len: int
+    dtype: str = "float32"
+    anchor: bool = False
+    anchor_microbatches: int | None = None
+    dp_mode: str = "streaming_diloco"
+    powersgd_rank: int | None = 4
+    spectral_rank: int | None = None
+    boundary_codec: str | None = None
+    mask_seed: int = 0
+    gradient_checkpointing: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("num_replicas", "num_stages", "microbatch_size", "microbatches", "seq_len"):
+            value = getattr(self, name)
+            require(isinstance(value, int) and value >= 1, name, value, "be an int >= 1")
+        require(isinstance(getattr(torch, self.dtype, None), torch.dtype), "dtype", self.dtype, "name a torch dtype")
+        require(
+            not self.anchor or self.num_replicas >= 2,
+            "num_replicas",
+            self.num_replicas,
+            "be >= 2 with the anchor (it is one of the X replicas)",
+        )
+
+
+def _meta_model(config) -> nn.Module:
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    with init_empty_weights():  # parameters on meta, buffers (rotary frequencies) real
+        return AutoModelForCausalLM.from_config(config)
+
+
+def predict_memory(
+    config, settings: MemorySettings, trainable: Callable[[str], bool] | None = None
+) -> list[dict[str, int | str]]:
+    """Per process kind (role, stage): the predicted bytes of every part and their ``total``.
+
+    ``config``: a transformers config of a causal LM; ``trainable(name)``: whether the parameter of
+    that full-model name trains (default: all, a full fine-tune)."""
+    from .boundary.compose.codec import ComposedCodec, geometry_layout
+    from .config import composed_codec
+    from .dp.powersgd import PowerSGD
+    from .pipeline.stage import StageModule, stage_parameter_names, untie_embeddings
+    from .runtime.memory import ActivationMeter
+
+    dtype = getattr(torch, settings.dtype)
+    model = _meta_model(config).to(dtype)
+    untie_embeddings(model)  # the mesh's first and last stages each hold a copy
+    trains = trainable or (lambda name: True)
+    for name, param in model.named_parameters():
+        param.requires_grad_(trains(name))
+    if settings.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    stages = settings.num_stages
+    powersgd = PowerSGD(settings.powersgd_rank) if settings.powersgd_rank else None
+    spec = composed_codec(settings)  # None for masks: they keep no state
+    hidden = model.config.get_text_config().hidden_size
+    rows = []
+    roles = ["fast", "anchor"] if settings.anchor else ["fast"]
+    for stage in range(stages):
+        module = StageModule(model, stage, stages, None, None)
+        named = stage_parameter_names(model, module)
+        params = list(named.values())
+        train = [p for p in params if p.requires_grad]
+        size = dtype.itemsize
+        weights = sum(p.numel() for p in params) * size + sum(b.numel() * b.element_size() for b in module.buffers())
+        grads = sum(p.numel() for p in train) * size
+        for role in roles:
+            micro = settings.microbatches if role == "fast" else (settings.anchor_microbatches or settings.microbatches)
+            parts = dict.fromkeys(_PARTS, 0)
+            parts["weights"], parts["gradients"] = weights, grads
+            parts["activations"] = _activations(module, model, settings, micro, ActivationMeter)
+            if role == "fast":
+                parts["optimizer"] = 2 * grads + 4 * len(train)
+                parts["dp"] = _dp_bytes(train, size, powersgd, settings)
+                if settings.anchor:
+                    parts["anchor"] = sum(_anchor_bytes(p, settings.spectral_rank) for p in train if p.ndim == 2)
+                if spec is not None:
+                    boundaries = [b for b in (stage - 1, stage) if 0 <= b < stages - 1]
+                    parts["codec"] = sum(
+                        math.prod(shape) * kind.itemsize
+                        for b in boundaries
+                        for _, shape, kind in geometry_layout(ComposedCodec(spec, b, hidden, settings.mask_seed))
+                    )
+            else:
+                parts["anchor"] = grads  # the outer momentum it replays
+            rows.append({"role": role, "stage": stage, **parts, "total": sum(parts.values())})
+    return rows
+
+
+def _dp_bytes(train: list[nn.Parameter], size: int, powersgd, settings: MemorySettings) -> int:
+    numel = sum(p.numel() for p in train)
+    if settings.dp_mode != "streaming_diloco" or settings.num_replicas - int(settings.anchor) < 1:
+        return 0
+    total = 2 * numel * size  # θ_global backup + outer momentum
+    if powersgd is not None:
+        for p in train:
+            if powersgd.compresses(p.shape):
+                total += p.numel() * 4 + p.shape[1] * powersgd.rank * 4  # error feedback + Q, float32
+    return total
+
+
+def _anchor_bytes(param: nn.Parameter, rank: int | None) -> int:
+    m, n = param.shape
+    wide = torch.promote_types(param.dtype, torch.float32).itemsize
+    r = min(m, n) if rank is None else min(rank, m, n)
+    return (m * n + (m + n) * r + r) * wide
+
+
+def _activations(module, model, settings: MemorySettings, microbatches: int, meter_cls) -> int:
+    """Bytes autograd saves for one microbatch of this stage, traced on meta, × the microbatches in flight."""
+    from .pipeline.stage import causal_lm_loss
+
+    b, t = settings.microbatch_size, settings.seq_len
+    dtype = getattr(torch, settings.dtype)
+    if module.embed_tokens is not None:
+        x = torch.zeros(b, t, dtype=torch.long, device="meta")
+    else:
+        x = torch.zeros(b, t, module.hidden_size, dtype=dtype, device="meta", requires_grad=True)
+    meter = meter_cls(module.parameters())
+    with meter, _FusedAttentionOnMeta():
+        hidden = module.embed_tokens(x) if module.embed_tokens is not None else x
+        positions = torch.arange(t, device="meta").unsqueeze(0)
+        # no mask tensor: a full causal batch runs SDPA with is_causal, as the stage does in a run
+        out = module.through_layers(hidden, positions, None)
+        if module.lm_head is not None:
+            out = causal_lm_loss(model)(out, torch.zeros(b, t, dtype=torch.long, device="meta"))
+        one = meter.peak
+        del out
+    stages, stage = settings.num_stages, module.stage
+    in_flight = min(stages - stage, microbatches) if microbatches >= stages else microbatches
+    return one * in_flight
+
+
+class _FusedAttentionOnMeta(torch.overrides.TorchFunctionMode):
+    """On meta, ``scaled_dot_product_attention`` would trace its math fallback, which saves the
+    [B, heads, T, T] weights; a run's CPU and GPU kernels (flash / memory-efficient) save only the
+    inputs, the output and a [B, heads, T] log-sum-exp. Trace the fused kernel's autograd instead."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not torch.nn.functional.scaled_dot_product_attention or not args[0].is_meta:
+            return func(*args, **kwargs)
+        q, k, v = args[:3]
+        if kwargs.get("enable_gqa") and k.shape[-3] != q.shape[-3]:
+            repeat = q.shape[-3] // k.shape[-3]
+            k, v = k.repeat_interleave(repeat, dim=-3), v.repeat_interleave(repeat, dim=-3)
+        out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q,
+            k,
+            v,
+            kwargs.get("dropout_p", 0.0),
+            kwargs.get("is_causal", False),
+            attn_mask=kwargs.get("attn_mask"),
+            scale=kwargs.get("scale"),
+        )
+        return out[0]
+
+
+def format_memory_table(rows: list[dict], settings: MemorySettings) -> str:
+    """The ledger as a text table in GiB, one line per (role, stage)."""
+    gib = 1024**3
+    head = f"{'role':<7}{'stage':>6}" + "".join(f"{p:>13}" for p in (*_PARTS, "total"))
+    lines = [
+        f"predicted memory per process (GiB), mesh {settings.num_replicas}x{settings.num_stages}, "
+        f"{settings.microbatches} × [{settings.microbatch_size}, {settings.seq_len}] per step, {settings.dtype}",
+        head,
+    ]
+    for row in rows:
+        lines.append(
+            f"{row['role']:<7}{row['stage']:>6}" + "".join(f"{row[p] / gib:>13.3f}" for p in (*_PARTS, "total"))
+        )
+    lines.append("(+ the process's own runtime: Python, torch and transformers, allocator slack; not predicted)")
+    return "\n".join(lines)
