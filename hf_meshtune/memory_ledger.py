@@ -16,10 +16,9 @@ the meta device) and the run's settings:
 - ``activations``: what autograd saves for backward, traced: the stage's forward runs once on meta
   tensors of one microbatch's shape (with the loss on the last stage) under the same counting hooks
   as the run's ``ActivationMeter``, times the microbatches a 1F1B stage s keeps in flight,
-  min(Y − s, M) (all M under GPipe, when M < Y). With gradient checkpointing the checkpointed layers
-  keep their inputs and recompute in backward under torch's own hooks, which neither the run's meter
-  nor this trace sees: the figure is then what autograd saves outside those layers (embeddings, head,
-  loss, boundaries), a lower bound.
+  min(Y − s, M) (all M under GPipe, when M < Y). With gradient checkpointing: what is saved outside
+  the layers, and each layer's input [B, T, H], per microbatch in flight, plus one layer's activations
+  (the one recomputing in backward).
 
 What no ledger can know is the process's own overhead (the Python runtime and libraries, allocator
 slack): a run's peak RSS is the predicted total plus that, shown beside it.
@@ -100,8 +99,6 @@ def predict_memory(
     trains = trainable or (lambda name: True)
     for name, param in model.named_parameters():
         param.requires_grad_(trains(name))
-    if settings.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     stages = settings.num_stages
     powersgd = PowerSGD(settings.powersgd_rank) if settings.powersgd_rank else None
@@ -160,7 +157,22 @@ def _anchor_bytes(param: nn.Parameter, rank: int | None) -> int:
 
 
 def _activations(module, model, settings: MemorySettings, microbatches: int, meter_cls) -> int:
-    """Bytes autograd saves for one microbatch of this stage, traced on meta, × the microbatches in flight."""
+    """Bytes autograd saves for the microbatches this stage keeps in flight, traced on meta. With gradient
+    checkpointing each layer keeps only its input [B, T, H] per microbatch in flight, and one layer at a
+    time recomputes its activations in backward."""
+    stages, stage = settings.num_stages, module.stage
+    in_flight = min(stages - stage, microbatches) if microbatches >= stages else microbatches
+    full = _trace(module, model, settings, meter_cls, layers=True)
+    if not settings.gradient_checkpointing or not len(module.layers):
+        return full * in_flight
+    outside = _trace(module, model, settings, meter_cls, layers=False)
+    per_layer = (full - outside) // len(module.layers)
+    inputs = len(module.layers) * settings.microbatch_size * settings.seq_len * module.hidden_size
+    return (outside + inputs * getattr(torch, settings.dtype).itemsize) * in_flight + per_layer
+
+
+def _trace(module, model, settings: MemorySettings, meter_cls, layers: bool) -> int:
+    """Bytes autograd saves in one microbatch's forward of the stage (``layers=False``: without its layers)."""
     from .pipeline.stage import causal_lm_loss
 
     b, t = settings.microbatch_size, settings.seq_len
@@ -174,14 +186,18 @@ def _activations(module, model, settings: MemorySettings, microbatches: int, met
         hidden = module.embed_tokens(x) if module.embed_tokens is not None else x
         positions = torch.arange(t, device="meta").unsqueeze(0)
         # no mask tensor: a full causal batch runs SDPA with is_causal, as the stage does in a run
-        out = module.through_layers(hidden, positions, None)
+        kept = module.layers
+        if not layers:
+            module.layers = nn.ModuleList()
+        try:
+            out = module.through_layers(hidden, positions, None)
+        finally:
+            module.layers = kept
         if module.lm_head is not None:
             out = causal_lm_loss(model)(out, torch.zeros(b, t, dtype=torch.long, device="meta"))
         one = meter.peak
         del out
-    stages, stage = settings.num_stages, module.stage
-    in_flight = min(stages - stage, microbatches) if microbatches >= stages else microbatches
-    return one * in_flight
+    return one
 
 
 class _FusedAttentionOnMeta(torch.overrides.TorchFunctionMode):

@@ -4,8 +4,7 @@ r"""Continued pre-training (plain causal-LM loss on every token) with MeshTraine
     python recipes/cpt.py --output_dir runs/cpt --text_files "notes/*.md" book.txt --block_size 256 --max_steps 200
     accelerate launch --config_file accelerate_configs/cpu_single_process.yaml recipes/cpt.py \
         --output_dir runs/cpt --max_steps 20
-    meshtune launch --mesh 3x2 --cpu -- recipes/cpt.py --output_dir runs/cpt-mesh --max_steps 20 \
-        --freeze_embeddings
+    meshtune launch --mesh 3x2 --cpu -- recipes/cpt.py --output_dir runs/cpt-mesh --max_steps 20
 
 The classic transformers ``run_clm`` recipe: every document is tokenized (no special tokens) and
 followed by the tokenizer's EOS token, the documents are concatenated into one token stream, and the

@@ -186,6 +186,7 @@ def train_on_mesh(trainer, resume_from_checkpoint: bool | str | None = None):
         model.gradient_checkpointing_enable(
             gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs or {"use_reentrant": False}
         )
+    model.train()  # as Trainer.train() does (from_pretrained leaves eval mode: no dropout, no checkpointing)
     torch.manual_seed(args.seed)
     result = run_worker(model, groups, settings, batches, anchor_batches)
     try:

@@ -10,8 +10,8 @@ tensors themselves, what each part of the method keeps.
 - ``codec``: the boundary codecs' geometry;
 - ``activations``: the peak of the bytes autograd held for backward (``ActivationMeter``: every
   saved tensor that is not a parameter, counted once per storage while it is alive; with gradient
-  checkpointing, what is saved outside the checkpointed layers: torch's checkpoint keeps the layers'
-  inputs and recomputes under hooks of its own).
+  checkpointing the layers' inputs are held by torch's checkpoint under hooks of its own, so this
+  counts what is saved outside the layers and what their recompute saves in backward).
 
 ``peak_rss`` is ``getrusage``'s maximum resident set of the process (its whole life: the Python
 runtime and libraries, loading, the steps); ``rss_at_start`` the resident set when the stage was built.
