@@ -108,6 +108,14 @@ def _add_ledger_parser(subparsers: argparse._SubParsersAction) -> None:
         default=False,
         help="the decoder layers are checkpointed (activations then count what is saved outside them)",
     )
+    memory.add_argument(
+        "--lora-r", type=int, default=None, help="a LoRA adapter of this rank trains instead of the whole model"
+    )
+    memory.add_argument(
+        "--lora-target-modules",
+        default="all-linear",
+        help="the adapter's target modules, comma-separated, or all-linear (default; with --lora-r)",
+    )
     p.set_defaults(handler=run_ledger)
 
 
@@ -176,9 +184,22 @@ def _print_memory_ledger(args: argparse.Namespace, config, num_replicas: int, nu
         boundary_codec=args.boundary_codec,
         gradient_checkpointing=args.gradient_checkpointing,
     )
-    rows = predict_memory(config, settings)
+    rows = predict_memory(config, settings, peft_config=_lora_config(args))
     print(json.dumps(rows, indent=2) if args.json else format_memory_table(rows, settings))
     return 0
+
+
+def _lora_config(args: argparse.Namespace):
+    """The ``LoraConfig`` of ``--lora-r``/``--lora-target-modules``, or None for a full fine-tune."""
+    if args.lora_r is None:
+        return None
+    require(args.lora_r >= 1, "--lora-r", args.lora_r, "be an integer >= 1")
+    from peft import LoraConfig
+
+    targets = args.lora_target_modules
+    modules = targets if targets == "all-linear" else [t.strip() for t in targets.split(",") if t.strip()]
+    require(bool(modules), "--lora-target-modules", targets, "name at least one module, or all-linear")
+    return LoraConfig(r=args.lora_r, target_modules=modules, task_type="CAUSAL_LM")
 
 
 def _ledger_config(args: argparse.Namespace, presets: dict) -> tuple[object, str | None]:

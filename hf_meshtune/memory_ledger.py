@@ -4,8 +4,9 @@ Like the byte ledger, but for memory: for every stage of the fast circuit and of
 the parts ``runtime.memory`` measures in a run, from the model's real shapes (the model is built on
 the meta device) and the run's settings:
 
-- ``weights``: the stage's parameters and buffers in the model dtype;
-- ``gradients``: one gradient per trainable parameter;
+- ``weights``: the stage's parameters and buffers in the model dtype (with ``peft_config``, the
+  adapters too, built by PEFT itself on the meta model: their dtype is PEFT's, float32 by default);
+- ``gradients``: one gradient per trainable parameter (with an adapter, the adapter's only);
 - ``optimizer``: AdamW's two moments per trainable parameter (and a float32 step per tensor);
 - ``anchor``: fast ranks with the anchor, ``SpectralAdamW``'s anchor momentum (float32 or wider) and
   filter bases U [m, r], d [r], V [n, r] per trainable matrix; the anchor replica, the outer momentum
@@ -81,12 +82,13 @@ def _meta_model(config) -> nn.Module:
 
 
 def predict_memory(
-    config, settings: MemorySettings, trainable: Callable[[str], bool] | None = None
+    config, settings: MemorySettings, trainable: Callable[[str], bool] | None = None, peft_config=None
 ) -> list[dict[str, int | str]]:
     """Per process kind (role, stage): the predicted bytes of every part and their ``total``.
 
     ``config``: a transformers config of a causal LM; ``trainable(name)``: whether the parameter of
-    that full-model name trains (default: all, a full fine-tune)."""
+    that full-model name trains (default: all, a full fine-tune); ``peft_config``: a PEFT config (e.g.
+    ``LoraConfig``) whose adapters wrap the model as in the run, the adapters alone training."""
     from .boundary.compose.codec import ComposedCodec, geometry_layout
     from .config import composed_codec
     from .dp.powersgd import PowerSGD
@@ -96,9 +98,12 @@ def predict_memory(
     dtype = getattr(torch, settings.dtype)
     model = _meta_model(config).to(dtype)
     untie_embeddings(model)  # the mesh's first and last stages each hold a copy
-    trains = trainable or (lambda name: True)
-    for name, param in model.named_parameters():
-        param.requires_grad_(trains(name))
+    if peft_config is not None:
+        model = _with_adapters(model, peft_config)
+    else:
+        trains = trainable or (lambda name: True)
+        for name, param in model.named_parameters():
+            param.requires_grad_(trains(name))
     model.train()
     stages = settings.num_stages
     powersgd = PowerSGD(settings.powersgd_rank) if settings.powersgd_rank else None
@@ -111,9 +116,8 @@ def predict_memory(
         named = stage_parameter_names(model, module)
         params = list(named.values())
         train = [p for p in params if p.requires_grad]
-        size = dtype.itemsize
-        weights = sum(p.numel() for p in params) * size + sum(b.numel() * b.element_size() for b in module.buffers())
-        grads = sum(p.numel() for p in train) * size
+        weights = _nbytes(params) + sum(b.numel() * b.element_size() for b in module.buffers())
+        grads = _nbytes(train)
         for role in roles:
             micro = settings.microbatches if role == "fast" else (settings.anchor_microbatches or settings.microbatches)
             parts = dict.fromkeys(_PARTS, 0)
@@ -121,7 +125,7 @@ def predict_memory(
             parts["activations"] = _activations(module, model, settings, micro, ActivationMeter)
             if role == "fast":
                 parts["optimizer"] = 2 * grads + 4 * len(train)
-                parts["dp"] = _dp_bytes(train, size, powersgd, settings)
+                parts["dp"] = _dp_bytes(train, powersgd, settings)
                 if settings.anchor:
                     parts["anchor"] = sum(_anchor_bytes(p, settings.spectral_rank) for p in train if p.ndim == 2)
                 if spec is not None:
@@ -137,11 +141,26 @@ def predict_memory(
     return rows
 
 
-def _dp_bytes(train: list[nn.Parameter], size: int, powersgd, settings: MemorySettings) -> int:
-    numel = sum(p.numel() for p in train)
+def _nbytes(params: list[nn.Parameter]) -> int:
+    return sum(p.numel() * p.element_size() for p in params)
+
+
+def _with_adapters(model: nn.Module, peft_config) -> nn.Module:
+    """The meta model wrapped by PEFT as the run wraps it: adapter tensors on meta too, PEFT's own
+    dtype and ``requires_grad`` (the base frozen)."""
+    import copy
+
+    from accelerate import init_empty_weights
+    from peft import get_peft_model
+
+    with init_empty_weights():
+        return get_peft_model(model, copy.deepcopy(peft_config))
+
+
+def _dp_bytes(train: list[nn.Parameter], powersgd, settings: MemorySettings) -> int:
     if settings.dp_mode != "streaming_diloco" or settings.num_replicas - int(settings.anchor) < 1:
         return 0
-    total = 2 * numel * size  # θ_global backup + outer momentum
+    total = 2 * _nbytes(train)  # θ_global backup + outer momentum
     if powersgd is not None:
         for p in train:
             if powersgd.compresses(p.shape):
@@ -183,14 +202,15 @@ def _trace(module, model, settings: MemorySettings, meter_cls, layers: bool) -> 
         x = torch.zeros(b, t, module.hidden_size, dtype=dtype, device="meta", requires_grad=True)
     meter = meter_cls(module.parameters())
     with meter, _FusedAttentionOnMeta():
-        hidden = module.embed_tokens(x) if module.embed_tokens is not None else x
+        hidden = module.embed(x) if module.embed_tokens is not None else x
         positions = torch.arange(t, device="meta").unsqueeze(0)
-        # no mask tensor: a full causal batch runs SDPA with is_causal, as the stage does in a run
+        # no mask tensor (masks=None): a full causal batch runs SDPA with is_causal, as the stage does in a
+        # run; a sliding window's [B, 1, T, T] mask is an input, not an activation autograd saves per layer
         kept = module.layers
         if not layers:
             module.layers = nn.ModuleList()
         try:
-            out = module.through_layers(hidden, positions, None)
+            out = module.through_layers(hidden, positions, _meta_masks(module, hidden))
         finally:
             module.layers = kept
         if module.lm_head is not None:
@@ -200,10 +220,27 @@ def _trace(module, model, settings: MemorySettings, meter_cls, layers: bool) -> 
     return one
 
 
+def _meta_masks(module, hidden: torch.Tensor) -> dict[str, torch.Tensor | None]:
+    """Stand-ins for the masks a stage builds in a run (transformers cannot build them on meta): eager
+    attention always gets an additive [B, 1, T, T] mask in the model dtype; SDPA gets none for causal
+    layers (its is_causal path) and a boolean one for sliding layers once T reaches the window."""
+    b, t = hidden.shape[:2]
+    config = module.mask_config
+    eager = config._attn_implementation == "eager"
+
+    def mask(kind: str) -> torch.Tensor | None:
+        if not eager and (kind == "full_attention" or t < config.sliding_window):
+            return None
+        return torch.zeros(b, 1, t, t, dtype=hidden.dtype if eager else torch.bool, device="meta")
+
+    return {kind: mask(kind) for kind in dict.fromkeys(module.layer_types)}
+
+
 class _FusedAttentionOnMeta(torch.overrides.TorchFunctionMode):
     """On meta, ``scaled_dot_product_attention`` would trace its math fallback, which saves the
     [B, heads, T, T] weights; a run's CPU and GPU kernels (flash / memory-efficient) save only the
-    inputs, the output and a [B, heads, T] log-sum-exp. Trace the fused kernel's autograd instead."""
+    inputs, the output and a [B, heads, T] log-sum-exp. Trace the fused kernel's autograd instead; a
+    boolean mask (a sliding window) becomes the additive mask SDPA converts it to in every call."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -213,13 +250,16 @@ class _FusedAttentionOnMeta(torch.overrides.TorchFunctionMode):
         if kwargs.get("enable_gqa") and k.shape[-3] != q.shape[-3]:
             repeat = q.shape[-3] // k.shape[-3]
             k, v = k.repeat_interleave(repeat, dim=-3), v.repeat_interleave(repeat, dim=-3)
+        mask = kwargs.get("attn_mask")
+        if mask is not None and mask.dtype == torch.bool:
+            mask = torch.zeros(mask.shape, dtype=q.dtype, device=mask.device)
         out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q,
             k,
             v,
             kwargs.get("dropout_p", 0.0),
             kwargs.get("is_causal", False),
-            attn_mask=kwargs.get("attn_mask"),
+            attn_mask=mask,
             scale=kwargs.get("scale"),
         )
         return out[0]

@@ -283,6 +283,17 @@ def format_report(root: Path, rows: list[dict[str, Any]]) -> str:
             *_mesh_numbers_table(meshes),
             "",
         ]
+        memory = [line for row in meshes for line in mesh_memory_table(row["run"], row["mesh"])]
+        if memory:
+            lines += [
+                "## Distributed mesh: memory per process",
+                "",
+                "GiB per process, measured (the memory ledger's prediction for its role and stage): parts "
+                "counted from the tensors, activations by autograd's saved-tensor hooks, peak RSS from the kernel.",
+                "",
+                *memory,
+                "",
+            ]
     lines += [
         "## Plots",
         "",
@@ -374,6 +385,35 @@ def _mesh_numbers_table(rows: list[dict[str, Any]]) -> list[str]:
             )
         )
     return table
+
+
+MEMORY_PARTS = ("weights", "gradients", "optimizer", "anchor", "dp", "codec", "activations")
+
+
+def mesh_memory_table(run: str, summary: dict[str, Any]) -> list[str]:
+    """Every process of a mesh summary: each part measured (predicted), their sum, the peak RSS; [] for a
+    summary without memory figures (older runs)."""
+    processes = summary.get("memory_gib") or []
+    if not processes:
+        return []
+    predicted = {(p["role"], p["stage"]): p for p in summary.get("memory_predicted_gib") or []}
+    header = ["run", "rank", "role", "stage", *MEMORY_PARTS, "counted (predicted)", "peak RSS"]
+    table = [_table_row(header), "|---|---:|---|---:|" + "---:|" * (len(MEMORY_PARTS) + 2)]
+    for proc in processes:
+        guess = predicted.get((proc["role"], proc["stage"]), {})
+        cells = [_measured(proc.get(part), guess.get(part)) for part in (*MEMORY_PARTS, "counted")]
+        if guess:
+            cells[-1] = _measured(proc.get("counted"), guess.get("total"))
+        table.append(
+            _table_row(
+                [run, str(proc["rank"]), proc["role"], str(proc["stage"]), *cells, _fmt(proc["peak_rss"], ".2f")]
+            )
+        )
+    return table
+
+
+def _measured(value: float | None, predicted: float | None) -> str:
+    return _fmt(value, ".3f") + ("" if predicted is None else f" ({predicted:.3f})")
 
 
 def _fmt(value: Any, spec: str) -> str:

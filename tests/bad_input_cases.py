@@ -1730,6 +1730,10 @@ def _cases() -> list[Case]:
             "meshtune ledger: error: --sync-every=0 is invalid: it must be an integer >= 1",
         ),
         _cli(
+            "meshtune ledger --memory --lora-r 0",
+            "meshtune ledger: error: --lora-r=0 is invalid: it must be an integer >= 1",
+        ),
+        _cli(
             "meshtune ledger --powersgd-rank 0",
             "meshtune ledger: error: --powersgd-rank=0 is invalid: it must be None or an integer >= 1",
         ),

@@ -280,3 +280,32 @@ def test_bad_run_dir_exits_2_with_the_reason(tmp_path, capsys, case):
     }[case]
     assert err.startswith(f"meshtune report: error: {expected}"), err
     assert not (run_dir / "report.md").exists()
+
+
+def test_a_mesh_summary_with_memory_reports_every_process_beside_the_ledger(tmp_path):
+    """Each process's parts as measured (predicted for its role and stage), the sum against the predicted
+    total, the peak RSS; a summary without memory figures (older runs) has no memory section."""
+    parts = dict(weights=0.25, gradients=0.125, optimizer=0.25, anchor=0.0, dp=0.5, codec=0.0, activations=0.01)
+    guess = {**parts, "activations": 0.012}
+    summary = {
+        **MESH_SUMMARY,
+        "memory_gib": [
+            {"rank": r, "replica": r // 2, "stage": r % 2, "role": "fast", **parts, "counted": 1.135, "peak_rss": 2.5}
+            for r in range(2)
+        ],
+        "memory_predicted_gib": [
+            {"role": "fast", "stage": 0, **guess, "total": 1.137},
+            {"role": "fast", "stage": 1, **guess, "total": 1.2},
+        ],
+    }
+    run = tmp_path / "runs" / "mem"
+    run.mkdir(parents=True)
+    (run / MESH_SUMMARY_NAME).write_text(json.dumps(summary))
+    write_report(tmp_path / "runs", tmp_path / "out")
+    report = (tmp_path / "out" / "report.md").read_text()
+    cells = "0.250 (0.250) | 0.125 (0.125) | 0.250 (0.250) | 0.000 (0.000) | 0.500 (0.500) | 0.000 (0.000)"
+    assert f"| mem | 0 | fast | 0 | {cells} | 0.010 (0.012) | 1.135 (1.137) | 2.50 |" in report
+    assert f"| mem | 1 | fast | 1 | {cells} | 0.010 (0.012) | 1.135 (1.200) | 2.50 |" in report
+    (run / MESH_SUMMARY_NAME).write_text(json.dumps(MESH_SUMMARY))
+    write_report(tmp_path / "runs", tmp_path / "out")
+    assert "memory per process" not in (tmp_path / "out" / "report.md").read_text()

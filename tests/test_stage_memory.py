@@ -120,6 +120,41 @@ def test_the_ledger_traces_the_activations_a_stage_saves_within_15_percent(seq_l
         assert predicted[stage] == pytest.approx(meter.peak, rel=0.15), stage
 
 
+def test_the_ledger_predicts_a_lora_stage_as_peft_builds_it():
+    """With a LoRA config the ledger wraps its meta model as the run does: a stage's weights are the base
+    tensors plus PEFT's float32 adapters, and only the adapters have gradients, moments and DP state; the
+    activations the adapters add are traced within 15 %."""
+    from peft import LoraConfig, get_peft_model
+
+    lora = LoraConfig(r=4, target_modules="all-linear", lora_dropout=0.0)
+    model = tiny_llama(seed=0, layers=4, hidden=64).to(torch.bfloat16)
+    untie_embeddings(model)
+    model = get_peft_model(model, lora)
+    settings = MemorySettings(num_replicas=2, num_stages=2, microbatch_size=2, microbatches=1, seq_len=32,
+                              dtype="bfloat16", powersgd_rank=None)  # fmt: skip
+    rows = {row["stage"]: row for row in predict_memory(model.config, settings, peft_config=lora)}
+    full = {row["stage"]: row for row in predict_memory(model.config, settings)}
+    for stage in (0, 1):
+        module = StageModule(model, stage, 2, None, None)
+        params = list(stage_parameter_names(model, module).values())
+        adapters = [p for p in params if p.requires_grad]
+        assert adapters and all(p.dtype == torch.float32 for p in adapters)  # PEFT's own dtype
+        adapter_bytes = sum(p.nbytes for p in adapters)
+        weights = sum(p.nbytes for p in params) + sum(b.nbytes for b in module.buffers())
+        row = rows[stage]
+        assert (row["weights"], row["gradients"]) == (weights, adapter_bytes)
+        assert row["optimizer"] == 2 * adapter_bytes + 4 * len(adapters)
+        assert row["dp"] == 2 * adapter_bytes  # θ_global + outer momentum, no PowerSGD
+        assert row["weights"] == full[stage]["weights"] + adapter_bytes  # the base, plus the adapters
+        x = torch.randint(3, 90, (2, 32)) if stage == 0 else torch.randn(2, 32, 64, dtype=torch.bfloat16)
+        meter = ActivationMeter(module.parameters())
+        with meter:
+            out = module(x.requires_grad_() if stage == 1 else x)
+            if stage == 1:
+                out = causal_lm_loss(model)(out, torch.randint(3, 90, (2, 32)))
+        assert row["activations"] == pytest.approx(meter.peak, rel=0.15), stage
+
+
 def _launch(output_dir, *extra: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": ROOT, "RUST_LOG": "warn"}
     flags = [

@@ -180,11 +180,10 @@ _MEMORY_KEYS = ("peak_rss", *MEMORY_PARTS, "counted")
 
 
 def _predicted_memory(trainer, topology: MeshTopology, seq_len: int) -> list[dict] | None:
-    """The memory ledger's prediction for this run (None for a PEFT model: the ledger predicts full
-    and partial fine-tunes of the model's own parameters)."""
+    """The memory ledger's prediction for this run: the model's own trainable parameters, or its PEFT
+    adapter (the ledger wraps its meta model with the same adapter config)."""
     model, args = trainer.model, trainer.args
-    if getattr(model, "peft_config", None) is not None:
-        return None
+    peft_config = (getattr(model, "peft_config", None) or {}).get(getattr(model, "active_adapter", "default"))
     cfg = args.mesh_config
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}
     settings = MemorySettings(
@@ -202,7 +201,7 @@ def _predicted_memory(trainer, topology: MeshTopology, seq_len: int) -> list[dic
         mask_seed=cfg.mask_seed,
         gradient_checkpointing=bool(getattr(args, "gradient_checkpointing", False)),
     )
-    rows = predict_memory(model.config, settings, trainable.__contains__)
+    rows = predict_memory(model.config, settings, trainable.__contains__, peft_config=peft_config)
     return [{k: (v / GIB if isinstance(v, int) and k != "stage" else v) for k, v in row.items()} for row in rows]
 
 
