@@ -193,6 +193,14 @@ class MeshArguments:
         default="gradient",
         metadata={"help": "What the anchor sends: the 'gradient' or its momentum's rank-r 'factors'."},
     )
+    max_memory_per_stage: float | None = field(
+        default=None,
+        metadata={
+            "help": "Mesh: GiB one process may hold (the memory ledger's predicted total for its role and stage: "
+            "weights, gradients, optimizer, anchor, DP and codec state, activations; the Python runtime not "
+            "included). A stage predicted over it fails the start on every rank, naming its parts. None = no check."
+        },
+    )
 
     @property
     def should_save(self) -> bool:
@@ -248,6 +256,12 @@ class MeshArguments:
             )
         require(self.dp_sync_every >= 1, "dp_sync_every", self.dp_sync_every, "be >= 1")
         _require_optional_positive("dp_powersgd_rank", self.dp_powersgd_rank)
+        require(
+            self.max_memory_per_stage is None or self.max_memory_per_stage > 0,
+            "max_memory_per_stage",
+            self.max_memory_per_stage,
+            "be None or > 0 (GiB)",
+        )
         require(
             isinstance(self.dp_fragments, int) and self.dp_fragments >= 1,
             "dp_fragments",

@@ -507,8 +507,9 @@ def embeddings_and_first_layers_frozen() -> nn.Module:
     return model
 
 
-def sliding_window_qwen2() -> nn.Module:
-    return make_tiny_causal_lm("qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=0)
+def bidirectional_gemma3() -> nn.Module:
+    """Gemma 3 with bidirectional attention (an embedding model's setting): its masks are not causal."""
+    return make_tiny_causal_lm("gemma3_text", use_bidirectional_attention=True)
 
 
 def llama_without_head() -> nn.Module:
@@ -1013,7 +1014,9 @@ GROUP_NOTES: dict[str, str] = {
     "the shape but were started with different knobs (`--mask_ratio`, `--mask_seed`, `--anchor`, ...); nothing "
     "compares them across ranks.",
     MODELS: "Any causal LM with a decoder-layer list declared in `_no_split_modules` takes the masked boundaries "
-    "(on one process); the distributed pipeline rebuilds the Llama layout only.",
+    "(on one process); the distributed pipeline rebuilds the decoder families whose base-model forward it has read "
+    "(Llama, Mistral, Qwen2/3, Gemma 1/2/3, Phi/Phi-3, OLMo 1/2, StableLM, GPT-NeoX; sliding-window layers and logit "
+    "soft-capping included) and says why it refuses any other.",
     CLI: "`meshtune` prints `meshtune <command>: error: <message>` and exits with code 2 for every `ValueError` "
     "(and argparse does the same for malformed flags, after its usage line). Messages name the library's field "
     "(`global_batch` for `--batch-size`, `activation_dtype` for `--dtype`), not the flag.",
@@ -1067,8 +1070,10 @@ _RUN_RULE = (
     "mesh_summary.json or summary.json"
 )
 _PIPELINE = (
-    "be one of ['llama', 'mistral', 'qwen2', 'qwen3'] for the distributed pipeline (its stages rebuild this "
-    "layout: embed_tokens → layers with rotary embeddings → norm → lm_head)"
+    "be one of ['llama', 'mistral', 'qwen2', 'qwen3', 'gemma', 'gemma2', 'gemma3_text', 'phi3', 'phi', 'olmo', "
+    "'olmo2', 'stablelm', 'gpt_neox'] for the distributed pipeline: its base model has no rotary position embedding "
+    "(rotary_emb): its positions (learned absolute ones, as GPT-2's wpe) are added to the embeddings inside its "
+    "forward, which no stage rebuilds"
 )
 _NO_DECODER = (
     "is invalid: it must contain an nn.ModuleList of decoder blocks declared in _no_split_modules "
@@ -1107,6 +1112,7 @@ def _cases() -> list[Case]:
         _knob("spectral_tau=0.0 is invalid: it must be > 0", spectral_tau=0.0),
         _knob("spectral_alpha=1.5 is invalid: it must lie in [0, 1]", spectral_alpha=1.5),
         _knob("spectral_rank=0 is invalid: it must be None or an int >= 1", spectral_rank=0),
+        _knob("max_memory_per_stage=0.0 is invalid: it must be None or > 0 (GiB)", max_memory_per_stage=0.0),
         _knob("num_replicas=0 is invalid: it must be >= 1", num_replicas=0, anchor=False),
         _knob(
             "num_replicas=1 is invalid: it must be >= 2 when anchor=True (one replica is the anchor)",
@@ -1346,6 +1352,17 @@ def _cases() -> list[Case]:
             ValueError,
             "trainable parameters of stage=0 is invalid: it must include at least one (freeze fewer layers: every "
             "stage of the mesh trains)",
+        ),
+        Case(
+            MESH,
+            "max_memory_per_stage=0.0001 (GiB) on a 2x2 mesh of a tiny Llama",
+            "`MeshTrainer(...).train()` on a launched rank",
+            mesh_train_in(4, "2x2", anchor=False, optim="adamw_torch", max_memory_per_stage=0.0001),
+            ValueError,
+            "max_memory_per_stage=0.0001 is invalid: it must be >= the 0.00225 GiB the memory ledger predicts for the "
+            "fast stage 0 (weights 0.0003, gradients 0.000299, optimizer 0.000599, dp 0.000914, activations "
+            "0.000139; the Python runtime not included): use more stages, LoRA, a smaller batch or gradient "
+            "checkpointing",
         ),
         Case(
             MESH,
@@ -1668,12 +1685,12 @@ def _cases() -> list[Case]:
         ),
         Case(
             MODELS,
-            "Qwen2 with sliding-window layers on the distributed mesh",
+            "Gemma 3 with use_bidirectional_attention=True on the distributed mesh",
             "`MeshTrainer(...).train()` on a launched rank",
-            mesh_train_in(4, "2x2", sliding_window_qwen2),
+            mesh_train_in(4, "2x2", bidirectional_gemma3),
             ValueError,
-            "model.config.layer_types=['sliding_attention'] is invalid: it must be full attention only in the "
-            "distributed pipeline",
+            "model.config.use_bidirectional_attention=True is invalid: it must be False in the distributed pipeline "
+            "(its stages build causal masks only)",
         ),
         Case(
             MODELS,
@@ -1681,7 +1698,8 @@ def _cases() -> list[Case]:
             "`MeshTrainer(...).train()` on a launched rank",
             mesh_train_in(4, "2x2", llama_without_head),
             ValueError,
-            "model.lm_head=None is invalid: it must exist (a causal LM head)",
+            "model.get_output_embeddings()=None is invalid: it must be an LM head (load the model with "
+            "AutoModelForCausalLM, not its bare base model)",
         ),
         # --- meshtune CLI --------------------------------------------------------------------------------
         _cli(

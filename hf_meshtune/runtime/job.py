@@ -39,7 +39,8 @@ from ..pipeline.stage import StageModule, untie_embeddings
 from ..topology import MeshGroups, MeshTopology
 from .bootstrap import job_store, run_worker
 from .checkpoint import resolve_resume
-from .results import MeshResult, gather_results, log_history, summarize
+from .memory import MEMORY_PARTS
+from .results import MeshResult, gather_results, log_history, predicted_memory, summarize
 from .settings import RunSettings
 
 __all__ = ["LIGHTHOUSE_ENV", "SUMMARY_NAME", "MeshRun", "is_distributed_job", "train_on_mesh", "validate_mesh_job"]
@@ -177,6 +178,7 @@ def train_on_mesh(trainer, resume_from_checkpoint: bool | str | None = None):
     checkpoint_every = _checkpoint_every(args)
     resume_from = resolve_resume(resume_from_checkpoint, args.output_dir, topology)
     _require_every_stage_trains(model, topology)
+    _require_memory_budget(trainer, topology, _fixed_length(_train_rows(trainer)))
     rank = _join(trainer, topology)
     groups = topology.build_groups(timeout_s=args.ddp_timeout)  # bounds every pipeline and anchor-link transfer
     lighthouse, server = _lighthouse(rank, topology)
@@ -194,6 +196,24 @@ def train_on_mesh(trainer, resume_from_checkpoint: bool | str | None = None):
     finally:
         if server is not None:
             server.shutdown()
+
+
+def _require_memory_budget(trainer, topology: MeshTopology, seq_len: int) -> None:
+    """``max_memory_per_stage``: every rank predicts every (role, stage) from the same config (the memory
+    ledger) and refuses the same one over the budget, before any collective."""
+    budget = trainer.args.mesh_config.max_memory_per_stage
+    if budget is None:
+        return
+    for row in predicted_memory(trainer, topology, seq_len):
+        parts = ", ".join(f"{k} {row[k]:.3g}" for k in MEMORY_PARTS if row[k] > 0)
+        require(
+            row["total"] <= budget,
+            "max_memory_per_stage",
+            budget,
+            f"be >= the {row['total']:.3g} GiB the memory ledger predicts for the {row['role']} stage "
+            f"{row['stage']} ({parts}; the Python runtime not included): use more stages, LoRA, a smaller "
+            "batch or gradient checkpointing",
+        )
 
 
 def _join(trainer, topology: MeshTopology) -> int:
@@ -220,12 +240,18 @@ def _join(trainer, topology: MeshTopology) -> int:
     return rank
 
 
-def _mesh_data(trainer, topology: MeshTopology, rank: int) -> tuple[_ReplicaBatches, Callable, int]:
-    """(this replica's batches by step, the anchor's by round, the fixed sequence length T)."""
-    args, model = trainer.args, trainer.model
+def _train_rows(trainer):
+    """The training dataset as the mesh reads it: the Trainer's unused columns removed."""
     dataset = trainer.train_dataset
     if hasattr(dataset, "column_names"):
         dataset = trainer._remove_unused_columns(dataset, description="training")
+    return dataset
+
+
+def _mesh_data(trainer, topology: MeshTopology, rank: int) -> tuple[_ReplicaBatches, Callable, int]:
+    """(this replica's batches by step, the anchor's by round, the fixed sequence length T)."""
+    args, model = trainer.args, trainer.model
+    dataset = _train_rows(trainer)
     seq_len = _fixed_length(dataset)
     pad_id = getattr(getattr(trainer, "processing_class", None), "pad_token_id", None)
     pad_id = pad_id if pad_id is not None else (model.config.pad_token_id or 0)

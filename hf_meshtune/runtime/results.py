@@ -171,7 +171,7 @@ def summarize(results: list[MeshResult], topology: MeshTopology, trainer, seq_le
         "resumed_from_step": min((r.first_step for r in fast), default=0),
         "anchor_lost_at_step": min((r.anchor_lost_at for r in fast if r.anchor_lost_at is not None), default=None),
         "memory_gib": memory,  # per process: counted parts, the kernel's peak RSS (runtime.memory)
-        "memory_predicted_gib": _predicted_memory(trainer, topology, seq_len),  # memory_ledger, per (role, stage)
+        "memory_predicted_gib": predicted_memory(trainer, topology, seq_len),  # memory_ledger, per (role, stage)
         "memory_max_gib": {k: max(row[k] for row in memory) for k in _MEMORY_KEYS} if memory else {},
     }
 
@@ -179,7 +179,7 @@ def summarize(results: list[MeshResult], topology: MeshTopology, trainer, seq_le
 _MEMORY_KEYS = ("peak_rss", *MEMORY_PARTS, "counted")
 
 
-def _predicted_memory(trainer, topology: MeshTopology, seq_len: int) -> list[dict] | None:
+def predicted_memory(trainer, topology: MeshTopology, seq_len: int) -> list[dict]:
     """The memory ledger's prediction for this run: the model's own trainable parameters, or its PEFT
     adapter (the ledger wraps its meta model with the same adapter config)."""
     model, args = trainer.model, trainer.args
