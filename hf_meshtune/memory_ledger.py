@@ -204,8 +204,7 @@ def _trace(module, model, settings: MemorySettings, meter_cls, layers: bool) -> 
     with meter, _FusedAttentionOnMeta():
         hidden = module.embed(x) if module.embed_tokens is not None else x
         positions = torch.arange(t, device="meta").unsqueeze(0)
-        # no mask tensor (masks=None): a full causal batch runs SDPA with is_causal, as the stage does in a
-        # run; a sliding window's [B, 1, T, T] mask is an input, not an activation autograd saves per layer
+        # the masks as a run has them (see _meta_masks): none for SDPA's causal layers, [B, 1, T, T] otherwise
         kept = module.layers
         if not layers:
             module.layers = nn.ModuleList()

@@ -41,12 +41,43 @@ def test_run_settings_need_positive_sizes():
         RunSettings(config=MeshConfig(), microbatch_size=1, microbatches=1, seq_len=0, max_steps=1)
 
 
-def test_pipeline_refuses_layouts_it_does_not_rebuild():
-    with pytest.raises(ValueError, match="model.config.model_type='gpt2' is invalid"):
-        StageModule(make_tiny_causal_lm("gpt2"), 0, 2, None, None)
-    sliding = make_tiny_causal_lm("qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=0)
-    with pytest.raises(ValueError, match="be full attention only"):
-        StageModule(sliding, 0, 2, None, None)
+def _tiny_t5() -> torch.nn.Module:
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    return T5ForConditionalGeneration(T5Config(vocab_size=100, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4))
+
+
+def _tiny_granite() -> torch.nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    sizes = dict(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
+    return AutoModelForCausalLM.from_config(AutoConfig.for_model("granite", **sizes))
+
+
+@pytest.mark.parametrize(
+    "build, field, why",
+    [
+        (lambda: make_tiny_causal_lm("gpt2"), "model.config.model_type='gpt2'", "no rotary position embedding"),
+        (_tiny_t5, "model.config.model_type='t5'", "it is an encoder-decoder"),
+        (_tiny_granite, "model.config.model_type='granite'", "Granite's embedding_multiplier"),
+        (
+            lambda: make_tiny_causal_lm("gemma3_text", use_bidirectional_attention=True),
+            "model.config.use_bidirectional_attention=True",
+            "build causal masks only",
+        ),
+        (lambda: tiny_llama().model, r"model.get_output_embeddings\(\)=None", "be an LM head"),
+    ],
+)
+def test_pipeline_refuses_layouts_it_does_not_rebuild_saying_why(build, field, why):
+    with pytest.raises(ValueError, match=f"{field} is invalid: it must .*{why}"):
+        StageModule(build(), 0, 2, None, None)
+
+
+def test_pipeline_refuses_a_layer_type_it_builds_no_mask_for():
+    model = make_tiny_causal_lm("qwen2")
+    model.config.layer_types = ["full_attention", "chunked_attention", "full_attention", "full_attention"]
+    with pytest.raises(ValueError, match=r"layer_types=\['chunked_attention'\] is invalid: it must name only"):
+        StageModule(model, 0, 2, None, None)
 
 
 def test_stage_split_owns_embeddings_first_and_head_last():

@@ -13,8 +13,15 @@ _TINY_ARCH_OVERRIDES: dict[str, dict] = {
     "llama": {},
     "qwen2": {},
     "mistral": {},
+    "qwen3": {},
     "gemma": {"head_dim": 8},  # Gemma's default head_dim is 256 regardless of hidden_size
+    "gemma2": {"head_dim": 8, "query_pre_attn_scalar": 8},
+    "gemma3_text": {"head_dim": 8, "query_pre_attn_scalar": 8},
     "phi3": {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
+    "phi": {"bos_token_id": 1, "eos_token_id": 2},
+    "olmo": {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
+    "olmo2": {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
+    "stablelm": {"bos_token_id": 1, "eos_token_id": 2},
     "gpt2": {"bos_token_id": 1, "eos_token_id": 2, "embd_pdrop": 0.0, "resid_pdrop": 0.0, "attn_pdrop": 0.0},
     "gpt_neox": {"bos_token_id": 1, "eos_token_id": 2},
 }
@@ -49,6 +56,37 @@ def make_tiny_causal_lm(arch: str, hidden: int = 32, layers: int = 4, seed: int 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return AutoModelForCausalLM.from_config(config)
+
+
+# What each family the distributed pipeline supports (``pipeline.layout.FAMILIES``) is tested with: every switch the
+# stages must reproduce turned on, at sizes where it matters. Sliding windows of 4 < the tests' 12 tokens (a
+# window that covers the sequence is the full mask); soft-caps of 0.5, where tanh bends the tiny model's logits
+# (|logits| ≈ 0.4; Gemma's default 30 would be the identity there).
+PIPELINE_FAMILIES: dict[str, dict] = {
+    "llama": {},
+    "mistral": {"sliding_window": 4},  # every layer sliding
+    "qwen2": {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 2},  # full, full, sliding, sliding
+    "qwen3": {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 2},
+    "gemma": {},  # embeddings scaled by √H
+    "gemma2": {"sliding_window": 4, "final_logit_softcapping": 0.5},  # sliding, full, sliding, full
+    "gemma3_text": {  # the local rotary base (10^4, not 10^6) on sliding layers
+        "sliding_window": 4,
+        "layer_types": ["sliding_attention", "full_attention", "full_attention", "sliding_attention"],
+        "final_logit_softcapping": 0.5,
+    },
+    "phi3": {"sliding_window": 4},
+    "phi": {},  # embedding dropout module, final_layernorm, partial rotary
+    "olmo": {},
+    "olmo2": {},  # q/k norms
+    "stablelm": {"qk_layernorm": True, "use_parallel_residual": True},
+    "gpt_neox": {},  # gpt_neox.embed_in, emb_dropout, final_layer_norm; parallel residual
+}
+
+
+def tiny_family(arch: str, hidden: int = 32, layers: int = 4, seed: int = 0, **overrides) -> torch.nn.Module:
+    """``make_tiny_causal_lm`` with the family's ``PIPELINE_FAMILIES`` switches (then ``overrides``)."""
+    switches = {**PIPELINE_FAMILIES[arch], **overrides}
+    return make_tiny_causal_lm(arch, hidden=hidden, layers=layers, seed=seed, **switches)
 
 
 def tiny_llama(seed: int = 0, layers: int = 4, hidden: int = 64) -> torch.nn.Module:

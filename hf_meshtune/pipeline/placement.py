@@ -196,6 +196,27 @@ def _name_of(model: nn.Module, module: nn.Module, attr: str) -> str:
     raise AssertionError("module not in model")
 
 
+def _checkpoint_names(model: nn.Module, keys) -> dict[str, tuple[str, str | None]]:
+    """The model's state-dict name of every checkpoint key in ``keys``, renamed as ``from_pretrained``
+    renames it (the base model's prefix added or dropped; a family's legacy names, e.g. GPT-NeoX's
+    ``embed_out`` → ``lm_head``): name → (checkpoint key, the pattern of a transformers conversion that
+    merges or splits the tensor at load, or None)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    meta = model.state_dict()
+    names: dict[str, tuple[str, str | None]] = {}
+    for key in keys:
+        name, converted = rename_source_key(key, renamings, converters, model.base_model_prefix, meta)
+        if name not in meta and key in meta:  # as from_pretrained: a key the renaming missed keeps its name
+            name, converted = key, None
+        names.setdefault(name, (key, converted))
+    return names
+
+
 def _load_owned(model: nn.Module, module: nn.Module, folder: str, stage: int, tied: dict, dtype) -> None:
     from accelerate.utils import set_module_tensor_to_device
     from safetensors import safe_open
@@ -203,15 +224,22 @@ def _load_owned(model: nn.Module, module: nn.Module, folder: str, stage: int, ti
     from .stage import stage_parameter_names
 
     files = _checkpoint_files(folder)
-    prefix = f"{model.base_model_prefix}."
+    names = _checkpoint_names(model, files)
     wanted: dict[str, list[tuple[str, str]]] = {}
     for name in stage_parameter_names(model, module):
-        key = next((k for k in (name, tied.get(name), name.removeprefix(prefix)) if k and k in files), None)
+        key, converted = names.get(name) or names.get(tied.get(name), (None, None))
         require(
             key is not None,
             f"checkpoint tensor {name!r} (stage {stage})",
             "missing",
             f"be in the checkpoint at {folder}: stage {stage} holds it",
+        )
+        require(
+            converted is None,
+            f"checkpoint tensor {key!r} (stage {stage})",
+            converted,
+            "be stored as its parameter (transformers converts it at load, merging or splitting tensors, which "
+            "per-stage loading does not do: load the model whole and let its stages release the rest)",
         )
         wanted.setdefault(files[key], []).append((name, key))
     for file, entries in wanted.items():

@@ -1,9 +1,11 @@
 """Distributed pipeline stages of a Hugging Face causal LM with compact masked boundaries.
 
-``StageModule`` is one stage of a manual split: the first holds the token embeddings, the last the
-final norm and the LM head, every stage its contiguous slice of decoder layers (the same
-``split_stages`` as the single-process boundaries) and rebuilds the causal mask and the rotary
-embeddings for itself, so nothing but the boundary payload crosses between stages.
+``StageModule`` is one stage of a manual split: the first holds the token embeddings (and the
+embedding dropout), the last the final norm, the LM head and the logit soft-cap, every stage its
+contiguous slice of decoder layers (the same ``split_stages`` as the single-process boundaries) and
+rebuilds the attention masks and the rotary embeddings its layers need for itself, so nothing but the
+boundary payload crosses between stages. Which families it rebuilds, and how each differs, is
+``pipeline.layout``.
 
 On a masked replica the payload of boundary ℓ is the compact [B, T, K] tensor of kept values:
 ``BoundaryMask.send`` (a gather) ends stage ℓ and ``BoundaryMask.receive`` (a scatter into the fill)
@@ -20,7 +22,6 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from transformers.masking_utils import create_causal_mask
 
 from .._validation import require
 from ..boundary.compose.codec import ComposedCodec
@@ -28,6 +29,7 @@ from ..boundary.fills import FILLS
 from ..boundary.hooks import find_decoder_layers, split_stages
 from ..boundary.masking import BoundaryMask, keep_count
 from ..config import composed_codec
+from .layout import MASKS, SUPPORTED_MODEL_TYPES, decoder_layout, layer_types, logit_softcap, rotary_per_layer_type
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
@@ -38,11 +40,6 @@ __all__ = [
     "untie_embeddings",
 ]
 
-# Decoder-only models whose base model is embed_tokens → layers (with rotary position embeddings
-# computed once by ``rotary_emb``) → norm, and whose layers take (hidden, attention_mask,
-# position_ids, position_embeddings): the layout the stages rebuild.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-
 
 def _base_model(model: nn.Module) -> nn.Module:
     layers_name, _ = find_decoder_layers(model)
@@ -50,28 +47,11 @@ def _base_model(model: nn.Module) -> nn.Module:
     return model.get_submodule(base_name) if base_name else model
 
 
-def _check_supported(model: nn.Module) -> None:
-    config = getattr(model, "config", None)
-    model_type = getattr(config, "model_type", None)
-    require(
-        model_type in SUPPORTED_MODEL_TYPES,
-        "model.config.model_type",
-        model_type,
-        f"be one of {list(SUPPORTED_MODEL_TYPES)} for the distributed pipeline (its stages rebuild "
-        "this layout: embed_tokens → layers with rotary embeddings → norm → lm_head)",
-    )
-    sliding = [t for t in (getattr(config, "layer_types", None) or []) if t != "full_attention"]
-    require(
-        not sliding and not getattr(config, "use_sliding_window", False),
-        "model.config.layer_types",
-        sorted(set(sliding)) or "use_sliding_window=True",
-        "be full attention only in the distributed pipeline",
-    )
-    require(getattr(model, "lm_head", None) is not None, "model.lm_head", None, "exist (a causal LM head)")
-
-
 def causal_lm_loss(model: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """The model's own causal-LM loss (shifted cross-entropy, -100 ignored) as ``loss(logits, labels)``."""
+    """The model's own causal-LM loss (shifted cross-entropy, -100 ignored) as ``loss(logits, labels)``.
+
+    The logits are the last stage's, already soft-capped where the family caps them: the cap is part of
+    the model's logits (``generate`` and evaluation see it too), not of its loss."""
     vocab = model.config.get_text_config().vocab_size
 
     def loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -84,7 +64,7 @@ class StageModule(nn.Module):
     """Stage ``stage`` of ``num_stages`` of a causal LM, sharing (not copying) the model's modules.
 
     Args:
-        model: the full HF causal LM (Llama layout, see ``SUPPORTED_MODEL_TYPES``).
+        model: the full HF causal LM (a family of ``SUPPORTED_MODEL_TYPES``, see ``pipeline.layout``).
         stage, num_stages: this stage's index and Y.
         mask_in / mask_out: the boundary masks on the input (stage > 0) and output (stage < Y-1)
             side; None runs that side dense (the anchor replica, or p = 0).
@@ -107,19 +87,28 @@ class StageModule(nn.Module):
         codec_out: ComposedCodec | None = None,
     ) -> None:
         super().__init__()
-        _check_supported(model)
         _, layers = find_decoder_layers(model)
-        ranges = split_stages(len(layers), num_stages)
         base = _base_model(model)
+        layout = decoder_layout(model, base, len(layers))
+        ranges = split_stages(len(layers), num_stages)
         self.config = model.config
+        self.mask_config = base.config  # the masks are built from the base model's (text) config, as it does
         self.stage, self.num_stages = stage, num_stages
         self.layer_range = ranges[stage]
         self.hidden_size = self.config.get_text_config().hidden_size
-        self.embed_tokens = base.embed_tokens if stage == 0 else None
+        first, last = stage == 0, stage == num_stages - 1
+        self.embed_tokens = model.get_input_embeddings() if first else None
+        self.embed_dropout = getattr(base, layout.embed_dropout) if first and layout.embed_dropout else None
         self.layers = nn.ModuleList([layers[i] for i in self.layer_range])
+        self.layer_types = [layer_types(model.config, len(layers))[i] for i in self.layer_range]
         self.rotary_emb = base.rotary_emb
-        self.norm = base.norm if stage == num_stages - 1 else None
-        self.lm_head = model.lm_head if stage == num_stages - 1 else None
+        self.rotary_per_type = rotary_per_layer_type(base.rotary_emb)
+        self.norm = getattr(base, layout.norm) if last else None
+        self.lm_head = model.get_output_embeddings() if last else None
+        self.softcap = logit_softcap(model.config) if last else None
+        self._setup_boundaries(mask_in, mask_out, codec_in, codec_out)
+
+    def _setup_boundaries(self, mask_in, mask_out, codec_in, codec_out) -> None:
         require(
             not ((mask_in or mask_out) and (codec_in or codec_out)),
             "boundary",
@@ -133,30 +122,60 @@ class StageModule(nn.Module):
         self.record: list[torch.Tensor] | None = None  # a list: every forward's outgoing hidden state lands here
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.embed_tokens is not None:
-            hidden = self.embed_tokens(x)
-        elif self.codec_in is not None and not self.dense:
-            hidden = self.codec_in.receive(x, self.step, self.microbatch)
-        elif self.mask_in is not None:
-            idx = self.mask_in.indices(self.step, self.microbatch, x.shape[-2], self.hidden_size, x.device)
-            hidden = self.mask_in.receive(x, idx, self.hidden_size)
-        else:
-            hidden = x
+        hidden = self.embed(x) if self.embed_tokens is not None else self.receive(x)
         positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-        causal = create_causal_mask(
-            config=self.config, inputs_embeds=hidden, attention_mask=None, cache=None, position_ids=positions
-        )
-        return self.through_layers(hidden, positions, causal)
+        return self.through_layers(hidden, positions, self.attention_masks(hidden, positions))
 
-    def through_layers(self, hidden: torch.Tensor, positions: torch.Tensor, causal) -> torch.Tensor:
-        """The stage after its input side: its decoder layers under the ``causal`` mask, then the head
-        (last stage) or the output side (the memory ledger traces this on meta tensors)."""
-        rotary = self.rotary_emb(hidden, position_ids=positions)
-        for layer in self.layers:
-            out = layer(hidden, attention_mask=causal, position_ids=positions, position_embeddings=rotary)
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The first stage's input side: the embeddings (scaled inside the module where the family scales
+        them) and the family's embedding dropout."""
+        hidden = self.embed_tokens(ids)
+        return self.embed_dropout(hidden) if self.embed_dropout is not None else hidden
+
+    def receive(self, x: torch.Tensor) -> torch.Tensor:
+        """A later stage's input side: the boundary payload back to [B, T, H]."""
+        if self.codec_in is not None and not self.dense:
+            return self.codec_in.receive(x, self.step, self.microbatch)
+        if self.mask_in is not None:
+            idx = self.mask_in.indices(self.step, self.microbatch, x.shape[-2], self.hidden_size, x.device)
+            return self.mask_in.receive(x, idx, self.hidden_size)
+        return x
+
+    def attention_masks(self, hidden: torch.Tensor, positions: torch.Tensor) -> dict[str, torch.Tensor | None]:
+        """The mask of every layer type this stage's layers use, built as the base model builds it."""
+        kwargs = dict(config=self.mask_config, inputs_embeds=hidden, attention_mask=None, cache=None)
+        return {kind: MASKS[kind](**kwargs, position_ids=positions) for kind in dict.fromkeys(self.layer_types)}
+
+    def rotary(self, hidden: torch.Tensor, positions: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """(cos, sin) for every layer type this stage's layers use: one table, or one per type (Gemma 3)."""
+        kinds = dict.fromkeys(self.layer_types)
+        if self.rotary_per_type:
+            return {kind: self.rotary_emb(hidden, positions, kind) for kind in kinds}
+        shared = self.rotary_emb(hidden, position_ids=positions)
+        return dict.fromkeys(kinds, shared)
+
+    def through_layers(self, hidden: torch.Tensor, positions: torch.Tensor, masks: dict | None) -> torch.Tensor:
+        """The stage after its input side: its decoder layers, each under its layer type's mask in ``masks``
+        (None: no mask tensor, SDPA's own causal path), then the head (last stage) or the output side (the
+        memory ledger traces this on meta tensors)."""
+        rotary = self.rotary(hidden, positions)
+        for layer, kind in zip(self.layers, self.layer_types):
+            mask = None if masks is None else masks[kind]
+            out = layer(hidden, attention_mask=mask, position_ids=positions, position_embeddings=rotary[kind])
             hidden = out[0] if isinstance(out, tuple) else out
         if self.lm_head is not None:
-            return self.lm_head(self.norm(hidden))
+            return self.logits(hidden)
+        return self.send(hidden)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The last stage's head: final norm, LM head, then the family's soft-cap c·tanh(logits / c)."""
+        logits = self.lm_head(self.norm(hidden))
+        if self.softcap is None:
+            return logits
+        return torch.tanh(logits / self.softcap) * self.softcap
+
+    def send(self, hidden: torch.Tensor) -> torch.Tensor:
+        """A stage's output side: the hidden state as its boundary payload."""
         if self.record is not None:  # the anchor's dense round: the geometry refit learns from it
             self.record.append(hidden.detach())
         if self.codec_out is not None and not self.dense:
@@ -185,7 +204,7 @@ def untie_embeddings(model: nn.Module) -> bool:
     shared matrix cannot stay shared: each stage trains its copy (both start from the pretrained
     matrix) and the config says ``tie_word_embeddings=False`` so a saved checkpoint keeps both.
     """
-    head, embed = getattr(model, "lm_head", None), model.get_input_embeddings()
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
     if head is None or embed is None or head.weight is not embed.weight:
         return False
     head.weight = nn.Parameter(embed.weight.detach().clone(), requires_grad=embed.weight.requires_grad)
