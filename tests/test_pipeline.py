@@ -9,9 +9,9 @@ from hf_meshtune.boundary.hooks import attach_boundaries
 from hf_meshtune.boundary.masking import BoundaryMask, keep_count
 from hf_meshtune.comm.wire import Wire
 from hf_meshtune.pipeline.schedule import MeshStage, build_schedule
-from hf_meshtune.pipeline.stage import StageModule, causal_lm_loss, stage_parameter_names
+from hf_meshtune.pipeline.stage import StageModule, causal_lm_loss, stage_parameter_names, untie_embeddings
 from hf_meshtune.topology import MeshTopology
-from tests.tiny import tiny_llama
+from tests.tiny import tiny_family, tiny_llama
 
 SEQ, MICRO, BATCH, HIDDEN, LAYERS, P = 12, 2, 8, 64, 4, 0.9
 
@@ -25,9 +25,17 @@ def _masks(boundaries: int) -> list[BoundaryMask]:
     return [BoundaryMask(b, P, seed=7) for b in range(boundaries)]
 
 
-def reference(num_stages: int, steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+def _model(arch: str):
+    """The tiny model of family ``arch`` (its ``PIPELINE_FAMILIES`` switches on), untied as on the mesh: the first
+    and last stages train their own copies of a tied embedding matrix."""
+    model = tiny_llama(seed=0, layers=LAYERS, hidden=HIDDEN) if arch == "llama" else tiny_family(arch, HIDDEN, LAYERS)
+    untie_embeddings(model)
+    return model
+
+
+def reference(num_stages: int, steps: int, arch: str = "llama") -> tuple[list[float], dict[str, torch.Tensor]]:
     """Single process: the masked model on the same microbatches; per-step loss, last step's grads."""
-    model = tiny_llama(seed=0, layers=LAYERS, hidden=HIDDEN)
+    model = _model(arch)
     handle = attach_boundaries(model, num_stages, mask_ratio=P, seed=7)
     losses = []
     for step in range(steps):
@@ -44,10 +52,10 @@ def reference(num_stages: int, steps: int) -> tuple[list[float], dict[str, torch
     return losses, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _pipeline_worker(rank: int, world: int, steps: int) -> dict:
+def _pipeline_worker(rank: int, world: int, steps: int, arch: str = "llama") -> dict:
     topology = MeshTopology(replicas=1, stages=world, anchor=False)
     groups = topology.build_groups()
-    model = tiny_llama(seed=0, layers=LAYERS, hidden=HIDDEN)
+    model = _model(arch)
     masks = _masks(world - 1)
     stage = groups.stage
     module = StageModule(
@@ -89,11 +97,9 @@ def run_stage(model, module: StageModule, group, world: int, steps: int, wire: W
     return {"losses": losses, "grads": grads, "wire": wire.to_dict()}
 
 
-@pytest.mark.parametrize("stages", [2, 4])
-def test_masked_pipeline_equals_single_process_masked_model(launcher, stages):
-    steps = 2
-    results = launcher(_pipeline_worker, stages, steps, timeout=180)
-    ref_losses, ref_grads = reference(stages, steps)
+def _assert_equals_reference(results: list[dict], ref_losses: list[float], ref_grads: dict) -> None:
+    """The last stage's losses and every stage's gradients equal the single-process ones; together the stages
+    hold a gradient for every parameter that has one there."""
     assert results[-1]["losses"] == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
     seen = set()
     for result in results:
@@ -101,6 +107,13 @@ def test_masked_pipeline_equals_single_process_masked_model(launcher, stages):
             torch.testing.assert_close(grad, ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
             seen.add(name)
     assert seen == set(ref_grads)
+
+
+@pytest.mark.parametrize("stages", [2, 4])
+def test_masked_pipeline_equals_single_process_masked_model(launcher, stages):
+    steps = 2
+    results = launcher(_pipeline_worker, stages, steps, timeout=180)
+    _assert_equals_reference(results, *reference(stages, steps))
     # the wire: only [MICRO, SEQ, K] payloads, forward and backward, on every boundary
     keep = keep_count(HIDDEN, P)
     per_message = MICRO * SEQ * keep * 4
@@ -111,3 +124,12 @@ def test_masked_pipeline_equals_single_process_masked_model(launcher, stages):
         expect_bwd = per_message * microbatches * steps if stage > 0 else 0
         assert sent["pp_fwd"] == expect_fwd and sent["pp_bwd"] == expect_bwd
         assert result["wire"]["messages"]["pp_fwd"] == (microbatches * steps if stage < stages - 1 else 0)
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gpt_neox"])
+def test_masked_pipeline_of_other_families_equals_their_single_process_masked_model(launcher, arch):
+    """Gemma 2 (scaled embeddings, sliding layers with a window of 4 < T = 12, soft-capped logits, tied embeddings
+    untied) and GPT-NeoX (its own module names, parallel residual) across two processes."""
+    steps = 2
+    results = launcher(_pipeline_worker, 2, steps, arch, timeout=180)
+    _assert_equals_reference(results, *reference(2, steps, arch))

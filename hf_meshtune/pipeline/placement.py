@@ -7,6 +7,8 @@ Two ways in, one result (a model whose non-owned parameters are on the ``meta`` 
   (``accelerate.init_empty_weights``: parameters on meta, buffers such as the rotary frequencies
   real), then only the tensors this process's stage owns are read from the checkpoint's safetensors
   (sharded or not), one tensor at a time through ``safe_open``: no other layer's tensor is ever read.
+  Checkpoint keys are matched to the model's names as ``from_pretrained`` matches them, by transformers'
+  own load-time renaming (the base model's prefix; GPT-NeoX's head, ``embed_out`` on disk).
   On one process it is ``AutoModelForCausalLM.from_pretrained``.
 - ``release_unowned(model, stage_module)``: a model object the user built whole gives back every
   parameter its stage does not hold (``StageWorker`` calls it, so every mesh entry point does).

@@ -1,8 +1,8 @@
 """``save_model`` after a mesh run: a normal sharded Hugging Face checkpoint, each stage its own shard.
 
 The Y processes of fast replica 0 (in a replica job: replica 0's job only) each write
-``model-<s+1>-of-<Y>.safetensors`` with the tensors their stage holds, named as in the full model's
-``state_dict``; rank 0 then writes the config (``tie_word_embeddings=False``: the stages trained two
+``model-<s+1>-of-<Y>.safetensors`` with the tensors their stage holds, named as ``save_pretrained``
+names them; rank 0 then writes the config (``tie_word_embeddings=False``: the stages trained two
 copies), the generation config, the tokenizer, the training arguments and
 ``model.safetensors.index.json``, last, so a folder with an index is complete. No process gathers the
 model. Every file is written under a temporary name and renamed into place; stale weights of an
@@ -28,8 +28,14 @@ INDEX_NAME = "model.safetensors.index.json"
 
 
 def _stage_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The model's ``state_dict`` entries this process holds (the others are on meta)."""
-    return {n: t.detach().contiguous() for n, t in model.state_dict().items() if not t.is_meta}
+    """The model's ``state_dict`` entries this process holds (the others are on meta), under the keys
+    ``save_pretrained`` writes: transformers reverts its load-time renaming (GPT-NeoX's head is saved as
+    ``embed_out``, the name other readers of the checkpoint expect). A stage holds whole layers, so a
+    conversion within a layer sees all its tensors."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    held = {n: t.detach().contiguous() for n, t in model.state_dict().items() if not t.is_meta}
+    return revert_weight_conversion(model, held)
 
 
 def save_stage_shards(trainer, groups: MeshGroups, output_dir: str, survivors=None) -> None:
