@@ -239,6 +239,30 @@ def test_powersgd_round_with_error_feedback_matches_float64_reference():
     torch.testing.assert_close(total + codec.error["w"].double(), sum(g.double() for g in grads), rtol=0, atol=1e-4)
 
 
+def test_a_consumed_pseudo_gradient_becomes_m_in_place_with_the_same_rounds():
+    """``consume=True`` (torchft's own pseudo-gradient) turns Δ into M = Δ + e in place and e ← M − Δ̂ reuses
+    M: three rounds give bitwise the factors and errors of the copying path, with no new M or e storage."""
+    gen = torch.Generator().manual_seed(3)
+    deltas = [torch.randn(12, 10, generator=gen) for _ in range(3)]
+    copying, consuming = PowerSGD(2, seed=1), PowerSGD(2, seed=1)
+    for delta in deltas:
+        mine, before = delta.clone(), delta.clone()
+        p_ref, p = copying.p_factor("w", delta), consuming.p_factor("w", mine, consume=True)
+        assert torch.equal(p, p_ref) and torch.equal(delta, before)  # the copy path reads only
+        assert consuming._m["w"].data_ptr() == mine.data_ptr()  # M is the consumed tensor
+        (p_ref, q_ref), (p, q) = copying.q_factor("w", p_ref), consuming.q_factor("w", p)
+        assert torch.equal(q, q_ref)
+        copying.commit("w", decode(p_ref, q_ref), q_ref)
+        consuming.commit("w", decode(p, q), q)
+        assert (
+            torch.equal(consuming.error["w"], copying.error["w"]) and consuming.error["w"].data_ptr() == mine.data_ptr()
+        )
+    bf16 = PowerSGD(2, seed=1)
+    half = deltas[0].to(torch.bfloat16)
+    bf16.p_factor("w", half, consume=True)
+    assert bf16._m["w"].dtype == torch.float32 and bf16._m["w"].data_ptr() != half.data_ptr()  # M stays float32
+
+
 def test_powersgd_full_rank_reconstructs_and_small_shapes_go_dense():
     gen = torch.Generator().manual_seed(4)
     m = torch.randn(6, 4, generator=gen)

@@ -137,7 +137,7 @@ class _CompressedFragment(_StreamingDiLoCoFragment):
         for name, _ in self._model_fragment.named_parameters():
             grad = self._grads[name]
             if self._codec is not None and self._codec.compresses(grad.shape):
-                p = self._codec.p_factor(self._key(name), grad)
+                p = self._codec.p_factor(self._key(name), grad, consume=True)  # torchft's own temporary
                 pending.append((name, p, self._all_reduce(p)))
             else:
                 self._allreduce_work.append(self._all_reduce(grad))

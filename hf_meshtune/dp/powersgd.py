@@ -75,9 +75,15 @@ class PowerSGD:
             self.q[key] = torch.randn(shape[1], self.rank, generator=gen)
         return self.q[key]
 
-    def p_factor(self, key: str, grad: torch.Tensor) -> torch.Tensor:
-        """Start a round: M = Δ + e, returns P = M·Q (to all-reduce)."""
-        m = grad.detach().float() + self.error.get(key, 0.0)
+    def p_factor(self, key: str, grad: torch.Tensor, consume: bool = False) -> torch.Tensor:
+        """Start a round: M = Δ + e, returns P = M·Q (to all-reduce). ``consume``: Δ is a temporary of the
+        caller's (torchft's pseudo-gradient), so a float32 Δ becomes M in place instead of being copied
+        (the same values; one copy of the stage fewer at every sync)."""
+        delta = grad.detach()
+        if consume and delta.dtype == torch.float32:
+            m = delta.add_(self.error[key]) if key in self.error else delta
+        else:
+            m = delta.float() + self.error.get(key, 0.0)
         self._m[key] = m
         return (m @ self.factor_q(key, grad.shape).to(m.device)).to(grad.dtype)
 
@@ -89,7 +95,8 @@ class PowerSGD:
     def commit(self, key: str, approx: torch.Tensor, q_avg: torch.Tensor) -> None:
         """Close a round that was applied: e ← M − Δ̂ and Q ← averaged Q (warm start)."""
         m = self._m.pop(key)
-        self.error[key] = m - approx.float()
+        self.error.pop(key, None)  # the old e goes before the new one is made: never two of them at once
+        self.error[key] = m.sub_(approx.float())  # M is this round's own tensor: e ← M − Δ̂ in place
         self.q[key] = q_avg.detach().float().clone()
 
     def discard(self) -> None:
