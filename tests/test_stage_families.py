@@ -10,8 +10,10 @@ import torch
 from hf_meshtune.boundary.compose.handle import attach_composed
 from hf_meshtune.boundary.hooks import attach_boundaries
 from hf_meshtune.boundary.masking import BoundaryMask
+from hf_meshtune.memory_ledger import MemorySettings, predict_memory
 from hf_meshtune.pipeline.layout import FAMILIES, SUPPORTED_MODEL_TYPES
-from hf_meshtune.pipeline.stage import StageModule, causal_lm_loss
+from hf_meshtune.pipeline.stage import StageModule, causal_lm_loss, untie_embeddings
+from hf_meshtune.runtime.memory import ActivationMeter
 from tests.tiny import PIPELINE_FAMILIES, tiny_family
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
@@ -135,3 +137,23 @@ def test_composed_codec_stages_equal_the_single_process_model_with_the_codec(fam
     torch.testing.assert_close(logits, reference.logits, **TOL)
     for name, grad in expected.items():
         torch.testing.assert_close(model.get_parameter(name).grad, grad, **TOL, msg=name)
+
+
+@pytest.mark.parametrize("family", SUPPORTED_MODEL_TYPES)
+def test_the_memory_ledger_traces_what_every_familys_stages_save_within_15_percent(family):
+    """The ledger traces each stage on meta tensors with the masks a run builds (a sliding window's [B, 1, T, T]
+    mask, which SDPA turns into an additive one in every layer); T = 256 is far past the window of 4."""
+    seq = 256
+    model = tiny_family(family, hidden=64)
+    untie_embeddings(model)
+    settings = MemorySettings(num_replicas=2, num_stages=2, microbatch_size=2, microbatches=1, seq_len=seq)
+    predicted = {row["stage"]: row["activations"] for row in predict_memory(model.config, settings)}
+    for stage in (0, 1):
+        module = StageModule(model, stage, 2, None, None)
+        x = torch.randint(3, 90, (2, seq)) if stage == 0 else torch.randn(2, seq, 64, requires_grad=True)
+        meter = ActivationMeter(module.parameters())
+        with meter:
+            out = module(x)
+            if stage == 1:
+                out = causal_lm_loss(model)(out, torch.randint(3, 90, (2, seq)))
+        assert predicted[stage] == pytest.approx(meter.peak, rel=0.15), stage
