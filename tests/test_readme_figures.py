@@ -66,6 +66,16 @@ def test_the_mesh_benchmark_tables_are_its_committed_run():
         assert row in quoted, row
 
 
+def test_the_memory_benchmark_tables_are_its_committed_run():
+    from benchmarks.memory.report import markdown, summary_table
+
+    results = json.loads((ROOT / "benchmarks/memory/results/memory.json").read_text())
+    assert (ROOT / "benchmarks/memory/results/memory.md").read_text() == markdown(results)
+    quoted = _rows(_section("### Memory per process"))
+    for row in _rows("\n".join(summary_table(results))):
+        assert row in quoted, row
+
+
 def test_the_byte_ledger_table_is_what_meshtune_ledger_prints(capsys):
     from hf_meshtune.cli import main
 

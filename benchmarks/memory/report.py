@@ -13,11 +13,15 @@ from hf_meshtune.report import mesh_memory_table
 
 def summary_table(results: dict[str, dict]) -> list[str]:
     lines = [
-        "| row | code | processes | peak RSS per process, max (GiB) | all processes at once, peak (GiB) | "
+        "| row | code | processes | peak RSS per process, max (GiB) | all processes at once (sum of PSS), peak (GiB) | "
         "step s | eval loss |",
         "|---|---|---:|---:|---:|---:|---:|",
     ]
     for name, row in results.items():
+        if "failed" in row:
+            reason = row["failed"].splitlines()[0].replace("|", "/")
+            lines.append(f"| {name} | {row['code']} | – | – | – | – | failed: {reason} |")
+            continue
         peaks = row["sampled_peak_gib"]
         step, loss = row.get("step_seconds_mean"), row.get("eval_loss")
         lines.append(

@@ -4,13 +4,14 @@
     python -m benchmarks.memory.run --rows llama1b_2x4_lora,llama1b_1process_lora
 
 Writes benchmarks/memory/results/memory.json after every row (a row already there is kept unless
-named in --rows) and memory.md. Rows (every one is `recipes/sft.py` on embedded GSM8K, 1 × 256 tokens
+named in --rows) and memory.md. Rows (every one is `recipes/sft.py` on embedded GSM8K, 1 × 128 tokens
 per microbatch, 4 microbatches per step, a DiLoCo sync every 2 steps so its state exists when measured,
 and gradient checkpointing off: TRL's default turns it on, and then the run's activation meter sees only
 what is saved outside the checkpointed layers, so measured and predicted activations would not compare):
 
   smollm2_3x2_full            SmolLM2-135M full fine-tune (embeddings train) on `meshtune launch --mesh 3x2`
-  smollm2_3x2_frozen_emb      the same with --freeze_embeddings (what the README's mesh command used to need)
+  smollm2_3x2_full_before     that row on commit BEFORE, the last whose processes each held the whole model
+  smollm2_3x2_frozen_emb      the full fine-tune with --freeze_embeddings (what the README's mesh command used to need)
   smollm2_3x2_frozen_emb_before  that row on commit BEFORE, the last whose processes each held the whole model
   smollm2_1process_full       the full fine-tune in one process (the single-process MeshTrainer, Y = 2)
   llama1b_2x4_lora            a Llama-3.2-1B-shaped model (the real config: H 2048, 16 layers, vocab
@@ -20,13 +21,18 @@ what is saved outside the checkpointed layers, so measured and predicted activat
 
 Two measurements per process: the run's own (``mesh_summary.json``: parts counted from the tensors,
 peak RSS from getrusage, the memory ledger's prediction) and this script's, the kernel's VmHWM of every
-process of the launch sampled from /proc every 0.5 s, plus the largest sum of their VmRSS at one
-sample (the machine's total). The one-process and ``before`` rows have only the sampled figures.
+process of the launch sampled from /proc every 0.5 s, plus the largest sum of their PSS at one sample:
+what they hold together, the checkpoint pages several of them map (from_pretrained and the per-stage
+loader both map the safetensors file) counted once. On a GPU each process copies its tensors into its
+own device memory, and nothing is shared.
+The one-process and ``before`` rows have only the sampled figures. A row that fails (or passes
+``LIMIT_GIB``) is recorded with its reason and the next row runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -40,12 +46,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 OUT = os.path.join(ROOT, "benchmarks", "memory", "results")
 BEFORE = "07763d5"  # the last commit before per-stage placement (3f17adf)
 GIB = 1024**3
-SFT = ["--max_length", "256", "--per_device_train_batch_size", "1", "--gradient_accumulation_steps", "4",
+SFT = ["--max_length", "128", "--per_device_train_batch_size", "1", "--gradient_accumulation_steps", "4",
        "--eval_items", "4", "--logging_steps", "1", "--report_to", "none", "--save_strategy", "no",
        "--dp_sync_every", "2", "--gradient_checkpointing", "false"]  # fmt: skip
 LORA = ["--use_peft", "--lora_r", "16", "--lora_target_modules", "all-linear"]
 ROWS: dict[str, dict] = {
     "smollm2_3x2_full": {"mesh": "3x2", "args": ["--max_steps", "4"]},
+    "smollm2_3x2_full_before": {"mesh": "3x2", "args": ["--max_steps", "4"], "commit": BEFORE},
     "smollm2_3x2_frozen_emb": {"mesh": "3x2", "args": ["--max_steps", "4", "--freeze_embeddings"]},
     "smollm2_3x2_frozen_emb_before": {"mesh": "3x2", "args": ["--max_steps", "4", "--freeze_embeddings"],
                                       "commit": BEFORE},  # fmt: skip
@@ -80,12 +87,19 @@ def llama1b_checkpoint() -> str:
     return str(target)
 
 
+LIMIT_GIB = 22.0  # the machine has 23 GiB: a row that would take it all is stopped, not left to the OOM killer
+
+
 class Sampler(threading.Thread):
-    """VmHWM of every process under ``pid`` (the largest seen) and the largest sum of their VmRSS."""
+    """VmHWM of every process under ``pid`` (the largest seen) and the largest sum of their proportional
+    set sizes (PSS: a page mapped by n of them counts 1/n in each, so the sum is what they hold together,
+    the checkpoint's safetensors pages that several processes map counted once); kills them all when
+    that sum passes ``LIMIT_GIB``."""
 
     def __init__(self, pid: int) -> None:
         super().__init__(daemon=True)
         self.pid, self.hwm, self.total_peak, self.done = pid, {}, 0, threading.Event()
+        self.exceeded = False
 
     def run(self) -> None:
         import psutil
@@ -102,8 +116,14 @@ class Sampler(threading.Thread):
                 if status is None or "python" not in " ".join(_cmdline(proc.pid)):
                     continue
                 self.hwm[proc.pid] = max(self.hwm.get(proc.pid, 0), status.get("VmHWM", 0))
-                total += status.get("VmRSS", 0)
+                total += _pss(proc.pid)
             self.total_peak = max(self.total_peak, total)
+            if total > LIMIT_GIB * GIB:
+                self.exceeded = True
+                for proc in procs:
+                    with contextlib.suppress(psutil.NoSuchProcess):
+                        proc.kill()
+                return
 
 
 def _status(pid: int) -> dict[str, int] | None:
@@ -113,6 +133,15 @@ def _status(pid: int) -> dict[str, int] | None:
     except OSError:
         return None
     return {k: int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in lines) if v.strip().endswith("kB")}
+
+
+def _pss(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as handle:
+            line = next(line for line in handle if line.startswith("Pss:"))
+    except (OSError, StopIteration):
+        return 0
+    return int(line.split()[1]) * 1024
 
 
 def _cmdline(pid: int) -> list[str]:
@@ -150,6 +179,9 @@ def run_row(name: str, spec: dict, workdir: str) -> dict:
     stdout, stderr = proc.communicate()
     sampler.done.set()
     sampler.join()
+    if sampler.exceeded:
+        held = sampler.total_peak / GIB
+        raise RuntimeError(f"{name}: its processes held {held:.1f} GiB together (over LIMIT_GIB = {LIMIT_GIB})")
     if proc.returncode != 0:
         raise RuntimeError(f"{name} failed ({proc.returncode}):\n{stdout[-4000:]}\n{stderr[-4000:]}")
     workers = sorted(sampler.hwm.values(), reverse=True)[: _processes(spec["mesh"])]
@@ -204,7 +236,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as workdir:
         try:
             for name in names:
-                results[name] = run_row(name, ROWS[name], workdir)
+                try:
+                    results[name] = run_row(name, ROWS[name], workdir)
+                except RuntimeError as err:  # a missed target is a result: say why, run the next row
+                    results[name] = {"code": ROWS[name].get("commit") or "this commit", "failed": str(err)[:2000]}
+                results = {n: results[n] for n in [*ROWS, *results] if n in results}  # ROWS' order
                 with open(path, "w") as handle:
                     json.dump(results, handle, indent=2)
                 write_markdown(results, os.path.join(OUT, "memory.md"))
