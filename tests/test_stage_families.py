@@ -139,11 +139,11 @@ def test_composed_codec_stages_equal_the_single_process_model_with_the_codec(fam
         torch.testing.assert_close(model.get_parameter(name).grad, grad, **TOL, msg=name)
 
 
+@pytest.mark.parametrize("seq", [16, 256])
 @pytest.mark.parametrize("family", SUPPORTED_MODEL_TYPES)
-def test_the_memory_ledger_traces_what_every_familys_stages_save_within_15_percent(family):
+def test_the_memory_ledger_traces_what_every_familys_stages_save_within_15_percent(family, seq):
     """The ledger traces each stage on meta tensors with the masks a run builds (a sliding window's [B, 1, T, T]
-    mask, which SDPA turns into an additive one in every layer); T = 256 is far past the window of 4."""
-    seq = 256
+    mask, which SDPA turns into an additive one in every layer); both lengths are past the window of 4."""
     model = tiny_family(family, hidden=64)
     untie_embeddings(model)
     settings = MemorySettings(num_replicas=2, num_stages=2, microbatch_size=2, microbatches=1, seq_len=seq)
@@ -156,4 +156,5 @@ def test_the_memory_ledger_traces_what_every_familys_stages_save_within_15_perce
             out = module(x)
             if stage == 1:
                 out = causal_lm_loss(model)(out, torch.randint(3, 90, (2, seq)))
+        assert meter.peak > 0
         assert predicted[stage] == pytest.approx(meter.peak, rel=0.15), stage

@@ -102,24 +102,6 @@ def test_the_activation_meter_counts_each_saved_storage_once_while_autograd_hold
     assert meter.current == 0 and meter.peak == x.nbytes + 4 * 8 * 4
 
 
-@pytest.mark.parametrize("seq_len", [16, 256])
-def test_the_ledger_traces_the_activations_a_stage_saves_within_15_percent(seq_len):
-    model = tiny_llama(seed=0, layers=4, hidden=64)
-    untie_embeddings(model)
-    settings = MemorySettings(num_replicas=2, num_stages=2, microbatch_size=2, microbatches=1, seq_len=seq_len)
-    predicted = {row["stage"]: row["activations"] for row in predict_memory(model.config, settings)}
-    for stage in (0, 1):
-        module = StageModule(model, stage, 2, None, None)
-        x = torch.randint(3, 90, (2, seq_len)) if stage == 0 else torch.randn(2, seq_len, 64, requires_grad=True)
-        meter = ActivationMeter(module.parameters())
-        with meter:
-            out = module(x)
-            if stage == 1:
-                out = causal_lm_loss(model)(out, torch.randint(3, 90, (2, seq_len)))
-        assert meter.peak > 0
-        assert predicted[stage] == pytest.approx(meter.peak, rel=0.15), stage
-
-
 def test_the_ledger_predicts_a_lora_stage_as_peft_builds_it():
     """With a LoRA config the ledger wraps its meta model as the run does: a stage's weights are the base
     tensors plus PEFT's float32 adapters, and only the adapters have gradients, moments and DP state; the
