@@ -35,10 +35,9 @@ import torch
 from torch import nn
 
 from ._validation import require
+from .runtime.memory import MEMORY_PARTS
 
 __all__ = ["MemorySettings", "format_memory_table", "predict_memory"]
-
-_PARTS = ("weights", "gradients", "optimizer", "anchor", "dp", "codec", "activations")
 
 
 @dataclass(frozen=True)
@@ -120,7 +119,7 @@ def predict_memory(
         grads = _nbytes(train)
         for role in roles:
             micro = settings.microbatches if role == "fast" else (settings.anchor_microbatches or settings.microbatches)
-            parts = dict.fromkeys(_PARTS, 0)
+            parts = dict.fromkeys(MEMORY_PARTS, 0)
             parts["weights"], parts["gradients"] = weights, grads
             parts["activations"] = _activations(module, model, settings, micro, ActivationMeter)
             if role == "fast":
@@ -267,7 +266,7 @@ class _FusedAttentionOnMeta(torch.overrides.TorchFunctionMode):
 def format_memory_table(rows: list[dict], settings: MemorySettings) -> str:
     """The ledger as a text table in GiB, one line per (role, stage)."""
     gib = 1024**3
-    head = f"{'role':<7}{'stage':>6}" + "".join(f"{p:>13}" for p in (*_PARTS, "total"))
+    head = f"{'role':<7}{'stage':>6}" + "".join(f"{p:>13}" for p in (*MEMORY_PARTS, "total"))
     lines = [
         f"predicted memory per process (GiB), mesh {settings.num_replicas}x{settings.num_stages}, "
         f"{settings.microbatches} × [{settings.microbatch_size}, {settings.seq_len}] per step, {settings.dtype}",
@@ -275,7 +274,7 @@ def format_memory_table(rows: list[dict], settings: MemorySettings) -> str:
     ]
     for row in rows:
         lines.append(
-            f"{row['role']:<7}{row['stage']:>6}" + "".join(f"{row[p] / gib:>13.3f}" for p in (*_PARTS, "total"))
+            f"{row['role']:<7}{row['stage']:>6}" + "".join(f"{row[p] / gib:>13.3f}" for p in (*MEMORY_PARTS, "total"))
         )
     lines.append("(+ the process's own runtime: Python, torch and transformers, allocator slack; not predicted)")
     return "\n".join(lines)

@@ -32,6 +32,7 @@ from ._validation import require
 from .comm.wire import CIRCUITS
 from .report_plots import bar_series, draw_bytes, draw_loss
 from .runtime.job import SUMMARY_NAME as MESH_SUMMARY_NAME
+from .runtime.memory import MEMORY_PARTS
 from .runtime.results import wire_bytes_per_token
 
 __all__ = [
@@ -385,9 +386,6 @@ def _mesh_numbers_table(rows: list[dict[str, Any]]) -> list[str]:
             )
         )
     return table
-
-
-MEMORY_PARTS = ("weights", "gradients", "optimizer", "anchor", "dp", "codec", "activations")
 
 
 def mesh_memory_table(run: str, summary: dict[str, Any]) -> list[str]:

@@ -100,7 +100,8 @@ class StageModule(nn.Module):
         self.embed_tokens = model.get_input_embeddings() if first else None
         self.embed_dropout = getattr(base, layout.embed_dropout) if first and layout.embed_dropout else None
         self.layers = nn.ModuleList([layers[i] for i in self.layer_range])
-        self.layer_types = [layer_types(model.config, len(layers))[i] for i in self.layer_range]
+        types = layer_types(model.config, len(layers))
+        self.layer_types = [types[i] for i in self.layer_range]
         self.rotary_emb = base.rotary_emb
         self.rotary_per_type = rotary_per_layer_type(base.rotary_emb)
         self.norm = getattr(base, layout.norm) if last else None

@@ -178,7 +178,7 @@ def train_on_mesh(trainer, resume_from_checkpoint: bool | str | None = None):
     checkpoint_every = _checkpoint_every(args)
     resume_from = resolve_resume(resume_from_checkpoint, args.output_dir, topology)
     _require_every_stage_trains(model, topology)
-    _require_memory_budget(trainer, topology, _fixed_length(_train_rows(trainer)))
+    _require_memory_budget(trainer, topology)
     rank = _join(trainer, topology)
     groups = topology.build_groups(timeout_s=args.ddp_timeout)  # bounds every pipeline and anchor-link transfer
     lighthouse, server = _lighthouse(rank, topology)
@@ -198,13 +198,13 @@ def train_on_mesh(trainer, resume_from_checkpoint: bool | str | None = None):
             server.shutdown()
 
 
-def _require_memory_budget(trainer, topology: MeshTopology, seq_len: int) -> None:
+def _require_memory_budget(trainer, topology: MeshTopology) -> None:
     """``max_memory_per_stage``: every rank predicts every (role, stage) from the same config (the memory
     ledger) and refuses the same one over the budget, before any collective."""
     budget = trainer.args.mesh_config.max_memory_per_stage
     if budget is None:
         return
-    for row in predicted_memory(trainer, topology, seq_len):
+    for row in predicted_memory(trainer, topology, _fixed_length(_train_rows(trainer))):
         parts = ", ".join(f"{k} {row[k]:.3g}" for k in MEMORY_PARTS if row[k] > 0)
         require(
             row["total"] <= budget,
