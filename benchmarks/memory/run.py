@@ -42,6 +42,8 @@ import tempfile
 import threading
 import time
 
+from hf_meshtune.topology import parse_mesh
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 OUT = os.path.join(ROOT, "benchmarks", "memory", "results")
 BEFORE = "07763d5"  # the last commit before per-stage placement (3f17adf)
@@ -212,8 +214,8 @@ def _shown_command(spec: dict) -> str:
 def _processes(mesh: str | None) -> int:
     if not mesh:
         return 1
-    x, y = mesh.split("x")
-    return int(x) * int(y)
+    x, y = parse_mesh(mesh)
+    return x * y
 
 
 def _eval_loss(text: str) -> float | None:
