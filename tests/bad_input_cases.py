@@ -1752,6 +1752,11 @@ def _cases() -> list[Case]:
             "meshtune ledger: error: --lora-r=0 is invalid: it must be an integer >= 1",
         ),
         _cli(
+            "meshtune ledger --memory --lora-r 4 --lora-target-modules ,",
+            "meshtune ledger: error: --lora-target-modules=',' is invalid: it must name at least one module, or "
+            "all-linear",
+        ),
+        _cli(
             "meshtune ledger --powersgd-rank 0",
             "meshtune ledger: error: --powersgd-rank=0 is invalid: it must be None or an integer >= 1",
         ),

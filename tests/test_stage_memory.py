@@ -80,6 +80,31 @@ def test_a_corrupt_tensor_of_the_stage_itself_is_refused_naming_it(tmp_path, mon
         load_causal_lm(str(folder))
 
 
+def test_a_tensor_transformers_would_convert_at_load_is_refused_naming_its_key(tmp_path, monkeypatch):
+    """A checkpoint key that transformers' load-time conversion maps onto a stage's parameter (merging,
+    splitting or, here, transposing it) is not read as if it were that parameter: the stage names the key
+    and the conversion. No supported family has one in transformers 5.24, so the conversion is given."""
+    from transformers import conversion_mapping
+    from transformers.core_model_loading import Transpose, WeightConverter
+
+    folder = tmp_path / "ckpt"
+    tiny_llama().save_pretrained(folder)
+    tensors = load_file(folder / "model.safetensors")
+    tensors["model.layers.3.mlp.up_proj_t.weight"] = tensors.pop("model.layers.3.mlp.up_proj.weight").T.contiguous()
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    transpose = WeightConverter("mlp.up_proj_t.weight", "mlp.up_proj.weight", operations=[Transpose(0, 1)])
+    monkeypatch.setattr(conversion_mapping, "get_model_conversion_mapping", lambda model: [transpose])
+    _on_rank(monkeypatch, rank=0)
+    load_causal_lm(str(folder))  # stage 0 holds no converted tensor
+    _on_rank(monkeypatch, rank=1)
+    with pytest.raises(
+        ValueError,
+        match=r"checkpoint tensor 'model.layers.3.mlp.up_proj_t.weight' \(stage 1\)='mlp.up_proj_t.weight' is "
+        r"invalid: it must be stored as its parameter \(transformers converts it at load",
+    ):
+        load_causal_lm(str(folder))
+
+
 def test_on_one_process_it_is_from_pretrained(tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "1")
     tiny_llama(seed=5).save_pretrained(tmp_path)
