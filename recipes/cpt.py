@@ -36,7 +36,7 @@ from transformers import AutoConfig, AutoTokenizer, HfArgumentParser, default_da
 from hf_meshtune import MeshTrainer, MeshTrainingArguments, load_causal_lm
 from hf_meshtune._validation import require
 from hf_meshtune.apps.assets import gsm8k_items, smollm2_checkpoint
-from hf_meshtune.apps.demo import freeze_all_but_last
+from hf_meshtune.apps.demo import freeze_all_but_last, freeze_embeddings
 
 
 @dataclass
@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> dict:
     if script.train_last_layers is not None:
         freeze_all_but_last(model, script.train_last_layers)
     if script.freeze_embeddings:
-        model.get_input_embeddings().weight.requires_grad_(False)
+        freeze_embeddings(model, path)
     # default_data_collator, not DataCollatorForLanguageModeling: with pad == EOS (SmolLM2) the latter
     # would hide the EOS document separators from the loss; rows are equal-length, nothing to pad.
     trainer = MeshTrainer(

@@ -28,7 +28,7 @@ from hf_meshtune import MeshSFTConfig, MeshSFTTrainer, load_causal_lm
 from hf_meshtune._validation import require
 from hf_meshtune.apps import arithmetic
 from hf_meshtune.apps.assets import gsm8k_items, smollm2_checkpoint
-from hf_meshtune.apps.demo import freeze_all_but_last
+from hf_meshtune.apps.demo import freeze_all_but_last, freeze_embeddings
 
 DATASETS = ("gsm8k", "arithmetic")
 
@@ -75,7 +75,7 @@ def load_model(model_args: ModelConfig, script: SFTScriptArguments, num_stages: 
     if script.train_last_layers is not None and not model_args.use_peft:
         freeze_all_but_last(model, script.train_last_layers)
     if script.freeze_embeddings:
-        model.get_input_embeddings().weight.requires_grad_(False)
+        freeze_embeddings(model, path)
     return model, tokenizer
 
 

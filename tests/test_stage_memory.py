@@ -105,6 +105,27 @@ def test_a_tensor_transformers_would_convert_at_load_is_refused_naming_its_key(t
         load_causal_lm(str(folder))
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_frozen_embeddings_freeze_a_tied_head_on_its_own_stage_too(tmp_path, monkeypatch, tied):
+    """``--freeze_embeddings`` (the recipes' ``freeze_embeddings``): one tensor on one process; a mesh's last
+    stage holds an untied copy of a tied head, which stays frozen as the one process's would. An untied
+    head trains in both."""
+    from hf_meshtune.apps.demo import freeze_embeddings
+
+    folder = tmp_path / "ckpt"
+    make_tiny_causal_lm("llama", hidden=64, layers=4, tie_word_embeddings=tied).save_pretrained(folder)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    whole = load_causal_lm(str(folder))
+    freeze_embeddings(whole, str(folder))
+    _on_rank(monkeypatch, rank=1)
+    last = load_causal_lm(str(folder))
+    freeze_embeddings(last, str(folder))
+    assert last.get_output_embeddings().weight is not last.get_input_embeddings().weight
+    for model in (whole, last):
+        assert model.get_output_embeddings().weight.requires_grad is not tied
+        assert not model.get_input_embeddings().weight.requires_grad
+
+
 def test_on_one_process_it_is_from_pretrained(tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "1")
     tiny_llama(seed=5).save_pretrained(tmp_path)

@@ -93,6 +93,18 @@ def gsm8k_splits(tokenizer, seq_len: int, eval_items: int) -> tuple[datasets.Dat
     return datasets.Dataset.from_list(rows[eval_items:]), datasets.Dataset.from_list(rows[:eval_items])
 
 
+def freeze_embeddings(model, path: str) -> None:
+    """Freeze the input embeddings, and the LM head too when the checkpoint at ``path`` ties it to them:
+    on one process the two are one tensor, but a mesh stage loaded by ``load_causal_lm`` holds an untied
+    copy of the head, which would otherwise train."""
+    from transformers import AutoConfig
+
+    model.get_input_embeddings().weight.requires_grad_(False)
+    head = model.get_output_embeddings()
+    if head is not None and AutoConfig.from_pretrained(path).get_text_config().tie_word_embeddings:
+        head.weight.requires_grad_(False)
+
+
 def freeze_all_but_last(model, layers: int) -> int:
     """Train the last ``layers`` decoder layers and the final norm(s); returns trainable parameters.
 
