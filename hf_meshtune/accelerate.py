@@ -204,7 +204,7 @@ class MeshAccelerator(Accelerator):
         mesh_optimizer = self._mesh_optimizer(optimizer)
         engine = MeshEngine(model, self.mesh_plugin)
         try:
-            if self.mesh_plugin.anchor:
+            if engine.needs_anchor_circuit:
                 self._build_anchor(engine, mesh_optimizer, loader)
             if mesh_optimizer is not optimizer:
                 move_schedulers(args, optimizer, mesh_optimizer)

@@ -23,13 +23,17 @@ from .topology import MESH_ENV, in_replica_zero_job, launched_stages
 
 __all__ = [
     "ANCHOR_PAYLOADS",
+    "GOVERNED",
+    "GOVERNED_LADDER",
     "PRESETS",
     "QUALITY_CODEC",
     "SPECTRAL_ADAMW",
     "MeshArguments",
     "MeshConfig",
     "MeshTrainingArguments",
+    "codec_ladder",
     "codec_refit_every",
+    "is_governed",
     "require_mesh_supported",
     "require_saved_knobs",
 ]
@@ -43,6 +47,11 @@ DEFAULT_NUM_STAGES = 4
 # eval loss, LoRA arithmetic loss and exact match), "paper" = the literal method (M95, zero fill, anchor
 # prior). Knobs given explicitly always win.
 QUALITY_CODEC = "outliers8+int8"
+# boundary_codec="governed": the anchor measures every boundary's fidelity and the governor picks the
+# level of this ladder (cheapest first; x8: eight near-equal scale groups, valid at any width).
+GOVERNED = "governed"
+GOVERNED_LADDER = "outliers8+int3x8,outliers8+int4x8,outliers8+int8"
+CADENCES = ("fixed", "adaptive")
 PRESETS = {
     "quality": {"boundary_codec": QUALITY_CODEC, "mask_ratio": 0.0, "anchor": False},
     "paper": {"boundary_codec": None, "mask_ratio": 0.95, "anchor": True},
@@ -110,7 +119,8 @@ class MeshArguments:
             "help": "What crosses every stage boundary, as one string (hf_meshtune.boundary.compose.spec): stages "
             "joined by '+' from outliers<N>, pca<r>/spca<r>, int<b>[g<G>|x<K>][sr] (b in 2,3,4,8), fp8[g<G>|x<K>] "
             "(g: G values per scale, x: K near-equal groups), e.g. 'outliers8+int4x8'; or 'mask<p>[+fill]' (the "
-            "paper: 'mask0.95'), which sets mask_ratio and mask_fill. None = the preset's (quality: "
+            "paper: 'mask0.95'), which sets mask_ratio and mask_fill; or 'governed': the anchor measures each "
+            "boundary's fidelity and the governor picks its level of codec_ladder. None = the preset's (quality: "
             f"{QUALITY_CODEC!r}) or, with a mask_ratio, the mask_* knobs."
         },
     )
@@ -149,6 +159,43 @@ class MeshArguments:
             "(after the step that applied that round's gradient). 0 = keep the calibration made at the start. "
             "None = 1 when the anchor runs and the codec fits geometry, else 0."
         },
+    )
+    codec_ladder: str | None = field(
+        default=None,
+        metadata={
+            "help": "boundary_codec='governed': the levels the fidelity governor picks from, cheapest first, as "
+            f"comma-separated composed codecs. None = {GOVERNED_LADDER!r}."
+        },
+    )
+    fidelity_target: float = field(
+        default=0.96,
+        metadata={
+            "help": "boundary_codec='governed': the gradient cosine (codec vs dense, measured on the anchor's batch "
+            "every round) a boundary's level must keep; the governor picks the cheapest level that does. The default "
+            "separates the codecs that kept SmolLM2 within 1 % of Dense from those that did not "
+            "(benchmarks/quality/fidelity)."
+        },
+    )
+    fidelity_hysteresis: float = field(
+        default=0.01,
+        metadata={
+            "help": "boundary_codec='governed': margin over fidelity_target a cheaper level must show before the "
+            "governor moves down to it (a level near the target does not flap)."
+        },
+    )
+    anchor_cadence: str = field(
+        default="fixed",
+        metadata={
+            "help": "'fixed': an anchor round every anchor_every steps. 'adaptive': the gap halves when the anchor "
+            "momentum's subspace moves fast (principal angles between consecutive bases), doubles when it is "
+            "still, within [anchor_every_min, anchor_every_max] (needs anchor=True; one process)."
+        },
+    )
+    anchor_every_min: int | None = field(
+        default=None, metadata={"help": "anchor_cadence='adaptive': the smallest gap. None = anchor_every // 4."}
+    )
+    anchor_every_max: int | None = field(
+        default=None, metadata={"help": "anchor_cadence='adaptive': the largest gap. None = 4 · anchor_every."}
     )
     anchor_max_staleness: int | None = field(
         default=None,
@@ -243,6 +290,7 @@ class MeshArguments:
         _require_optional_positive("anchor_microbatches", self.anchor_microbatches)
         _require_optional_positive("anchor_max_staleness", self.anchor_max_staleness)
         _require_codec_refit(self)
+        _require_governor(self)
         require(self.spectral_tau > 0, "spectral_tau", self.spectral_tau, "be > 0")
         require(0.0 <= self.spectral_alpha <= 1.0, "spectral_alpha", self.spectral_alpha, "lie in [0, 1]")
         _require_optional_positive("spectral_rank", self.spectral_rank)
@@ -412,19 +460,111 @@ def _apply_preset(cfg) -> None:
 
 
 def composed_codec(cfg) -> CodecSpec | None:
-    """The composed codec the knobs name (``boundary_codec`` other than a mask spec), else None."""
+    """The composed codec the knobs name (``boundary_codec`` other than a mask spec), else None. Governed:
+    the ladder's richest level (what a boundary can cost at most)."""
     text = getattr(cfg, "boundary_codec", None)
     if text is None:
         return None
+    if text == GOVERNED:
+        return codec_ladder(cfg)[-1]
     spec = parse_codec(text)
     return None if spec.is_mask else spec
+
+
+def is_governed(cfg) -> bool:
+    """Whether the fidelity governor picks each boundary's codec (``boundary_codec="governed"``)."""
+    return getattr(cfg, "boundary_codec", None) == GOVERNED
+
+
+def codec_ladder(cfg) -> list[CodecSpec]:
+    """The governed ladder's levels, cheapest first (``codec_ladder`` or ``GOVERNED_LADDER``)."""
+    text = getattr(cfg, "codec_ladder", None) or GOVERNED_LADDER
+    require(isinstance(text, str), "codec_ladder", text, "be a comma-separated string of composed codecs")
+    levels = [part.strip() for part in text.split(",")]
+    specs = []
+    for level in levels:
+        require(bool(level), "codec_ladder", text, "name a codec between every two commas")
+        try:
+            spec = parse_codec(level)
+        except ValueError as err:
+            raise ValueError(f"codec_ladder={text!r} is invalid: it must hold valid codecs (level {level!r}: {err})") from err
+        require(not spec.is_mask, "codec_ladder", text, f"hold composed codecs only ({level!r} is a mask)")
+        specs.append(spec)
+    require(len(specs) >= 2, "codec_ladder", text, "name at least two levels for the governor to choose from")
+    require(len(set(levels)) == len(levels), "codec_ladder", text, "name every level once")
+    return specs
+
+
+def require_ladder_order(cfg, hidden_size: int) -> None:
+    """The governed ladder must get dearer level by level at this model's width (bf16 bytes per token)."""
+    ladder = codec_ladder(cfg)
+    sizes = [spec.payload_bytes(hidden_size, 2) for spec in ladder]
+    require(
+        all(a < b for a, b in zip(sizes, sizes[1:])),
+        "codec_ladder",
+        cfg.codec_ladder or GOVERNED_LADDER,
+        f"list levels cheapest first, each dearer than the one before (bf16 bytes per token at H={hidden_size}: "
+        f"{sizes})",
+    )
+
+
+def _require_governor(cfg) -> None:
+    """The governor's and the cadence's knobs; a ladder or cadence bound given for nothing is refused."""
+    if not is_governed(cfg):
+        require(
+            cfg.codec_ladder is None,
+            "codec_ladder",
+            cfg.codec_ladder,
+            "be None unless boundary_codec='governed' (the ladder is what the governor picks from)",
+        )
+    else:
+        codec_ladder(cfg)
+    require(
+        isinstance(cfg.fidelity_target, (int, float)) and 0.0 < cfg.fidelity_target <= 1.0,
+        "fidelity_target",
+        cfg.fidelity_target,
+        "lie in (0, 1] (a gradient cosine)",
+    )
+    require(
+        isinstance(cfg.fidelity_hysteresis, (int, float)) and 0.0 <= cfg.fidelity_hysteresis < 1.0,
+        "fidelity_hysteresis",
+        cfg.fidelity_hysteresis,
+        "lie in [0, 1)",
+    )
+    require(cfg.anchor_cadence in CADENCES, "anchor_cadence", cfg.anchor_cadence, f"be one of {list(CADENCES)}")
+    _require_optional_positive("anchor_every_min", cfg.anchor_every_min)
+    _require_optional_positive("anchor_every_max", cfg.anchor_every_max)
+    if cfg.anchor_cadence == "fixed":
+        for knob in ("anchor_every_min", "anchor_every_max"):
+            require(
+                getattr(cfg, knob) is None,
+                knob,
+                getattr(cfg, knob),
+                "be None unless anchor_cadence='adaptive' (a fixed cadence is anchor_every)",
+            )
+        return
+    require(
+        bool(cfg.anchor),
+        "anchor_cadence",
+        cfg.anchor_cadence,
+        "be 'fixed' when anchor=False (the adaptive cadence reads the drift of the anchor momentum's subspace)",
+    )
+    low, high = cadence_bounds(cfg)
+    require(low <= high, "anchor_every_max", high, f"be >= anchor_every_min={low}")
+
+
+def cadence_bounds(cfg) -> tuple[int, int]:
+    """[min, max] gap of the adaptive cadence (defaults: anchor_every // 4 and 4 · anchor_every)."""
+    low = cfg.anchor_every_min if cfg.anchor_every_min is not None else max(1, cfg.anchor_every // 4)
+    high = cfg.anchor_every_max if cfg.anchor_every_max is not None else 4 * cfg.anchor_every
+    return low, high
 
 
 def _apply_boundary_codec(cfg) -> None:
     """A mask spec sets mask_ratio and mask_fill; a composed codec refuses the knobs that act on masks."""
     if cfg.boundary_codec is None:
         return
-    spec = parse_codec(cfg.boundary_codec)
+    spec = composed_codec(cfg) if is_governed(cfg) else parse_codec(cfg.boundary_codec)
     if spec.is_mask:
         cfg.mask_ratio, cfg.mask_fill = spec.mask_ratio, spec.fill
         require_fill(cfg.mask_fill, cfg.mask_rescale)

@@ -25,7 +25,17 @@ from .anchor.batches import AnchorBatches
 from .anchor.circuit import AnchorCircuit
 from .boundary.compose.handle import ComposedHandle, attach_composed
 from .boundary.hooks import BoundaryHandle, attach_boundaries
-from .config import MeshArguments, codec_refit_every, composed_codec, require_saved_knobs
+from .anchor.governor import AnchorCadence, FidelityGovernor
+from .config import (
+    MeshArguments,
+    cadence_bounds,
+    codec_ladder,
+    codec_refit_every,
+    composed_codec,
+    is_governed,
+    require_ladder_order,
+    require_saved_knobs,
+)
 from .ledger import Ledger, compute_ledger, param_shapes_of, settings_from_knobs
 from .optim.spectral import SpectralAdamW
 
@@ -47,6 +57,12 @@ RESUME_KNOBS = (
     "anchor_microbatches",
     "anchor_max_staleness",
     "codec_refit_every",
+    "codec_ladder",
+    "fidelity_target",
+    "fidelity_hysteresis",
+    "anchor_cadence",
+    "anchor_every_min",
+    "anchor_every_max",
     "spectral_tau",
     "spectral_relative_tau",
     "spectral_alpha",
@@ -65,8 +81,13 @@ class MeshEngine:
     def __init__(self, model: nn.Module, config: MeshArguments) -> None:
         self.model, self.config = model, config
         codec = composed_codec(config)
+        ladder = None
+        if is_governed(config):
+            ladder = codec_ladder(config)
+            hidden = model.config.get_text_config().hidden_size
+            require_ladder_order(config, hidden)
         self.boundaries: BoundaryHandle | ComposedHandle = (
-            attach_composed(model, config.num_stages, codec, config.mask_seed)
+            attach_composed(model, config.num_stages, codec, config.mask_seed, ladder=ladder)
             if codec is not None
             else attach_boundaries(
                 model, config.num_stages, config.mask_ratio, config.mask_seed, config.mask_rescale, config.mask_fill
@@ -82,8 +103,15 @@ class MeshEngine:
         batches: AnchorBatches | Callable,
         loss_fn: Callable[[nn.Module, dict], torch.Tensor],
     ) -> AnchorCircuit:
-        """The anchor circuit on ``params`` (the matrices the spectral filter acts on), drawing its own ``batches``."""
+        """The anchor circuit on ``params`` (the matrices the spectral filter acts on), drawing its own
+        ``batches``; governed, it also measures fidelity and picks the boundaries' levels (and runs for that
+        alone when ``anchor=False``: its gradients then reach no optimizer)."""
         cfg = self.config
+        governor = cadence = None
+        if is_governed(cfg):
+            governor = FidelityGovernor(len(codec_ladder(cfg)), cfg.fidelity_target, cfg.fidelity_hysteresis)
+        if cfg.anchor_cadence == "adaptive":
+            cadence = AnchorCadence(*cadence_bounds(cfg))
         self.anchor = AnchorCircuit(
             self.model,
             params,
@@ -93,8 +121,16 @@ class MeshEngine:
             batches,
             loss_fn,
             refit_every=codec_refit_every(cfg),
+            governor=governor,
+            cadence=cadence,
+            feed=bool(cfg.anchor),
         )
         return self.anchor
+
+    @property
+    def needs_anchor_circuit(self) -> bool:
+        """Whether the anchor circuit runs: for the spectral prior (``anchor``), the governor, or both."""
+        return bool(self.config.anchor) or is_governed(self.config)
 
     def set_up_masks(self, first_batch: Callable[[], dict]) -> None:
         """Before training: the protected dims and a first Gaussian-fill estimate on one training batch
@@ -139,6 +175,15 @@ class MeshEngine:
             entries["anchor/staleness_steps"] = float(self.anchor.last_staleness)
         if self.anchor is not None and self.anchor.refit_every:
             entries["anchor/codec_refits"] = float(self.anchor.refits)
+        if self.anchor is not None and self.anchor.governor is not None:
+            entries.update(self.anchor.fidelity)  # the newest round's measurement, once
+            self.anchor.fidelity = {}
+            for boundary, level in enumerate(self.boundaries.levels):
+                entries[f"governor/b{boundary}/level"] = float(level)
+        if self.anchor is not None and self.anchor.cadence is not None:
+            entries["anchor/gap"] = float(self.anchor.gap)
+            if self.anchor.last_drift is not None:
+                entries["anchor/drift"] = float(self.anchor.last_drift)
         return entries
 
     def ledger(self, tokens_per_step: int) -> Ledger:

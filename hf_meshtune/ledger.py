@@ -310,7 +310,8 @@ def settings_from_knobs(knobs: Any, *, dtype: str, tokens_per_step: int, **overr
         "num_replicas": knobs.num_replicas,
         "num_stages": knobs.num_stages,
         "mask_ratio": knobs.mask_ratio,
-        "boundary_codec": None if composed_codec(knobs) is None else knobs.boundary_codec,
+        # governed: the ladder's richest level, the most a boundary costs (what it sent is measured)
+        "boundary_codec": None if composed_codec(knobs) is None else composed_codec(knobs).text,
         "codec_refit_every": codec_refit_every(knobs),
         "tokens_per_step": tokens_per_step,
         "activation_dtype": dtype,

@@ -129,11 +129,14 @@ class MeshTrainerMixin:
 
     def create_optimizer(self, model=None):
         optimizer = super().create_optimizer(model)
-        if self.mesh_config.anchor and self.mesh_anchor is None:
+        if self.mesh_engine.needs_anchor_circuit and self.mesh_anchor is None:
             self._build_anchor()
         return optimizer
 
     def _build_anchor(self) -> AnchorCircuit:
+        params = {name: p for name, p in self.model.named_parameters() if p.requires_grad and p.ndim == 2}
+        if not self.mesh_config.anchor:  # the governor's circuit: it feeds no optimizer
+            return self.mesh_engine.build_anchor(params, self._anchor_batches(), self._anchor_loss)
         if self.spectral_optimizer is None and self.args.optim == SPECTRAL_ADAMW:  # optimizers=(opt, sched) given
             require(
                 False,
@@ -148,7 +151,6 @@ class MeshTrainerMixin:
             self.args.optim,
             f"be '{SPECTRAL_ADAMW}' when anchor=True (the anchor's gradients feed its spectral filter)",
         )
-        params = {name: p for name, p in self.model.named_parameters() if p.requires_grad and p.ndim == 2}
         return self.mesh_engine.build_anchor(params, self._anchor_batches(), self._anchor_loss)
 
     def _anchor_batches(self, microbatches: int | None = None) -> AnchorBatches:

@@ -796,6 +796,14 @@ def codec(name: str, *args: object, **kwargs: object) -> Callable[[], object]:
     return lambda: getattr(codecs, name)(*args, **kwargs)
 
 
+def _governed_handle():
+    """A governed handle (ladder int4, int8) on the tiny Llama split in 2 stages."""
+    from hf_meshtune.boundary.compose.handle import attach_composed
+    from hf_meshtune.boundary.compose.spec import parse_codec
+
+    return attach_composed(tiny_llama(), 2, "int8", ladder=[parse_codec("int4"), parse_codec("int8")])
+
+
 def attach_composed_to_tiny(codec: str) -> Callable[[], object]:
     """A trigger: ``attach_composed`` of ``codec`` on the tiny Llama (H = 64) split in 2 stages."""
     from hf_meshtune.boundary.compose.handle import attach_composed
@@ -997,6 +1005,7 @@ MASKS = "masks and boundaries (attach_boundaries, keep_indices, fills)"
 LEDGER = "byte ledger API (LedgerSettings, settings_for_row)"
 CODECS = "boundary codecs (hf_meshtune.boundary.codecs)"
 COMPOSED = "composed boundary codec (boundary_codec)"
+GOVERNOR = "fidelity governor and anchor cadence (boundary_codec='governed', anchor_cadence)"
 INTERNALS = "mesh internals (dp, comm, pipeline)"
 
 GROUP_NOTES: dict[str, str] = {
@@ -1038,6 +1047,9 @@ GROUP_NOTES: dict[str, str] = {
     COMPOSED: "The `boundary_codec` string is parsed where the knobs are checked (`MeshConfig` and every config, "
     "plugin and recipe flag built on the same knobs); the rules that need the hidden size H are checked where a "
     "model meets the codec (`attach_composed`, `MeshTrainer`, every mesh rank's stage), before any step.",
+    GOVERNOR: "The ladder, target and cadence knobs are checked with the other knobs (every config, plugin and "
+    "recipe flag); the ladder's order needs the hidden size and is checked where a model meets it (`MeshTrainer`, "
+    "`MeshAccelerator.prepare`, the TRL trainers).",
     INTERNALS: "What every rank of the distributed mesh builds from the knobs: an error here, reached through "
     "`MeshTrainer`, would be a bug (the knobs are checked first), so these rows call the pieces directly.",
 }
@@ -3022,6 +3034,146 @@ def _cases() -> list[Case]:
             "codec_refit_every=-1 is invalid: it must be >= 0",
         ),
         Case(
+            GOVERNOR,
+            "codec_ladder without boundary_codec='governed'",
+            "`MeshConfig(...)`",
+            lambda: MeshConfig(codec_ladder="int4,int8"),
+            ValueError,
+            "codec_ladder='int4,int8' is invalid: it must be None unless boundary_codec='governed' (the ladder is "
+            "what the governor picks from)",
+        ),
+        Case(
+            GOVERNOR,
+            "codec_ladder='int8' (one level)",
+            "`MeshConfig(...)`",
+            lambda: MeshConfig(boundary_codec="governed", codec_ladder="int8"),
+            ValueError,
+            "codec_ladder='int8' is invalid: it must name at least two levels for the governor to choose from",
+        ),
+        Case(
+            GOVERNOR,
+            "codec_ladder='mask0.9,int8' (a mask level)",
+            "`MeshConfig(...)`",
+            lambda: MeshConfig(boundary_codec="governed", codec_ladder="mask0.9,int8"),
+            ValueError,
+            "codec_ladder='mask0.9,int8' is invalid: it must hold composed codecs only ('mask0.9' is a mask)",
+        ),
+        Case(
+            GOVERNOR,
+            "codec_ladder='int4,int4' (a level twice)",
+            "`MeshConfig(...)`",
+            lambda: MeshConfig(boundary_codec="governed", codec_ladder="int4,int4"),
+            ValueError,
+            "codec_ladder='int4,int4' is invalid: it must name every level once",
+        ),
+        Case(
+            GOVERNOR,
+            "codec_ladder='int4,,int8' (an empty level)",
+            "`MeshConfig(...)`",
+            lambda: MeshConfig(boundary_codec="governed", codec_ladder="int4,,int8"),
+            ValueError,
+            "codec_ladder='int4,,int8' is invalid: it must name a codec between every two commas",
+        ),
+        Case(
+            GOVERNOR,
+            "codec_ladder='int4,int9' (a level that is no codec)",
+            "`MeshConfig(...)`",
+            lambda: MeshConfig(boundary_codec="governed", codec_ladder="int4,int9"),
+            ValueError,
+            "codec_ladder='int4,int9' is invalid: it must hold valid codecs (level 'int9': boundary_codec='int9' is "
+            "invalid: it must quantise to one of [2, 3, 4, 8] bits (int9 is not supported))",
+        ),
+        Case(
+            GOVERNOR,
+            "codec_ladder='int8,int4' (dearest first)",
+            "`MeshTrainer(...)`",
+            lambda: MeshTrainer(
+                model=tiny_llama(),
+                args=MeshTrainingArguments(
+                    "unused", boundary_codec="governed", codec_ladder="int8,int4", num_stages=2, report_to=[]
+                ),
+                train_dataset=pattern_dataset(),
+            ),
+            ValueError,
+            "codec_ladder='int8,int4' is invalid: it must list levels cheapest first, each dearer than the one before "
+            "(bf16 bytes per token at H=64: [66, 34])",
+        ),
+        Case(
+            GOVERNOR,
+            "fidelity_target=1.5",
+            "`MeshConfig(...)`",
+            lambda: MeshConfig(boundary_codec="governed", fidelity_target=1.5),
+            ValueError,
+            "fidelity_target=1.5 is invalid: it must lie in (0, 1] (a gradient cosine)",
+        ),
+        Case(
+            GOVERNOR,
+            "fidelity_hysteresis=-0.1",
+            "`MeshConfig(...)`",
+            lambda: MeshConfig(fidelity_hysteresis=-0.1),
+            ValueError,
+            "fidelity_hysteresis=-0.1 is invalid: it must lie in [0, 1)",
+        ),
+        Case(
+            GOVERNOR,
+            "boundary_codec='governed' with mask_ratio=0.5",
+            "`MeshConfig(...)`",
+            lambda: MeshConfig(boundary_codec="governed", mask_ratio=0.5),
+            ValueError,
+            "mask_ratio=0.5 is invalid: it must stay 0.0 with boundary_codec='governed' (it acts on masks, and a "
+            "composed codec sends none; outliers<N> is the codec's way to keep the largest dims)",
+        ),
+        Case(
+            GOVERNOR,
+            "levels on a handle that is not governed",
+            "`ComposedHandle.set_levels`",
+            lambda: attach_composed_to_tiny("int8")().set_levels([1]),
+            ValueError,
+            "levels=[1] is invalid: it must be set only on a governed boundary_codec",
+        ),
+        Case(
+            GOVERNOR,
+            "a level past the ladder",
+            "`ComposedHandle.set_levels`",
+            lambda: _governed_handle().set_levels([2]),
+            ValueError,
+            "levels=[2] is invalid: it must give one level in [0, 2) per boundary (1)",
+        ),
+        Case(
+            GOVERNOR,
+            "anchor_cadence='sometimes'",
+            "`MeshConfig(...)`",
+            lambda: MeshConfig(anchor_cadence="sometimes"),
+            ValueError,
+            "anchor_cadence='sometimes' is invalid: it must be one of ['fixed', 'adaptive']",
+        ),
+        Case(
+            GOVERNOR,
+            "anchor_cadence='adaptive' with anchor=False",
+            "`MeshConfig(...)`",
+            lambda: MeshConfig(anchor_cadence="adaptive"),
+            ValueError,
+            "anchor_cadence='adaptive' is invalid: it must be 'fixed' when anchor=False (the adaptive cadence reads "
+            "the drift of the anchor momentum's subspace)",
+        ),
+        Case(
+            GOVERNOR,
+            "anchor_every_min with the fixed cadence",
+            "`MeshConfig(...)`",
+            lambda: MeshConfig(anchor_every_min=2),
+            ValueError,
+            "anchor_every_min=2 is invalid: it must be None unless anchor_cadence='adaptive' (a fixed cadence is "
+            "anchor_every)",
+        ),
+        Case(
+            GOVERNOR,
+            "anchor_every_min=8 above anchor_every_max=4",
+            "`MeshConfig(...)`",
+            lambda: MeshConfig(preset="paper", anchor_cadence="adaptive", anchor_every_min=8, anchor_every_max=4),
+            ValueError,
+            "anchor_every_max=4 is invalid: it must be >= anchor_every_min=8",
+        ),
+        Case(
             COMPOSED,
             "boundary_codec='int4x0'",
             "`MeshConfig(...)`",
@@ -3077,7 +3229,8 @@ def _cases() -> list[Case]:
             "`ComposedHandle.load_state_dict`",
             composed("state"),
             ValueError,
-            "state['codecs']=0 is invalid: it must hold one entry per boundary (3)",
+            "state['codecs']=0 is invalid: it must hold one entry per codec (3: every boundary, and governed every "
+            "level of each)",
         ),
         Case(
             COMPOSED,

@@ -6,6 +6,15 @@ it updates the anchor momentum M_anc inside ``SpectralAdamW.update_anchor``. Her
 run inline: at step s the current parameters *are* θ_s, so the gradient is computed right away (no
 copy of the model) and held until step s + Δ. The result does not depend on timing, and the fast
 circuit's RNG stream is untouched (the anchor forward runs inside ``torch.random.fork_rng``).
+
+Governed (``boundary_codec="governed"``), each round also measures the fidelity of the codec levels
+around every boundary's current one on the round's batch (``anchor.fidelity``) and the governor's
+choice travels with the round's gradient: the boundaries switch after the step that applies it. The
+circuit then runs even without the anchor prior (``feed=False``: no gradient reaches the optimizer).
+The first round measures every level and picks the start; until its choice lands the boundaries run
+the ladder's richest level.
+With an adaptive cadence (``anchor.governor.AnchorCadence``) the next round's step follows from the
+newest drift of the anchor momentum's subspace instead of ``every``.
 """
 
 from __future__ import annotations
@@ -21,6 +30,8 @@ from .._validation import require
 from ..boundary.compose.handle import ComposedHandle
 from ..boundary.hooks import BoundaryHandle
 from ..boundary.masking import private_rng
+from .fidelity import FidelityProbe, ProbeRecord, stage_parameter_groups
+from .governor import AnchorCadence, FidelityGovernor, candidate_levels
 
 __all__ = ["AnchorCircuit", "PendingGradient"]
 
@@ -36,6 +47,7 @@ class PendingGradient:
     deliver_step: int
     grads: dict[str, torch.Tensor]
     geometry: list[dict] | None = None
+    levels: list[int] | None = None  # governed: the boundaries' levels the round chose
 
 
 class AnchorCircuit:
@@ -51,6 +63,10 @@ class AnchorCircuit:
         loss_fn: ``(model, batch) → scalar loss``.
         refit_every: every that many rounds (0: never) the composed codecs' geometry is refitted on the
             round's dense boundary activations and used from the step after its delivery on.
+        governor: with a governed codec ladder on the boundaries, the policy that picks their levels.
+        cadence: the adaptive cadence (None: a round every ``every`` steps).
+        feed: whether the gradients go into the optimizer's anchor momentum (False: the circuit runs for
+            the governor only).
     """
 
     def __init__(
@@ -63,6 +79,9 @@ class AnchorCircuit:
         batches: Callable[[int], Sequence[Batch]],
         loss_fn: Callable[[nn.Module, Batch], torch.Tensor],
         refit_every: int = 0,
+        governor: FidelityGovernor | None = None,
+        cadence: AnchorCadence | None = None,
+        feed: bool = True,
     ) -> None:
         require(every >= 1, "anchor_every", every, "be >= 1")
         require(delay >= 0, "anchor_delay", delay, "be >= 0")
@@ -81,55 +100,168 @@ class AnchorCircuit:
         self.pending: list[PendingGradient] = []
         self.last_staleness: int | None = None
         self.rounds_done = 0
+        require(
+            governor is None or getattr(boundaries, "ladders", None) is not None,
+            "boundary_codec",
+            getattr(getattr(boundaries, "spec", None), "text", None),
+            "be 'governed' (a codec ladder on the boundaries) for the fidelity governor",
+        )
+        self.governor, self.cadence, self.feed = governor, cadence, feed
+        self.decided: list[int] | None = None  # governed: the newest levels chosen (maybe still in flight)
+        self.switches: list[tuple[int, int, list[int]]] = []  # level changes: (step applied, snapshot, levels)
+        self.fidelity: dict[str, float] = {}  # the newest round's fidelity/* and governor/* log entries
+        self.probe_passes = 0  # probe forward/backward passes so far (each costs one dense round's pass)
+        self.gap, self.next_round = every, 0  # adaptive cadence: gap to the next round, its step
+        self.last_drift: float | None = None
+        self.cadence_log: list[dict[str, float]] = []  # per round: step, drift, staleness, gap chosen
 
     def on_step(self, step: int, optimizer) -> list[int]:
         """Before optimizer step ``step``: snapshot if due, then deliver what has arrived.
 
         Returns the snapshot steps delivered now (staleness = step - snapshot step).
         """
-        if step % self.every == 0:
-            round_index = step // self.every
+        if self._round_due(step):
+            round_index = step // self.every if self.cadence is None else self.rounds_done
             refit = self.refit_every > 0 and round_index % self.refit_every == 0
-            with self.boundaries.recording() if refit else contextlib.nullcontext():
+            record = ProbeRecord(None) if self.governor is not None else None
+            rng = _rng_state(self._device)
+            with (
+                self.boundaries.recording() if refit else contextlib.nullcontext(),
+                self.boundaries.probing(record) if record is not None else contextlib.nullcontext(),
+            ):
                 grads = self.dense_gradient(round_index)
             geometry = self.boundaries.refit_geometry() if refit else None
-            self.pending.append(PendingGradient(step, step + self.delay, grads, geometry))
+            levels = self._govern(step, round_index, grads, record, rng) if record is not None else None
+            self.pending.append(PendingGradient(step, step + self.delay, grads, geometry, levels))
+            if self.cadence is not None:
+                self.gap = self.cadence.next_gap(self.gap, self.last_drift, self.last_staleness)
+                self.next_round = step + self.gap
+                self.cadence_log.append(
+                    {
+                        "step": float(step),
+                        "drift": _or_nan(self.last_drift),
+                        "staleness": _or_nan(self.last_staleness),
+                        "gap": float(self.gap),
+                    }
+                )
         due = [p for p in self.pending if p.deliver_step <= step]
         self.pending = [p for p in self.pending if p.deliver_step > step]
         for arrival in due:
             if arrival.geometry is not None:  # this step's forward ran on the old one; the next uses it
                 self.boundaries.load_geometries(arrival.geometry)
                 self.refits += 1
-            optimizer.update_anchor(
-                {self.params[name]: grad for name, grad in arrival.grads.items()},
-                staleness=step - arrival.snapshot_step,
-            )
+            if arrival.levels is not None and arrival.levels != self.boundaries.levels:
+                self.boundaries.set_levels(arrival.levels)  # likewise: the next forward runs on them
+                self.switches.append((step, arrival.snapshot_step, list(arrival.levels)))
+            if self.feed:
+                optimizer.update_anchor(
+                    {self.params[name]: grad for name, grad in arrival.grads.items()},
+                    staleness=step - arrival.snapshot_step,
+                )
+                drift = getattr(optimizer, "last_drift", None)
+                self.last_drift = drift if drift is not None else self.last_drift
             self.last_staleness = step - arrival.snapshot_step
         return [arrival.snapshot_step for arrival in due]
 
+    def _round_due(self, step: int) -> bool:
+        if self.cadence is None:
+            return step % self.every == 0
+        return step >= self.next_round
+
+    @property
+    def _device(self) -> torch.device:
+        return next(iter(self.params.values())).device
+
+    def _gradient(self, microbatches: Sequence[Batch]) -> list[torch.Tensor]:
+        """Σ over ``microbatches`` of ∂(loss / n)/∂θ (float32) for the anchor's matrices."""
+        tensors = list(self.params.values())
+        total = [torch.zeros_like(t, dtype=torch.float32) for t in tensors]
+        for batch in microbatches:
+            loss = self.loss_fn(self.model, batch) / len(microbatches)
+            grads = torch.autograd.grad(loss, tensors, allow_unused=True)
+            for acc, grad in zip(total, grads):
+                if grad is not None:
+                    acc.add_(grad.float())
+        return total
+
     def dense_gradient(self, round_index: int) -> dict[str, torch.Tensor]:
         """∂L/∂θ of the dense model at the current parameters on the anchor batches of a round."""
-        names, tensors = list(self.params), list(self.params.values())
         microbatches = list(self.batches(round_index))
         require(len(microbatches) > 0, "anchor batches", 0, "be at least one microbatch per round")
-        total = [torch.zeros_like(t, dtype=torch.float32) for t in tensors]
         guard = self.boundaries.disabled() if self.boundaries is not None else contextlib.nullcontext()
-        with guard, private_rng(tensors[0].device):
-            for batch in microbatches:
-                loss = self.loss_fn(self.model, batch) / len(microbatches)
-                grads = torch.autograd.grad(loss, tensors, allow_unused=True)
-                for acc, grad in zip(total, grads):
-                    if grad is not None:
-                        acc.add_(grad.float())
+        with guard, private_rng(self._device):
+            total = self._gradient(microbatches)
         self.rounds_done = round_index + 1
-        return dict(zip(names, total))
+        return dict(zip(self.params, total))
+
+    # --- the governor -----------------------------------------------------------------------------
+    def _probe(self, round_index: int, grads: Mapping[str, torch.Tensor], record: ProbeRecord, rng) -> FidelityProbe:
+        """A fidelity probe on the round's batches, replaying the dense pass's RNG on every probe pass."""
+        microbatches = list(self.batches(round_index))
+        handle = self.boundaries
+
+        def run_pass(probe_record: ProbeRecord) -> dict[str, torch.Tensor]:
+            self.probe_passes += 1
+            with handle.disabled(), handle.probing(probe_record), private_rng(self._device):
+                _set_rng_state(self._device, rng)
+                return dict(zip(self.params, self._gradient(microbatches)))
+
+        groups = stage_parameter_groups(list(self.params), handle.layers_name, handle.stages)
+        probe = FidelityProbe(run_pass, groups)
+        probe.reference(grads, record)
+        return probe
+
+    def measure(self, round_index: int, codecs: Sequence[Sequence]) -> list[list[dict[str, float]]]:
+        """Fidelity of ``codecs[b]`` (any objects with ``apply(h, step, microbatch) → (h̃, message)``) at
+        boundary b, on round ``round_index``'s batches at the current parameters: ``[b][i] → {cos,
+        act_err, grad_err}``. Changes nothing the run uses (its RNG, rounds, levels)."""
+        record, rng = ProbeRecord(None), _rng_state(self._device)
+        done = self.rounds_done
+        with self.boundaries.probing(record):
+            grads = self.dense_gradient(round_index)
+        self.rounds_done = done
+        probe = self._probe(round_index, grads, record, rng)
+        return [[probe.measure(b, codec) for codec in group] for b, group in enumerate(codecs)]
+
+    def measure_ladder(self, round_index: int) -> list[list[dict[str, float]]]:
+        """``measure`` of every level of every boundary's ladder: ``[boundary][level]``."""
+        return self.measure(round_index, self.boundaries.ladders)
+
+    def _govern(self, step: int, round_index: int, grads, record: ProbeRecord, rng) -> list[int]:
+        """Measure the candidate levels of every boundary on this round's batch and choose the next ones;
+        the first round measures every level and starts where the governor's ``initial`` says."""
+        ladders = self.boundaries.ladders
+        first = self.decided is None
+        current = list(self.boundaries.levels) if first else self.decided
+        probe = self._probe(round_index, grads, record, rng)
+        chosen, entries = [], {}
+        for boundary, ladder in enumerate(ladders):
+            levels = range(len(ladder)) if first else candidate_levels(current[boundary], len(ladder))
+            cos = {}
+            for level in levels:
+                measured = probe.measure(boundary, ladder[level])
+                cos[level] = measured["cos"]
+                for key, value in measured.items():
+                    entries[f"fidelity/b{boundary}/{ladder[level].spec.text}/{key}"] = value
+            if first:
+                chosen.append(self.governor.initial([cos[level] for level in range(len(ladder))]))
+            else:
+                chosen.append(self.governor.decide(current[boundary], cos))
+            entries[f"governor/b{boundary}/decided"] = float(chosen[-1])
+        self.decided = chosen
+        self.fidelity = {**entries, "fidelity/probe_passes": float(self.probe_passes), "fidelity/step": float(step)}
+        return chosen
 
     def state_dict(self) -> dict:
         return {
-            "pending": [(p.snapshot_step, p.deliver_step, p.grads, p.geometry) for p in self.pending],
+            "pending": [(p.snapshot_step, p.deliver_step, p.grads, p.geometry, p.levels) for p in self.pending],
             "last_staleness": self.last_staleness,
             "rounds_done": self.rounds_done,
             "refits": self.refits,
+            "decided": self.decided,
+            "switches": self.switches,
+            "cadence": {"gap": self.gap, "next_round": self.next_round, "last_drift": self.last_drift},
+            "probe_passes": self.probe_passes,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -137,7 +269,30 @@ class AnchorCircuit:
         require(
             not unknown, "anchor state", sorted(unknown)[:3], "only name parameters of this model's spectral matrices"
         )
-        self.pending = [PendingGradient(*entry) for entry in state["pending"]]  # (s, d, g[, geometry])
+        self.pending = [PendingGradient(*entry) for entry in state["pending"]]  # (s, d, g[, geometry[, levels]])
         self.last_staleness = state["last_staleness"]
         self.rounds_done = state["rounds_done"]
         self.refits = state.get("refits", 0)
+        self.decided = state.get("decided")
+        self.switches = [tuple(entry) for entry in state.get("switches", [])]
+        cadence = state.get("cadence") or {}
+        self.gap = cadence.get("gap", self.every)
+        self.next_round = cadence.get("next_round", 0)
+        self.last_drift = cadence.get("last_drift")
+        self.probe_passes = state.get("probe_passes", 0)
+
+
+def _or_nan(value: float | None) -> float:
+    return float("nan") if value is None else float(value)
+
+
+def _rng_state(device: torch.device) -> tuple:
+    """The RNG state a pass starts from (CPU, and the device's on CUDA)."""
+    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+
+def _set_rng_state(device: torch.device, state: tuple) -> None:
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda, device)

@@ -24,8 +24,9 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def cache_dir() -> Path:
-    """``$HF_MESHTUNE_CACHE`` or ``~/.cache/hf_meshtune``: converted checkpoints live here, never in git."""
-    return Path(os.environ.get("HF_MESHTUNE_CACHE", Path.home() / ".cache" / "hf_meshtune"))
+    """``$HF_MESHTUNE_CACHE`` or, when unset or empty, ``~/.cache/hf_meshtune``: converted checkpoints live
+    here, never in git (an empty value once meant the working directory)."""
+    return Path(os.environ.get("HF_MESHTUNE_CACHE") or Path.home() / ".cache" / "hf_meshtune")
 
 
 def _package_dir(package: str, install_hint: str) -> Path:

@@ -59,6 +59,9 @@ class DemoSettings:
     mask_protect_dims: int = 0
     mask_rescale: bool = False
     boundary_codec: str | None = None
+    codec_ladder: str | None = None
+    fidelity_target: float = 0.96
+    fidelity_hysteresis: float = 0.01
     spectral_tau: float = 1e-3
     spectral_relative_tau: bool = False
     spectral_alpha: float = 0.3
@@ -165,11 +168,27 @@ def run_demo(settings: DemoSettings) -> dict:
         "total_runtime_s": time.time() - started,
         "ledger": trainer.mesh_ledger(settings.batch_size * settings.seq_len).to_dict(),
         "last_log": train_logs[-1] if train_logs else {},
+        # what the boundaries sent over the whole run (every log covers logging_steps equal steps)
+        "measured_boundary_bytes_per_token": _mean_of(train_logs, "comm/measured_pp_fwd_bytes_per_token")
+        + _mean_of(train_logs, "comm/measured_pp_bwd_bytes_per_token"),
     }
+    anchor = trainer.mesh_anchor
+    if anchor is not None and anchor.governor is not None:
+        summary["governor"] = {
+            "switches": anchor.switches,
+            "probe_passes": anchor.probe_passes,
+            "rounds": anchor.rounds_done,
+            "fidelity": [{k: v for k, v in h.items() if k.startswith(("fidelity/", "governor/"))} for h in train_logs],
+        }
     Path(settings.output_dir).mkdir(parents=True, exist_ok=True)
     (Path(settings.output_dir) / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     print(format_summary(summary))
     return summary
+
+
+def _mean_of(logs: list[dict], key: str) -> float:
+    values = [h[key] for h in logs if key in h]
+    return sum(values) / len(values) if values else 0.0
 
 
 def _boundary_words(s: dict) -> str:

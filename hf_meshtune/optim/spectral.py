@@ -25,7 +25,7 @@ from torch import Tensor
 from .._validation import require
 from ..boundary.masking import stable_seed
 
-__all__ = ["SpectralAdamW", "spectral_options"]
+__all__ = ["SpectralAdamW", "spectral_options", "subspace_drift"]
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +64,14 @@ def _randomized_svd(matrix: Tensor, rank: int, niter: int, oversample: int, seed
         q = torch.linalg.qr(matrix @ z).Q
     u_small, s, vh = torch.linalg.svd(q.mT @ matrix, full_matrices=False)
     return (q @ u_small[:, :rank]), s[:rank].clone(), vh[:rank].mT.contiguous()
+
+
+def subspace_drift(old: Tensor, new: Tensor, k: int = 8) -> float:
+    """sin θ_max: the largest principal angle between the spans of the first ``k`` columns of two
+    orthonormal bases (0: the same subspace, 1: a direction of one is orthogonal to the other)."""
+    k = min(k, old.shape[1], new.shape[1])
+    cosines = torch.linalg.svdvals(old[:, :k].mT.double() @ new[:, :k].double())
+    return float(torch.sqrt(torch.clamp(1.0 - cosines.min() ** 2, min=0.0)))
 
 
 def _soft_filter(s: Tensor, tau: float, relative_tau: bool) -> Tensor:
@@ -235,6 +243,7 @@ class SpectralAdamW(torch.optim.Optimizer):
         self.svd_niter, self.svd_oversample, self.seed = svd_niter, svd_oversample, seed
         self.max_staleness = max_staleness
         self.last_diagnostics: dict[str, float] = {}
+        self.last_drift: float | None = None  # mean subspace drift of the newest anchor delivery
         # cumulative counts of the guards' interventions (reported while non-zero)
         self.guard_counts = {"anchor/rejected_non_finite": 0, "anchor/rejected_stale": 0, "spectral/svd_fallbacks": 0}
         super().__init__(params, defaults)
@@ -268,12 +277,15 @@ class SpectralAdamW(torch.optim.Optimizer):
             require(tuple(grad.shape) == shape, "grads value shape", tuple(grad.shape), rule)
         if self._reject(grads, staleness):
             return 0
-        updated = 0
+        updated, drifts = 0, []
         for key, grad in grads.items():
             index, param, group = owners[id(key)]
             if self._is_spectral(param, group):
-                self._update_basis(index, param, grad, group)
+                drift = self._update_basis(index, param, grad, group)
+                if drift is not None:
+                    drifts.append(drift)
                 updated += 1
+        self.last_drift = sum(drifts) / len(drifts) if drifts else None
         return updated
 
     def _reject(self, grads: Mapping[Tensor, Tensor], staleness: int | None) -> bool:
@@ -296,8 +308,11 @@ class SpectralAdamW(torch.optim.Optimizer):
     def _params_with_groups(self) -> list[tuple[Tensor, dict[str, Any]]]:
         return [(p, g) for g in self.param_groups for p in g["params"]]
 
-    def _update_basis(self, index: int, param: Tensor, grad: Tensor, group: dict[str, Any]) -> None:
+    def _update_basis(self, index: int, param: Tensor, grad: Tensor, group: dict[str, Any]) -> float | None:
+        """Fold ``grad`` into the matrix's M_anc and refresh (U, d, V); returns the subspace drift
+        (``subspace_drift`` of the old and new U), None for the first basis or a failed one."""
         state = self.state[param]
+        previous = state.get("anchor_U")
         dtype = _anchor_dtype(param)
         if "anchor_momentum" not in state:
             state["anchor_momentum"] = torch.zeros(param.shape, dtype=dtype, device=param.device)
@@ -328,10 +343,11 @@ class SpectralAdamW(torch.optim.Optimizer):
             logger.warning(
                 "SVD of the anchor momentum %s failed (%s): that matrix steps unfiltered", tuple(param.shape), reason
             )
-            return
+            return None
         state["anchor_U"], state["anchor_V"] = u, v
         state["anchor_d"] = _soft_filter(s, group["tau"], group["relative_tau"])
         state["anchor_age"] = 0
+        return subspace_drift(previous, u) if previous is not None and previous.shape == u.shape else None
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]

@@ -4,12 +4,17 @@ Every training forward's boundary output h is replaced by ``codec.receive(codec.
 message the mesh would send is built and decoded in place, so training sees the wire's error both
 ways, and the counter books the bytes of the message tensors themselves (forward at the send,
 backward when the gradient message is built). ``eval()``, ``no_grad`` and ``generate()`` run dense.
+
+Governed (``boundary_codec="governed"``): every boundary holds one codec per level of the ladder
+(each with its own geometry, all fitted on the same dense activations) and ``set_levels`` picks the one
+in use; ``probing(record)`` lets the anchor's fidelity probe code one boundary with any codec on its
+passes (``anchor.fidelity``).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,26 +43,60 @@ class ComposedHandle(BoundaryHooks):
     microbatch: int = -1
     enabled: bool = True
     counter: PayloadCounter = field(default_factory=PayloadCounter)
+    ladders: list[list[ComposedCodec]] | None = None  # governed: per boundary, one codec per level
+    levels: list[int] | None = None  # governed: the level in use per boundary
+    levels_restored: bool = False  # governed: a checkpoint gave the levels (no start-up measurement)
     _hooks: list = field(default_factory=list, repr=False)
     _recorded: list[list[Tensor]] | None = field(default=None, repr=False)
     _real: Tensor | None = field(default=None, repr=False)
+    _probe: Any = field(default=None, repr=False)
 
     @property
     def spec(self) -> CodecSpec | None:
         return self.codecs[0].spec if self.codecs else None
+
+    @property
+    def all_codecs(self) -> list[ComposedCodec]:
+        """Every codec the handle holds: the one per boundary, or governed every level of every boundary."""
+        return [c for ladder in self.ladders for c in ladder] if self.ladders is not None else list(self.codecs)
+
+    def set_levels(self, levels: Sequence[int]) -> None:
+        """Governed: use ladder level ``levels[b]`` at boundary b from the next forward on."""
+        require(self.ladders is not None, "levels", list(levels), "be set only on a governed boundary_codec")
+        require(
+            len(levels) == len(self.ladders)
+            and all(isinstance(lv, int) and 0 <= lv < len(ladder) for lv, ladder in zip(levels, self.ladders)),
+            "levels",
+            list(levels),
+            f"give one level in [0, {len(self.ladders[0]) if self.ladders else 0}) per boundary ({len(self.ladders)})",
+        )
+        self.levels = list(levels)
+        self.codecs = [ladder[lv] for ladder, lv in zip(self.ladders, self.levels)]
+
+    @contextlib.contextmanager
+    def probing(self, record: Any) -> Iterator[None]:
+        """Inside: training forwards follow ``record`` (``anchor.fidelity.ProbeRecord``): with
+        ``record.boundary`` None they stay dense and every boundary records dL/dh; else only that
+        boundary is coded, by ``record.codec``, and records its activation error and dL/dh."""
+        previous, self._probe = self._probe, record
+        try:
+            yield
+        finally:
+            self._probe = previous
 
     def set_step(self, step: int) -> None:
         self.step, self.microbatch = step, -1
 
     @property
     def ready(self) -> bool:
-        return all(codec.ready for codec in self.codecs)
+        return all(codec.ready for codec in self.all_codecs)
 
     @torch.no_grad()
     def calibrate(self, model: nn.Module, batch: dict) -> None:
         """Fit every codec's geometry on one dense forward of ``batch`` (real tokens only)."""
-        for codec, hidden in zip(self.codecs, self.dense_boundary_tokens(model, batch)):
-            codec.fit(hidden)
+        hidden = self.dense_boundary_tokens(model, batch)
+        for codec in self.all_codecs:
+            codec.fit(hidden[codec.boundary])
 
     def set_up(self, model: nn.Module, first_batch: Callable[[], dict]) -> None:
         """Before training: calibrate on ``first_batch()`` unless the codecs need nothing or a checkpoint
@@ -90,11 +129,12 @@ class ComposedHandle(BoundaryHooks):
             "no dense forward recorded",
             "follow a recording() with at least one dense training forward",
         )
-        return [codec.fitted(torch.cat(rows)) for codec, rows in zip(self.codecs, recorded)]
+        return [codec.fitted(torch.cat(recorded[codec.boundary])) for codec in self.all_codecs]
 
     def load_geometries(self, geometries: list[dict[str, Tensor | None]]) -> None:
-        """Use ``geometries`` (one per boundary, as ``refit_geometry`` gives them) from the next forward on."""
-        for codec, geometry in zip(self.codecs, geometries, strict=True):
+        """Use ``geometries`` (one per codec of ``all_codecs``, as ``refit_geometry`` gives them) from the
+        next forward on."""
+        for codec, geometry in zip(self.all_codecs, geometries, strict=True):
             codec.load_geometry(geometry)
 
     def _on_model_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -103,28 +143,38 @@ class ComposedHandle(BoundaryHooks):
             self._real = kwargs.get("attention_mask")
 
     def state_dict(self) -> dict:
-        return {"step": self.step, "codecs": [codec.geometry() for codec in self.codecs]}
+        state = {"step": self.step, "codecs": [codec.geometry() for codec in self.all_codecs]}
+        if self.levels is not None:
+            state["levels"] = list(self.levels)
+        return state
 
     def load_state_dict(self, state: dict) -> None:
+        codecs = self.all_codecs
         require(
-            len(state["codecs"]) == len(self.codecs),
+            len(state["codecs"]) == len(codecs),
             "state['codecs']",
             len(state["codecs"]),
-            f"hold one entry per boundary ({len(self.codecs)})",
+            f"hold one entry per codec ({len(codecs)}: every boundary, and governed every level of each)",
         )
         self.step, self.microbatch = state["step"], -1
-        for codec, geometry in zip(self.codecs, state["codecs"]):
+        for codec, geometry in zip(codecs, state["codecs"]):
             if geometry["rest_dims"] is not None:
                 codec.load_geometry(geometry)
+        if self.ladders is not None and state.get("levels") is not None:
+            self.set_levels(state["levels"])
+            self.levels_restored = True
 
-    def _on_layer_output(self, codec: ComposedCodec, module: nn.Module, args: tuple, output: Any) -> Any:
+    def _on_layer_output(self, boundary: int, module: nn.Module, args: tuple, output: Any) -> Any:
         hidden = output[0] if isinstance(output, tuple) else output
         if self._recorded is not None and module.training and not self.enabled:  # the anchor's dense pass
             rows = hidden.detach()
             real = self._real
-            self._recorded[codec.boundary].append(rows[real.to(rows.device).bool()] if real is not None else rows)
+            self._recorded[boundary].append(rows[real.to(rows.device).bool()] if real is not None else rows)
+        if self._probe is not None and module.training and torch.is_grad_enabled():
+            return self._on_probe(boundary, hidden, output)
         if not self._is_training_forward(module):
             return None
+        codec = self.codecs[boundary]
         microbatch = max(self.microbatch, 0)
         payload = codec.send(hidden, self.step, microbatch)
         self.counter.fwd_bytes += payload.numel() * payload.element_size()
@@ -133,13 +183,41 @@ class ComposedHandle(BoundaryHooks):
         rebuilt = codec.receive(payload, self.step, microbatch)
         return (rebuilt, *output[1:]) if isinstance(output, tuple) else rebuilt
 
+    def _on_probe(self, boundary: int, hidden: Tensor, output: Any) -> Any:
+        record = self._probe
+
+        def keep_grad(grad: Tensor) -> None:
+            record.grads.setdefault(boundary, []).append(grad.detach().clone())
+
+        if record.boundary is None:  # the dense reference: dL/dh at every boundary
+            if hidden.requires_grad:
+                hidden.register_hook(keep_grad)
+            return None
+        if boundary != record.boundary:
+            return None
+        rebuilt, _ = record.codec.apply(hidden, self.step, 0)
+        dense = hidden.detach().double()
+        record.act_num += float((rebuilt.detach().double() - dense).pow(2).sum())
+        record.act_den += float(dense.pow(2).sum())
+        if hidden.requires_grad:
+            hidden.register_hook(keep_grad)  # the decoded gradient the codec hands the sending stage
+        return (rebuilt, *output[1:]) if isinstance(output, tuple) else rebuilt
+
     def _count_backward(self, grad: Tensor) -> None:
         self.counter.bwd_bytes += grad.numel() * grad.element_size()
 
 
-def attach_composed(model: nn.Module, num_stages: int, codec: str | CodecSpec, seed: int = 0) -> ComposedHandle:
+def attach_composed(
+    model: nn.Module,
+    num_stages: int,
+    codec: str | CodecSpec,
+    seed: int = 0,
+    ladder: Sequence[CodecSpec] | None = None,
+) -> ComposedHandle:
     """Split ``model``'s decoder layers into ``num_stages`` (Y) stages with the composed ``codec`` at
-    each boundary (a ``boundary_codec`` string such as ``"outliers8+int4g71"``).
+    each boundary (a ``boundary_codec`` string such as ``"outliers8+int4g71"``). With ``ladder`` (governed,
+    cheapest level first) every boundary holds a codec per level and starts at the richest until
+    ``set_levels``; ``codec`` is then unused.
 
     Example:
         >>> handle = attach_composed(model, 4, "outliers8+int4g71")  # doctest: +SKIP
@@ -151,12 +229,19 @@ def attach_composed(model: nn.Module, num_stages: int, codec: str | CodecSpec, s
     hidden = _hidden_size(model)
     spec.validate(hidden)
     boundary_layers = [stage[-1] for stage in stages[:-1]]
-    codecs = [ComposedCodec(spec, b, hidden, seed) for b in range(len(boundary_layers))]
-    handle = ComposedHandle(codecs, boundary_layers, stages, layers_name, hidden)
+    if ladder is None:
+        codecs = [ComposedCodec(spec, b, hidden, seed) for b in range(len(boundary_layers))]
+        handle = ComposedHandle(codecs, boundary_layers, stages, layers_name, hidden)
+    else:
+        for level in ladder:
+            level.validate(hidden)
+        ladders = [[ComposedCodec(level, b, hidden, seed) for level in ladder] for b in range(len(boundary_layers))]
+        handle = ComposedHandle([], boundary_layers, stages, layers_name, hidden, ladders=ladders)
+        handle.set_levels([len(ladder) - 1] * len(ladders))
     handle._hooks.append(model.register_forward_pre_hook(handle._on_model_forward, with_kwargs=True))
-    for boundary_codec, layer_index in zip(codecs, boundary_layers):
+    for boundary, layer_index in enumerate(boundary_layers):
         hook = layers[layer_index].register_forward_hook(
-            lambda module, args, output, c=boundary_codec: handle._on_layer_output(c, module, args, output)
+            lambda module, args, output, b=boundary: handle._on_layer_output(b, module, args, output)
         )
         handle._hooks.append(hook)
     return handle
