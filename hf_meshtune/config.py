@@ -438,6 +438,19 @@ def require_mesh_supported(cfg) -> None:
         cfg.anchor_payload,
         "be 'gradient' on the distributed mesh (the anchor sends its dense gradient)",
     )
+    require(
+        not is_governed(cfg),
+        "boundary_codec",
+        cfg.boundary_codec,
+        "name one codec on the distributed mesh ('governed' runs on one process: the anchor's probe passes through "
+        "its pipeline and the level switch on the fast stages are not built yet)",
+    )
+    require(
+        cfg.anchor_cadence == "fixed",
+        "anchor_cadence",
+        cfg.anchor_cadence,
+        "be 'fixed' on the distributed mesh (the adaptive cadence runs on one process)",
+    )
 
 
 def _apply_preset(cfg) -> None:
@@ -487,7 +500,9 @@ def codec_ladder(cfg) -> list[CodecSpec]:
         try:
             spec = parse_codec(level)
         except ValueError as err:
-            raise ValueError(f"codec_ladder={text!r} is invalid: it must hold valid codecs (level {level!r}: {err})") from err
+            raise ValueError(
+                f"codec_ladder={text!r} is invalid: it must hold valid codecs (level {level!r}: {err})"
+            ) from err
         require(not spec.is_mask, "codec_ladder", text, f"hold composed codecs only ({level!r} is a mask)")
         specs.append(spec)
     require(len(specs) >= 2, "codec_ladder", text, "name at least two levels for the governor to choose from")

@@ -23,9 +23,9 @@ from torch import nn
 
 from .anchor.batches import AnchorBatches
 from .anchor.circuit import AnchorCircuit
+from .anchor.governor import AnchorCadence, FidelityGovernor
 from .boundary.compose.handle import ComposedHandle, attach_composed
 from .boundary.hooks import BoundaryHandle, attach_boundaries
-from .anchor.governor import AnchorCadence, FidelityGovernor
 from .config import (
     MeshArguments,
     cadence_bounds,

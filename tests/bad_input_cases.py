@@ -1418,6 +1418,27 @@ def _cases() -> list[Case]:
         ),
         Case(
             MESH,
+            "boundary_codec='governed' on the mesh",
+            "`RunSettings(...)`, `MeshTrainer(...)` (every rank)",
+            run_settings(MeshConfig(boundary_codec="governed")),
+            ValueError,
+            "boundary_codec='governed' is invalid: it must name one codec on the distributed mesh ('governed' runs on "
+            "one process: the anchor's probe passes through its pipeline and the level switch on the fast stages are "
+            "not built yet)",
+            note="also refused by `MeshTrainer(...)`, before any rendezvous",
+        ),
+        Case(
+            MESH,
+            "anchor_cadence='adaptive' on the mesh",
+            "`RunSettings(...)`, `MeshTrainer(...)` (every rank)",
+            run_settings(MeshConfig(preset="paper", anchor_cadence="adaptive")),
+            ValueError,
+            "anchor_cadence='adaptive' is invalid: it must be 'fixed' on the distributed mesh (the adaptive cadence "
+            "runs on one process)",
+            note="also refused by `MeshTrainer(...)`, before any rendezvous",
+        ),
+        Case(
+            MESH,
             "seq_len=0",
             "`RunSettings(...)`",
             run_settings(seq_len=0),

@@ -23,7 +23,6 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-import torch
 from torch import Tensor
 
 __all__ = ["FidelityProbe", "ProbeRecord", "gradient_cosine", "relative_error", "stage_parameter_groups"]

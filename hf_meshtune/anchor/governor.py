@@ -90,7 +90,9 @@ class AnchorCadence:
             self.max_gap,
             f"be >= anchor_every_min={self.min_gap}",
         )
-        require(0.0 <= self.low < self.high, "anchor drift thresholds", (self.low, self.high), "satisfy 0 <= low < high")
+        require(
+            0.0 <= self.low < self.high, "anchor drift thresholds", (self.low, self.high), "satisfy 0 <= low < high"
+        )
 
     def next_gap(self, gap: int, drift: float | None, staleness: int | None) -> int:
         """``gap`` after a round, given the newest drift (None: none measured yet) and staleness."""
