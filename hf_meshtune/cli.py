@@ -359,8 +359,9 @@ def _add_report_parser(subparsers: argparse._SubParsersAction) -> None:
         description="Find every run under RUN_DIR (a folder holding trainer_state.json, a checkpoint-N with one, "
         "mesh_summary.json or the demo's summary.json) and write loss.png (training loss vs step), "
         "bytes_per_token.png (pp_fwd, pp_bwd, dp, anchor per run: the logged ledger and, from "
-        "mesh_summary.json, what the mesh measured on the wire) and report.md (a table per run, "
-        "both plots embedded).",
+        "mesh_summary.json, what the mesh measured on the wire), fidelity.png when a run's anchor measured its "
+        "boundary codecs (gradient cosine per boundary and codec vs step, the governed levels) and report.md "
+        "(a table per run, the plots embedded).",
     )
     p.add_argument("run_dir", metavar="RUN_DIR", help="a run's output_dir, or a folder of runs at any depth")
     p.add_argument("--out", default=None, metavar="DIR", help="where to write the report (default RUN_DIR)")
@@ -372,8 +373,9 @@ def run_report(args: argparse.Namespace) -> int:
     from hf_meshtune.report import write_report  # lazy: pulls in matplotlib, torch and transformers
 
     written = write_report(args.run_dir, args.out)
-    for key in ("report", "loss_plot", "bytes_plot"):
-        print(written[key])
+    for key in ("report", "loss_plot", "bytes_plot", "fidelity_plot"):
+        if key in written:
+            print(written[key])
     return 0
 
 

@@ -30,7 +30,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ._validation import require
 from .comm.wire import CIRCUITS
-from .report_plots import bar_series, draw_bytes, draw_loss
+from .report_plots import bar_series, draw_bytes, draw_fidelity, draw_loss, fidelity_series
 from .runtime.job import SUMMARY_NAME as MESH_SUMMARY_NAME
 from .runtime.memory import MEMORY_PARTS
 from .runtime.results import wire_bytes_per_token
@@ -51,6 +51,7 @@ __all__ = [
 
 DEMO_SUMMARY_NAME = "summary.json"  # what ``demo.run_demo`` writes (it names no constant)
 REPORT_NAME, LOSS_PLOT_NAME, BYTES_PLOT_NAME = "report.md", "loss.png", "bytes_per_token.png"
+FIDELITY_PLOT_NAME = "fidelity.png"  # drawn only when a run's anchor measured the boundary codecs' fidelity
 _RUN_FILES = frozenset({TRAINER_STATE_NAME, MESH_SUMMARY_NAME, DEMO_SUMMARY_NAME})
 _RUN_RULE = (
     f"contain at least one run: a folder with {TRAINER_STATE_NAME} (or {PREFIX_CHECKPOINT_DIR}-N/"
@@ -76,11 +77,13 @@ class RunFiles:
 
 
 def write_report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None) -> dict[str, Any]:
-    """Find the runs under ``run_dir``; write ``loss.png``, ``bytes_per_token.png`` and ``report.md``.
+    """Find the runs under ``run_dir``; write ``loss.png``, ``bytes_per_token.png``, ``report.md`` and, when
+    a run logged the anchor's fidelity rounds (``fidelity/*``, ``governor/*``), ``fidelity.png``.
 
     ``out_dir`` defaults to ``run_dir``. Returns ``{"report", "loss_plot", "bytes_plot"}`` (paths as
-    strings), ``"rows"`` (one ``run_row`` per run, in folder order) and ``"bars"`` (the values drawn:
-    ``{"<run> analytic" | "<run> wire": {circuit: bytes per token}}``).
+    strings; ``"fidelity_plot"`` too when drawn), ``"rows"`` (one ``run_row`` per run, in folder order),
+    ``"bars"`` (the values drawn: ``{"<run> analytic" | "<run> wire": {circuit: bytes per token}}``) and
+    ``"fidelity"`` (``report_plots.fidelity_series``).
     """
     root = Path(run_dir)
     require(root.is_dir(), "run_dir", str(run_dir), "be an existing folder")
@@ -94,10 +97,14 @@ def write_report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None =
     bars = bar_series(rows)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"report": out / REPORT_NAME, "loss_plot": out / LOSS_PLOT_NAME, "bytes_plot": out / BYTES_PLOT_NAME}
+    fidelity = fidelity_series(runs)
+    if fidelity:
+        paths["fidelity_plot"] = out / FIDELITY_PLOT_NAME
+        draw_fidelity(fidelity, paths["fidelity_plot"])
     draw_loss(runs, rows, paths["loss_plot"])
     draw_bytes(bars, paths["bytes_plot"])
-    paths["report"].write_text(format_report(root, rows), encoding="utf-8")
-    return {**{key: str(path) for key, path in paths.items()}, "rows": rows, "bars": bars}
+    paths["report"].write_text(format_report(root, rows, fidelity=bool(fidelity)), encoding="utf-8")
+    return {**{key: str(path) for key, path in paths.items()}, "rows": rows, "bars": bars, "fidelity": fidelity}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -258,8 +265,9 @@ def _circuit_dict(values: Any) -> dict[str, float | None] | None:
 # ---------------------------------------------------------------------------------------------------
 
 
-def format_report(root: Path, rows: list[dict[str, Any]]) -> str:
-    """The Markdown report: a table of runs, the mesh's bytes on the wire if any, both plots."""
+def format_report(root: Path, rows: list[dict[str, Any]], fidelity: bool = False) -> str:
+    """The Markdown report: a table of runs, the mesh's bytes on the wire if any, the plots (the fidelity
+    plot when ``fidelity``)."""
     lines = [
         f"# Training report: `{root}`",
         "",
@@ -303,6 +311,14 @@ def format_report(root: Path, rows: list[dict[str, Any]]) -> str:
         f"![bytes per token by circuit]({BYTES_PLOT_NAME})",
         "",
     ]
+    if fidelity:
+        lines += [
+            "The anchor's fidelity rounds: per boundary, cos(gradient through each codec level, dense gradient) on "
+            "the round's batch, and the level a governed run used (`fidelity/*`, `governor/*`).",
+            "",
+            f"![boundary codec fidelity vs step]({FIDELITY_PLOT_NAME})",
+            "",
+        ]
     return "\n".join(lines)
 
 

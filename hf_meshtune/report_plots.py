@@ -1,4 +1,5 @@
-"""The plots of ``meshtune report``: training loss (and reward) per run, bytes per token by circuit.
+"""The plots of ``meshtune report``: training loss (and reward) per run, bytes per token by circuit, and
+(for runs whose anchor measured it) the boundary codecs' fidelity vs step, one panel per boundary.
 
 Drawn on a bare ``matplotlib.figure.Figure`` (Agg), so no pyplot state or GUI backend is touched,
 even when this runs inside a notebook. ``RunFiles`` and the rows come from ``report``.
@@ -7,6 +8,7 @@ even when this runs inside a notebook. ``RunFiles`` and the rows come from ``rep
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -15,7 +17,10 @@ from .comm.wire import CIRCUITS
 if TYPE_CHECKING:
     from .report import RunFiles
 
-__all__ = ["bar_series", "draw_bytes", "draw_loss"]
+__all__ = ["bar_series", "draw_bytes", "draw_fidelity", "draw_loss", "fidelity_series"]
+
+_COS = re.compile(r"^fidelity/b(\d+)/(.+)/cos$")
+_LEVEL = re.compile(r"^governor/b(\d+)/level$")
 
 
 def bar_series(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
@@ -108,13 +113,75 @@ def draw_bytes(series: dict[str, dict[str, float]], path: Path) -> None:
     _save(fig, path)
 
 
-def _figure(size: tuple[float, float], ncols: int = 1) -> tuple[Any, Any]:
+def fidelity_series(runs: list[RunFiles]) -> dict[int, dict[str, list[tuple[float, float]]]]:
+    """``{boundary: {"<run> <codec>": [(snapshot step, cos), ...], "<run> level": [(step, level), ...]}}`` from
+    the anchor's logged rounds: ``fidelity/b<k>/<codec>/cos`` at ``fidelity/step`` (each round once), and the
+    governor's level in use at each training log (``governor/b<k>/level``, 0 = the ladder's cheapest). A demo
+    summary's ``governor.fidelity`` counts when the run has no trainer state."""
+    series: dict[int, dict[str, list[tuple[float, float]]]] = {}
+    for run in runs:
+        entries = run.log_history or ((run.demo or {}).get("governor") or {}).get("fidelity") or []
+        seen: set[float] = set()
+        for entry in entries:
+            for key, value in entry.items():
+                level = _LEVEL.match(key)
+                if level and "step" in entry:
+                    series.setdefault(int(level[1]), {}).setdefault(f"{run.name} level", []).append(
+                        (float(entry["step"]), float(value))
+                    )
+            step = entry.get("fidelity/step")
+            if step is None or step in seen:  # a round stays the newest until the next one: draw it once
+                continue
+            seen.add(step)
+            for key, value in entry.items():
+                match = _COS.match(key)
+                if match:
+                    series.setdefault(int(match[1]), {}).setdefault(f"{run.name} {match[2]}", []).append(
+                        (float(step), float(value))
+                    )
+    return series
+
+
+def draw_fidelity(series: dict[int, dict[str, list[tuple[float, float]]]], path: Path) -> None:
+    """Top row: cos(gradient through the codec, dense gradient) vs the anchor snapshot's step, one panel per
+    boundary, one line per run and codec. Bottom row (governed runs): the level each boundary ran at."""
+    boundaries = sorted(series)
+    governed = any(label.endswith(" level") for lines in series.values() for label in lines)
+    rows = 2 if governed else 1
+    fig, grid = _figure((4.2 * len(boundaries) + 1.0, 3.6 * rows), ncols=len(boundaries), nrows=rows, squeeze=False)
+    from matplotlib.ticker import MaxNLocator
+
+    for column, boundary in enumerate(boundaries):
+        cos_ax = grid[0][column]
+        lines = series[boundary]
+        for index, (label, points) in enumerate(
+            sorted(item for item in lines.items() if not item[0].endswith(" level"))
+        ):
+            cos_ax.plot(*zip(*points), marker="o", markersize=3, color=f"C{index % 10}", label=label)
+        cos_ax.set(xlabel="anchor snapshot step", ylabel="gradient cosine to dense", title=f"boundary {boundary}")
+        cos_ax.legend(fontsize="x-small")
+        if rows == 2:
+            level_ax = grid[1][column]
+            for index, (label, points) in enumerate(
+                sorted(item for item in lines.items() if item[0].endswith(" level"))
+            ):
+                level_ax.step(*zip(*points), where="post", color=f"C{index % 10}", label=label)
+            level_ax.set(xlabel="step", ylabel="level in use (0 = cheapest)")
+            level_ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+            level_ax.legend(fontsize="x-small")
+        for ax in (row[column] for row in grid):
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            ax.grid(alpha=0.3)
+    _save(fig, path)
+
+
+def _figure(size: tuple[float, float], ncols: int = 1, nrows: int = 1, squeeze: bool = True) -> tuple[Any, Any]:
     try:
         from matplotlib.figure import Figure
     except ModuleNotFoundError as err:  # an optional extra: say which
         raise ModuleNotFoundError("meshtune report draws with matplotlib: pip install 'hf_meshtune[report]'") from err
     fig = Figure(figsize=size, layout="constrained")
-    return fig, fig.subplots(ncols=ncols)
+    return fig, fig.subplots(nrows=nrows, ncols=ncols, squeeze=squeeze)
 
 
 def _save(fig: Any, path: Path) -> None:

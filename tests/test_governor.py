@@ -11,7 +11,7 @@ from hf_meshtune import MeshTrainer, MeshTrainingArguments
 from hf_meshtune.anchor.batches import AnchorBatches
 from hf_meshtune.anchor.circuit import AnchorCircuit
 from hf_meshtune.anchor.fidelity import FidelityProbe, ProbeRecord, gradient_cosine, stage_parameter_groups
-from hf_meshtune.anchor.governor import AnchorCadence, FidelityGovernor, candidate_levels
+from hf_meshtune.anchor.governor import AnchorCadence, FidelityGovernor, candidate_levels, mean_level_bytes
 from hf_meshtune.boundary.compose.handle import attach_composed
 from hf_meshtune.optim.spectral import subspace_drift
 from tests.tiny import pattern_dataset, tiny_llama
@@ -177,6 +177,16 @@ def test_governor_moves_one_level_with_hysteresis():
     assert gov.initial([0.1, 0.2, 0.3]) == 2
 
 
+def test_mean_level_bytes_counts_each_step_at_the_levels_of_its_forward():
+    sizes = [10.0, 20.0, 40.0]
+    assert mean_level_bytes([], sizes, 2, 4) == 40.0  # the richest level throughout
+    # after step 0's optimizer step boundary 0 drops to level 0 and boundary 1 to level 1; back up after step 2
+    switches = [(0, 0, [0, 1]), (2, 1, [2, 2])]
+    assert mean_level_bytes(switches, sizes, 2, 4) == pytest.approx((40 + 15 + 15 + 40) / 4)
+    with pytest.raises(ValueError, match="switches"):
+        mean_level_bytes([(1, 0, [3, 0])], sizes, 2, 4)
+
+
 def test_cadence_halves_doubles_and_respects_bounds_and_staleness():
     cadence = AnchorCadence(min_gap=2, max_gap=16, low=0.05, high=0.3)
     assert cadence.next_gap(8, None, None) == 8
@@ -233,6 +243,10 @@ def test_governed_run_switches_levels_and_equals_a_run_on_its_schedule(tmp_path)
     # the wire follows the level: int8 (H=64: 2 scale bytes + 64 codes = 66 → 68 in fp32 words), then int4 (36)
     sent = [h["comm/measured_pp_fwd_bytes_per_token"] for h in logs]
     assert sent[:2] == [68.0, 68.0] and set(sent[2:]) == {36.0}, sent
+    # the over-the-run average the benchmarks book from the switches is what the wire carried (int2, never used: NaN)
+    assert mean_level_bytes(anchor.switches, [math.nan, 36.0, 68.0], 1, len(sent)) == pytest.approx(
+        sum(sent) / len(sent)
+    )
 
     _Scheduled.schedule = {step + 1: levels for step, _, levels in anchor.switches}
     scheduled = _trainer(tmp_path / "s", trainer_cls=_Scheduled)

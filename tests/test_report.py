@@ -309,3 +309,41 @@ def test_a_mesh_summary_with_memory_reports_every_process_beside_the_ledger(tmp_
     (run / MESH_SUMMARY_NAME).write_text(json.dumps(MESH_SUMMARY))
     write_report(tmp_path / "runs", tmp_path / "out")
     assert "memory per process" not in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_governed_run_gets_a_fidelity_plot_of_what_its_anchor_logged(tmp_path, capsys, single_thread_torch):
+    """A governed run (the anchor measures int2/int4/int8 at its one boundary every 2 steps; TensorBoard gets the
+    same keys): the report draws fidelity.png from ``fidelity/b0/<codec>/cos`` per round and the levels used."""
+    args = MeshTrainingArguments(
+        output_dir=str(tmp_path / "runs" / "governed"),
+        **{**BASE, "max_steps": 8},
+        num_stages=2,
+        boundary_codec="governed",
+        codec_ladder="int2,int4,int8",
+        anchor_every=2,
+        anchor_delay=1,
+        fidelity_target=0.99,
+        fidelity_hysteresis=0.0,
+    )
+    trainer = MeshTrainer(model=tiny_llama(), args=args, train_dataset=pattern_dataset())
+    trainer.train()
+    trainer.save_state()
+    assert main(["report", str(tmp_path / "runs")]) == 0
+    written = capsys.readouterr().out.split()
+    assert written[-1] == str(tmp_path / "runs" / "fidelity.png")
+    assert_png(written[-1])
+    assert "![boundary codec fidelity vs step](fidelity.png)" in (tmp_path / "runs" / "report.md").read_text()
+
+    series = write_report(tmp_path / "runs", tmp_path / "report")["fidelity"]
+    logs = train_logs(trainer)
+    rounds = {}  # each round's entries, once, at its snapshot step
+    for entry in logs:
+        if "fidelity/step" in entry:
+            rounds.setdefault(entry["fidelity/step"], entry)
+    assert sorted(rounds) == [0.0, 2.0, 4.0, 6.0]
+    for codec in ("int2", "int4", "int8"):  # the first round measures the whole ladder, later ones current ± 1
+        drawn = series[0][f"governed {codec}"]
+        expected = [(s, e[f"fidelity/b0/{codec}/cos"]) for s, e in rounds.items() if f"fidelity/b0/{codec}/cos" in e]
+        assert drawn == expected and drawn
+    assert series[0]["governed level"] == [(e["step"], e["governor/b0/level"]) for e in logs if "governor/b0/level" in e]
+    assert {level for _, level in series[0]["governed level"]} == {2.0, 1.0}  # int8 first, int4 once decided

@@ -9,21 +9,27 @@ that sweep's final dense-eval gap to Dense (``codec_sweep/<row>.json``, seed 0).
 boundary the cosine, the activation and activation-gradient errors (mean over ``ROUNDS`` anchor
 batches), and the Spearman rank correlation of (1 − mean cos) with the gap.
 
-    python -m benchmarks.quality.fidelity_probe        # ~5 min on 2 CPU cores
+The same on the quality benchmark's second model, the tiny Llama, per task, against the composed
+table's 150-step gaps (``results/standard/composed__*``), pooled over tasks and per task.
 
-Writes benchmarks/quality/fidelity/probe.json and probe.md.
+    python -m benchmarks.quality.fidelity_probe        # SmolLM2, ~7 min on 2 CPU cores
+    python -m benchmarks.quality.fidelity_probe tiny   # tiny Llama, ~2 min (after its pretraining)
+
+Writes benchmarks/quality/fidelity/probe.{json,md} and probe_tiny.{json,md}.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from pathlib import Path
 
 import torch
 from transformers import DataCollatorForSeq2Seq
 
+from hf_meshtune._validation import require
 from hf_meshtune.anchor.batches import AnchorBatches
 from hf_meshtune.anchor.circuit import AnchorCircuit
 from hf_meshtune.anchor.governor import FidelityGovernor
@@ -69,18 +75,14 @@ def spearman(a: list[float], b: list[float]) -> float:
     return cov / math.sqrt(sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb))
 
 
-def measure() -> dict:
-    torch.manual_seed(0)
+def probe(model, train, collator, codecs, batch_size: int, stages: int = 4) -> dict:
+    """Fidelity of every codec in ``codecs`` at every boundary of ``model`` (its trainable matrices), the mean
+    of ``ROUNDS`` anchor batches of ``train``: the measurement a governed run makes (``measure_ladder``)."""
     started = time.time()
-    model, tokenizer = load_smollm2()
-    model.train()
-    freeze_all_but_last(model, 8)
-    train, _ = gsm8k_splits(tokenizer, 192, 32)
-    collator = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)
     hidden = model.config.hidden_size
-    specs = sorted((parse_codec(c) for c in ROWS.values()), key=lambda s: s.payload_bytes(hidden, 2))
-    handle = attach_composed(model, 4, specs[-1], seed=0, ladder=specs)
-    batches = AnchorBatches(train, collator, 4, 1, seed=0)
+    specs = sorted((parse_codec(c) for c in codecs), key=lambda s: s.payload_bytes(hidden, 2))
+    handle = attach_composed(model, stages, specs[-1], seed=0, ladder=specs)
+    batches = AnchorBatches(train, collator, batch_size, 1, seed=0)
     handle.calibrate(model, {k: v for k, v in batches(0)[0].items() if k != "labels"})
     params = {n: p for n, p in model.named_parameters() if p.requires_grad and p.ndim == 2}
     circuit = AnchorCircuit(
@@ -112,6 +114,16 @@ def measure() -> dict:
         "seconds": time.time() - started,
         "codecs": per_codec,
     }
+
+
+def measure() -> dict:
+    torch.manual_seed(0)
+    model, tokenizer = load_smollm2()
+    model.train()
+    freeze_all_but_last(model, 8)
+    train, _ = gsm8k_splits(tokenizer, 192, 32)
+    collator = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)
+    return probe(model, train, collator, ROWS.values(), 4)
 
 
 def report(result: dict) -> str:
@@ -151,14 +163,97 @@ def report(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
+# the tiny Llama's composed rows (benchmarks/quality/run.py, table "composed", standard mode, seed 0) → their codec
+TINY_ROWS = {
+    "outliers8_spca32_int4": "outliers8+spca32+int4",
+    "outliers8_spca64_int4": "outliers8+spca64+int4",
+    "outliers8_int4x8": "outliers8+int4x8",
+    "outliers8_int8": "outliers8+int8",
+}
+
+
+def _tiny_final_eval_loss(row: str, task: str) -> float:
+    from .run import RESULTS
+
+    run = json.loads((RESULTS / "standard" / f"composed__{row}__{task}__seed0.json").read_text())
+    return [h["eval_loss"] for h in run["log_history"] if "eval_loss" in h][-1]
+
+
+def measure_tiny() -> dict:
+    """The same measurement on the tiny Llama (all parameters trainable, Y = 4, batches of 8), per task at the
+    pretrained start, beside the composed table's final gaps."""
+    from .pretrain import load_tiny_llama
+    from .run import MODES, TASK_NAMES, _datasets, build_task
+
+    mode = MODES["standard"]
+    out = {}
+    for task_name in TASK_NAMES:
+        torch.manual_seed(0)
+        model, tokenizer = load_tiny_llama()
+        model.train()
+        train, _ = _datasets(build_task(task_name, mode), tokenizer, mode)
+        collator = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)
+        out[task_name] = probe(model, train, collator, TINY_ROWS.values(), mode.batch_size)
+    return out
+
+
+def report_tiny(result: dict) -> str:
+    lines = [
+        f"Tiny Llama: fidelity at the pretrained start (mean of {ROUNDS} anchor batches per task) beside the final "
+        "dense-eval-loss gap of the 150-step fine-tune with that codec (`results/standard`, composed table, "
+        "seed 0, no anchor).",
+        "",
+        "| task | codec | bf16 B/token | cos b0 | cos b1 | cos b2 | mean cos | final gap |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    xs, gaps, per_task = [], [], {}
+    for task, measured in result.items():
+        dense = _tiny_final_eval_loss("Dense", task)
+        tx, tg = [], []
+        for row, codec in TINY_ROWS.items():
+            entry = measured["codecs"][codec]
+            cos = [b["cos"] for b in entry["boundaries"]]
+            mean = sum(cos) / len(cos)
+            gap = _tiny_final_eval_loss(row, task) / dense - 1
+            entry.update({"mean_cos": mean, "final_gap": gap, "composed_row": row})
+            tx.append(1 - mean)
+            tg.append(gap)
+            lines.append(
+                f"| {task} | `{codec}` | {entry['bf16_bytes_per_token']} | "
+                + " | ".join(f"{c:.4f}" for c in cos)
+                + f" | {mean:.4f} | {gap:+.2%} |"
+            )
+        per_task[task] = spearman(tx, tg)
+        xs += tx
+        gaps += tg
+    pooled = spearman(xs, gaps)
+    passes = sum(m["probe_passes"] for m in result.values())
+    seconds = sum(m["seconds"] for m in result.values())
+    lines += [
+        "",
+        f"Spearman rank correlation of (1 − mean cos) with the final gap, pooled over {len(gaps)} (task, codec) "
+        f"pairs: {pooled:.3f}; per task: " + ", ".join(f"{t} {v:.3f}" for t, v in per_task.items()) + ".",
+        f"Probe passes: {passes} (each one forward/backward of a batch of 8); {seconds:.0f} s in all.",
+    ]
+    result["_summary"] = {"spearman_pooled": pooled, "spearman_per_task": per_task}
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str]) -> None:
     OUT.mkdir(parents=True, exist_ok=True)
-    result = measure()
-    text = report(result)
-    (OUT / "probe.json").write_text(json.dumps(result, indent=2))
-    (OUT / "probe.md").write_text(text)
+    if argv == ["tiny"]:
+        result = measure_tiny()
+        text = report_tiny(result)
+        name = "probe_tiny"
+    else:
+        require(not argv, "arguments", argv, "be none (SmolLM2) or 'tiny' (the tiny Llama)")
+        result = measure()
+        text = report(result)
+        name = "probe"
+    (OUT / f"{name}.json").write_text(json.dumps(result, indent=2))
+    (OUT / f"{name}.md").write_text(text)
     print(text)
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

@@ -158,6 +158,13 @@ def boundary_bf16_bytes(knobs: dict, hidden: int) -> int:
     return 2 * hidden if ratio == 0.0 else keep_count(hidden, ratio) * 2
 
 
+def row_bf16_bytes(runs: list[dict], hidden: int) -> float:
+    """A row's bf16 bytes per token and boundary: the knobs' formula, or for a governed row the mean over its runs
+    of the levels each step used (``governor.bf16_bytes_per_token_over_run``)."""
+    governed = [r["governor"]["bf16_bytes_per_token_over_run"] for r in runs if "governor" in r]
+    return statistics.mean(governed) if governed else boundary_bf16_bytes(runs[0]["spec"]["knobs"], hidden)
+
+
 def _mean_final_eval_loss(runs: list[dict]) -> float:
     return statistics.mean(_logs(r, "eval_loss")[-1] for r in runs)
 
@@ -181,8 +188,7 @@ def composed(runs: list[dict]) -> list[str]:
         "|" + "---|" * len(head),
     ]
     for row in dict.fromkeys(row for row, _ in grouped):
-        first = next(rs[0] for (r, _), rs in grouped.items() if r == row)
-        size = boundary_bf16_bytes(first["spec"]["knobs"], hidden)
+        size = round(row_bf16_bytes([r for (r_, _), rs in grouped.items() if r_ == row for r in rs], hidden))
         seeds = sorted({r["spec"]["seed"] for (r_, _), rs in grouped.items() if r_ == row for r in rs})
         label = row if row == "Dense" else f"`{row}`"
         cells = [label, ",".join(map(str, seeds)), str(size), f"{2 * hidden / size:.1f}×"]
@@ -220,20 +226,23 @@ def composed_plot(runs: list[dict], out: Path) -> list[str]:
         if ("Dense", task) not in grouped:
             continue
         base = _mean_final_eval_loss(grouped[("Dense", task)])
-        rows = [rs for (row, t), rs in grouped.items() if t == task and row != "Dense"]
+        rows = [rs for (row, t), rs in grouped.items() if t == task and row not in ("Dense", "governed")]
         rows += [paper[("M95+AP", task)]] if ("M95+AP", task) in paper else []
         points = sorted(  # the eval loss gaps like a perplexity: lower is better
-            (boundary_bf16_bytes(rs[0]["spec"]["knobs"], hidden), _gap(_mean_final_eval_loss(rs), base, "perplexity"))
-            for rs in rows
+            (row_bf16_bytes(rs, hidden), _gap(_mean_final_eval_loss(rs), base, "perplexity")) for rs in rows
         )
-        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=task)
+        line = ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=task)[0]
+        if ("governed", task) in grouped:  # the governed row: a star in the task's colour
+            rs = grouped[("governed", task)]
+            gap = _gap(_mean_final_eval_loss(rs), base, "perplexity")
+            ax.plot([row_bf16_bytes(rs, hidden)], [gap], marker="*", markersize=12, color=line.get_color())
     ax.axhline(0.0, color="black", linewidth=0.8, label="Dense")
     ax.axhline(1.0, color="grey", linewidth=0.8, linestyle="--", label="+1 %")
     ax.set_xscale("log")
     ax.set_yscale("symlog", linthresh=1.0)
     ax.set_xlabel("bf16 bytes per token and boundary (log; dense = %d)" % (2 * hidden))
     ax.set_ylabel("dense eval loss gap to Dense (%)")
-    ax.set_title("Tiny Llama: composed codecs (and M95+AP at the left), mean over seeds")
+    ax.set_title("Tiny Llama: composed codecs (M95+AP at the left; ★ governed), mean over seeds", fontsize=9)
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out / "composed_pareto.png", dpi=90)

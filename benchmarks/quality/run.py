@@ -31,8 +31,10 @@ from transformers import DataCollatorForSeq2Seq, TrainerCallback
 
 from hf_meshtune import MeshTrainer, MeshTrainingArguments
 from hf_meshtune._validation import require
+from hf_meshtune.anchor.governor import mean_level_bytes
 from hf_meshtune.apps.assets import cache_dir
 from hf_meshtune.boundary.codecs import attach_codec
+from hf_meshtune.config import codec_ladder
 
 from . import tasks as task_lib
 from .evaluate import magnitude_pruned, sft_row, task_metric
@@ -103,6 +105,9 @@ COMPOSED = {
     "outliers8+int4x8": dict(boundary_codec="outliers8+int4x8", anchor=False),
     "outliers8+spca64+int4": dict(boundary_codec="outliers8+spca64+int4", anchor=False),
     "outliers8+spca32+int4": dict(boundary_codec="outliers8+spca32+int4", anchor=False),
+    # the fidelity governor on the default ladder and target (int3x8 / int4x8 / int8); the anchor circuit
+    # runs for the governor alone (every 20 steps, landing 20 later)
+    "governed": dict(boundary_codec="governed", anchor=False),
 }
 COMPOSED_ALL_SEEDS = ("Dense", "outliers8+int8")  # the default
 ABLATIONS = {
@@ -288,6 +293,18 @@ def run_one(spec: RunSpec, mode: Mode, load: Callable = load_tiny_llama) -> dict
         "log_history": trainer.state.log_history,
         "ledger": trainer.mesh_ledger(mode.batch_size * mode.seq_len).to_dict(),
     }
+    anchor = trainer.mesh_anchor
+    if anchor is not None and anchor.governor is not None:
+        sizes = [level.payload_bytes(model.config.hidden_size, 2) for level in codec_ladder(trainer.mesh_config)]
+        result["governor"] = {
+            "switches": anchor.switches,
+            "probe_passes": anchor.probe_passes,
+            "rounds": anchor.rounds_done,
+            "ladder_bf16_bytes": sizes,
+            "bf16_bytes_per_token_over_run": mean_level_bytes(
+                anchor.switches, sizes, len(trainer.mesh_boundaries.levels), trainer.state.global_step
+            ),
+        }
     if codec_handle is not None:
         result["codec_wire_bytes_per_token"] = _codec_wire(codec_handle, model)
         codec_handle.remove()

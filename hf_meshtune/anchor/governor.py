@@ -30,12 +30,32 @@ from dataclasses import dataclass
 
 from .._validation import require
 
-__all__ = ["AnchorCadence", "FidelityGovernor", "candidate_levels"]
+__all__ = ["AnchorCadence", "FidelityGovernor", "candidate_levels", "mean_level_bytes"]
 
 
 def candidate_levels(level: int, count: int) -> list[int]:
     """The levels a round measures for a boundary at ``level``: itself and its two neighbours."""
     return [lv for lv in (level - 1, level, level + 1) if 0 <= lv < count]
+
+
+def mean_level_bytes(
+    switches: Sequence[tuple[int, int, Sequence[int]]], sizes: Sequence[float], boundaries: int, steps: int
+) -> float:
+    """Payload bytes per token and boundary over a governed run of ``steps`` optimizer steps: each step at
+    the levels in use for its forward, ``sizes[level]`` each. The run starts at the richest level; a switch
+    ``(step, snapshot, levels)`` (``AnchorCircuit.switches``) is applied after the optimizer step of ``step``,
+    so the forward of ``step + 1`` is the first to use it."""
+    require(steps >= 1, "steps", steps, "be >= 1")
+    require(boundaries >= 1, "boundaries", boundaries, "be >= 1")
+    changes = {int(step): list(levels) for step, _, levels in switches}
+    for step, levels in changes.items():
+        require(len(levels) == boundaries, "switches", (step, levels), f"hold {boundaries} levels per switch")
+        require(all(0 <= lv < len(sizes) for lv in levels), "switches", (step, levels), f"name levels < {len(sizes)}")
+    levels, total = [len(sizes) - 1] * boundaries, 0.0
+    for step in range(steps):
+        total += sum(sizes[lv] for lv in levels) / boundaries
+        levels = changes.get(step, levels)
+    return total / steps
 
 
 @dataclass(frozen=True)
