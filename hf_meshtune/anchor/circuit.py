@@ -11,8 +11,9 @@ Governed (``boundary_codec="governed"``), each round also measures the fidelity 
 around every boundary's current one on the round's batch (``anchor.fidelity``) and the governor's
 choice travels with the round's gradient: the boundaries switch after the step that applies it. The
 circuit then runs even without the anchor prior (``feed=False``: no gradient reaches the optimizer).
-The first round measures every level and picks the start; until its choice lands the boundaries run
-the ladder's richest level.
+The first round (at the first step) measures every level and picks the start, which counts at once,
+from the second step's forward: one calibration wait, like the codec's own calibration, instead of
+``delay`` steps at the ladder's richest level.
 With an adaptive cadence (``anchor.governor.AnchorCadence``) the next round's step follows from the
 newest drift of the anchor momentum's subspace instead of ``every``.
 """
@@ -131,7 +132,11 @@ class AnchorCircuit:
             ):
                 grads = self.dense_gradient(round_index)
             geometry = self.boundaries.refit_geometry() if refit else None
+            start = record is not None and self.decided is None
             levels = self._govern(step, round_index, grads, record, rng) if record is not None else None
+            if start:  # the start levels count at once (a one-time wait on a mesh), not after anchor_delay steps
+                self._switch(step, step, levels)
+                levels = None
             self.pending.append(PendingGradient(step, step + self.delay, grads, geometry, levels))
             if self.cadence is not None:
                 self.gap = self.cadence.next_gap(self.gap, self.last_drift, self.last_staleness)
@@ -150,9 +155,8 @@ class AnchorCircuit:
             if arrival.geometry is not None:  # this step's forward ran on the old one; the next uses it
                 self.boundaries.load_geometries(arrival.geometry)
                 self.refits += 1
-            if arrival.levels is not None and arrival.levels != self.boundaries.levels:
-                self.boundaries.set_levels(arrival.levels)  # likewise: the next forward runs on them
-                self.switches.append((step, arrival.snapshot_step, list(arrival.levels)))
+            if arrival.levels is not None:
+                self._switch(step, arrival.snapshot_step, arrival.levels)
             if self.feed:
                 optimizer.update_anchor(
                     {self.params[name]: grad for name, grad in arrival.grads.items()},
@@ -162,6 +166,12 @@ class AnchorCircuit:
                 self.last_drift = drift if drift is not None else self.last_drift
             self.last_staleness = step - arrival.snapshot_step
         return [arrival.snapshot_step for arrival in due]
+
+    def _switch(self, step: int, snapshot: int, levels: list[int]) -> None:
+        """Governed: run the boundaries at ``levels`` from the forward after optimizer step ``step`` on."""
+        if levels != self.boundaries.levels:
+            self.boundaries.set_levels(levels)
+            self.switches.append((step, snapshot, list(levels)))
 
     def _round_due(self, step: int) -> bool:
         if self.cadence is None:

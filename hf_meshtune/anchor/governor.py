@@ -9,9 +9,10 @@ level per round, with hysteresis so a level near the target does not flap:
 - else stay while the current level's cos ≥ target;
 - else go one level richer (the richest level is the floor of what can be done).
 
-At the start (``initial``) the whole ladder is measured once and the run starts at the cheapest level
-meeting target + hysteresis (the richest if none does). A decision travels with the round's gradient
-and counts from the step after the one that applies it, on both sides of the boundary.
+At the start (``initial``) the whole ladder is measured once, by the first round, and the run moves at
+once (from the second step) to the cheapest level meeting target + hysteresis (the richest if none
+does). A later decision travels with the round's gradient and counts from the step after the one that
+applies it, on both sides of the boundary.
 
 ``AnchorCadence`` (``anchor_cadence="adaptive"``) spaces anchor rounds by how fast the anchor momentum's
 subspace moves: ``drift`` is the mean over matrices of sin θ_max, the largest principal angle between
