@@ -266,6 +266,41 @@ def test_without_the_anchor_any_optimizer_is_kept_and_drives_the_clock(single_th
     assert accelerator.mesh_step == 2 and "comm/pp_fwd_bytes_per_token" in accelerator.mesh_log_entries()
 
 
+def test_a_governed_plain_loop_keeps_its_optimizer_and_runs_at_the_governors_levels(single_thread_torch):
+    """boundary_codec='governed' through a plain Accelerate loop: the anchor circuit runs for the governor alone
+    (the user's AdamW stays), its first round starts the boundary at int4 (cos ≥ 0.99; int2 below), the logs
+    carry the fidelity rounds, and the wire carries int4 messages from the second step on."""
+    knobs = dict(
+        num_stages=2,
+        boundary_codec="governed",
+        codec_ladder="int2,int4,int8",
+        fidelity_target=0.99,
+        fidelity_hysteresis=0.0,
+        anchor_every=2,
+        anchor_delay=1,
+    )
+    model = tiny_llama()
+    accelerator = MeshAccelerator(cpu=True, mesh_plugin=MeshPlugin(**knobs))
+    adamw = torch.optim.AdamW(model.parameters(), lr=LR)
+    model, optimizer, loader = accelerator.prepare(model, adamw, _loader())
+    assert optimizer.optimizer is adamw and accelerator.spectral_optimizer is None
+    sent, rounds = [], []
+    for batch in loader:
+        model(**batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        logs = accelerator.mesh_log_entries()
+        sent.append(logs["comm/measured_pp_fwd_bytes_per_token"])
+        assert logs["governor/b0/level"] == 1.0
+        if "fidelity/step" in logs:  # a round's measurement, logged once: rounds at steps 0 and 2
+            rounds.append(logs["fidelity/step"])
+            assert logs["fidelity/b0/int8/cos"] > logs["fidelity/b0/int4/cos"] >= 0.99 > logs["fidelity/b0/int2/cos"]
+    assert rounds == [0.0, 2.0]
+    anchor = accelerator.mesh_anchor
+    assert anchor.feed is False and anchor.switches == [(0, 0, [1])] and anchor.rounds_done == 2
+    assert sent == [68.0, 36.0, 36.0, 36.0]  # H = 64 in fp32 words: int8 66 → 68 bytes, int4 34 → 36
+
+
 # --- the example -------------------------------------------------------------------------------
 def test_accelerate_loop_example_runs_on_smollm2(capsys):
     losses = load_script("examples/accelerate_loop.py").main(

@@ -345,5 +345,7 @@ def test_governed_run_gets_a_fidelity_plot_of_what_its_anchor_logged(tmp_path, c
         drawn = series[0][f"governed {codec}"]
         expected = [(s, e[f"fidelity/b0/{codec}/cos"]) for s, e in rounds.items() if f"fidelity/b0/{codec}/cos" in e]
         assert drawn == expected and drawn
-    assert series[0]["governed level"] == [(e["step"], e["governor/b0/level"]) for e in logs if "governor/b0/level" in e]
+    assert series[0]["governed level"] == [
+        (e["step"], e["governor/b0/level"]) for e in logs if "governor/b0/level" in e
+    ]
     assert {level for _, level in series[0]["governed level"]} == {1.0}  # int4 from the first round on
