@@ -171,3 +171,25 @@ def test_the_readme_codec_sweep_rows_are_the_committed_runs_rounded():
             if value == 1:  # "seed 1"
                 continue
             assert _rounds_to(value, decimals, values), (row, value, sources)
+
+
+def test_the_fidelity_tables_are_their_committed_runs_and_the_readme_quotes_them():
+    """probe.md / probe_tiny.md / governed.md are written again from their committed JSON; every number in the
+    README's governor section (tables and prose, section numbers such as 0.96 and 1.5× aside) is one of them."""
+    from benchmarks.quality import fidelity_probe, governed
+
+    folder = ROOT / "benchmarks/quality/fidelity"
+    written = {
+        "probe.md": fidelity_probe.report(json.loads((folder / "probe.json").read_text())),
+        "probe_tiny.md": fidelity_probe.report_tiny(json.loads((folder / "probe_tiny.json").read_text())),
+        "governed.md": governed.table(),
+    }
+    for name, text in written.items():
+        assert (folder / name).read_text() == text, name
+    source = [n for text in written.values() for n in _numbers(text)]
+    section = _section("### The fidelity governor: the anchor measures what each boundary's codec keeps")
+    rows = _rows(section)
+    assert len(rows) >= 10
+    for row in rows:  # every table cell from the second column on
+        for value, decimals in _numbers("|".join(row.split("|")[2:])):
+            assert _rounds_to(value, decimals, source), (row, value)

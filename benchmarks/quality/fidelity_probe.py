@@ -194,7 +194,7 @@ def measure_tiny() -> dict:
         train, _ = _datasets(build_task(task_name, mode), tokenizer, mode)
         collator = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)
         out[task_name] = probe(model, train, collator, TINY_ROWS.values(), mode.batch_size)
-    return out
+    return {"tasks": out}
 
 
 def report_tiny(result: dict) -> str:
@@ -207,7 +207,7 @@ def report_tiny(result: dict) -> str:
         "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     xs, gaps, per_task = [], [], {}
-    for task, measured in result.items():
+    for task, measured in result["tasks"].items():
         dense = _tiny_final_eval_loss("Dense", task)
         tx, tg = [], []
         for row, codec in TINY_ROWS.items():
@@ -227,15 +227,15 @@ def report_tiny(result: dict) -> str:
         xs += tx
         gaps += tg
     pooled = spearman(xs, gaps)
-    passes = sum(m["probe_passes"] for m in result.values())
-    seconds = sum(m["seconds"] for m in result.values())
+    passes = sum(m["probe_passes"] for m in result["tasks"].values())
+    seconds = sum(m["seconds"] for m in result["tasks"].values())
     lines += [
         "",
         f"Spearman rank correlation of (1 − mean cos) with the final gap, pooled over {len(gaps)} (task, codec) "
         f"pairs: {pooled:.3f}; per task: " + ", ".join(f"{t} {v:.3f}" for t, v in per_task.items()) + ".",
         f"Probe passes: {passes} (each one forward/backward of a batch of 8); {seconds:.0f} s in all.",
     ]
-    result["_summary"] = {"spearman_pooled": pooled, "spearman_per_task": per_task}
+    result.update({"spearman_pooled": pooled, "spearman_per_task": per_task})
     return "\n".join(lines) + "\n"
 
 
