@@ -366,19 +366,22 @@ def _require_field_types(args: MeshArguments) -> None:
 # The annotations as written ("float", "int | None"), taken now: HfArgumentParser later replaces the
 # fields' string annotations with type objects in place.
 _FIELD_TYPES = {f.name: str(f.type) for f in dataclasses.fields(MeshArguments)}
+_FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(MeshArguments)}
 
 
 def require_saved_knobs(
     saved: dict, config: MeshArguments, knobs: Sequence[str] | None = None, context: str = "to resume exactly"
 ) -> None:
-    """A resumed run uses the knobs it was saved with (``knobs``, default every one): they shape its numerics."""
+    """A resumed run uses the knobs it was saved with (``knobs``, default every one): they shape its numerics.
+    A knob a checkpoint predates counts at its default (what the run did before the knob existed)."""
     current = dataclasses.asdict(config)
     for knob in current if knobs is None else knobs:
+        value = saved[knob] if knob in saved else _FIELD_DEFAULTS.get(knob)
         require(
-            saved.get(knob) == current[knob],
+            value == current[knob],
             knob,
             current[knob],
-            f"equal the checkpoint's value {saved.get(knob)!r} {context} (start a new run to change it)",
+            f"equal the checkpoint's value {value!r} {context} (start a new run to change it)",
         )
 
 

@@ -35,12 +35,14 @@ change, then say so in the commit):
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.fixtures.v0_resume import PINNED_KERNELS, pinned_env
@@ -78,3 +80,17 @@ def test_v0_checkpoint_resumes_bit_exactly(tmp_path):
     # legitimately change the last bits: then re-record with the old package code and the new libraries.)
     assert resumed["losses"] == expected["losses"], (resumed["losses"], expected["losses"], expected["versions"])
     assert resumed["final_params_sha256"] == expected["final_params_sha256"]
+
+
+def test_a_knob_the_checkpoint_predates_counts_at_its_default():
+    """The v0 checkpoint's config has no governor or cadence knobs: resuming with their defaults is the same
+    run (above); resuming with another value is refused, naming the default the checkpoint implies."""
+    from hf_meshtune.config import MeshArguments, require_saved_knobs
+    from hf_meshtune.engine import RESUME_KNOBS
+
+    saved = torch.load(FIXTURE / "checkpoint-2" / "mesh_state.pt", weights_only=False)["config"]
+    assert "fidelity_target" not in saved and "anchor_cadence" not in saved
+    knobs = {k: v for k, v in saved.items() if k in {f.name for f in dataclasses.fields(MeshArguments)}}
+    require_saved_knobs(saved, MeshArguments(**knobs), RESUME_KNOBS)
+    with pytest.raises(ValueError, match=r"fidelity_target=0\.9 is invalid: .*checkpoint's value 0\.96"):
+        require_saved_knobs(saved, MeshArguments(**{**knobs, "fidelity_target": 0.9}), RESUME_KNOBS)
