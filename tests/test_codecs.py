@@ -310,6 +310,10 @@ def test_the_pca_formula_is_the_size_of_a_packed_projection_message():
 
 @pytest.mark.parametrize("codec", sorted(CODECS))
 def test_the_counter_books_every_token_at_every_boundary_both_ways_after_one_step(codec):
+    """Bookkeeping, not traffic: these baseline codecs build no message, so the counter books tokens × the
+    codec's formula, and what this checks is that every token of every boundary is booked once each way.
+    That the formulas are the sizes of real messages is checked above for the quantiser and the projection
+    (the packed tensors of the composed codec, counted), and the composed codec's counter counts its tensors."""
     model = tiny_llama()
     ids = token_batch()
     handle = fitted_handle(codec, model, ids)  # 3 stages: 2 boundaries

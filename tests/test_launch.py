@@ -267,7 +267,7 @@ def test_failing_rank_stops_the_mesh_and_sets_the_exit_code(tmp_path: Path, caps
     ended = time.time()
     failed = max(path.stat().st_mtime for path in out.glob("pid*"))
     assert code == 3
-    assert ended - failed < 1.0 + 10, ended - failed  # the grace, then the kill: no wait for the sleepers' 60 s
+    assert ended - failed < 30, ended - failed  # the grace (1 s), then the kill: never the sleepers' 60 s
     assert "rank 2 (r1s0) failed first with exit code 3" in capsys.readouterr().err
     records = _published(out, 4, timeout=0)
     survivors = _wait_all_gone([pid for rec in records for pid in rec[:2]])
@@ -372,7 +372,7 @@ def test_sigint_stops_every_child_and_the_lighthouse(tmp_path: Path) -> None:
         if launcher.poll() is None:
             launcher.kill()
     assert launcher.returncode == 130, err
-    assert elapsed < 10, elapsed  # polite children die on the first SIGTERM, well inside the grace
+    assert elapsed < 30, elapsed  # polite children die on the first SIGTERM, not after the sleepers' 60 s
     assert "got SIGINT" in err
     assert _wait_all_gone([pid for rec in records for pid in rec[:2]]) == []
     assert _port_closed(records[0][2])

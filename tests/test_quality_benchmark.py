@@ -83,6 +83,8 @@ def test_run_one_trains_scores_and_reports(tokenizer, tmp_path, table, row, knob
     if codec:
         wire = result["codec_wire_bytes_per_token"]
         assert wire["fwd"] == wire["bwd"] == 2 * 3 and wire["dense"] == 2 * 32
+        # booked (tokens × formula: the baseline codecs build no message), so this checks that the run booked
+        # every token once, not traffic; the formula against real packed messages: tests/test_codecs.py
         assert wire["booked_fwd"] == pytest.approx(wire["fwd"])
     (tmp_path / "quick").mkdir()
     (tmp_path / "quick" / f"{spec.run_id}.json").write_text(json.dumps(result, default=str))

@@ -92,7 +92,8 @@ def test_the_soak_table_is_its_committed_run():
     written = markdown(summary)
     assert (ROOT / "benchmarks/reliability/results/soak.md").read_text() == written
     quoted = _rows(_section("## Reliability soak: scripted faults on emulated links"))
-    assert _rows(written)[0] in quoted
+    assert _rows(written)[0] in quoted  # the totals
+    assert all(row in _rows(written) for row in quoted), quoted  # and every row the README quotes is the run's
 
 
 def test_the_wan_report_is_its_committed_run_and_the_readme_rounds_its_numbers(tmp_path):
