@@ -188,10 +188,25 @@ def test_the_fidelity_tables_are_their_committed_runs_and_the_readme_quotes_them
     for name, text in written.items():
         assert (folder / name).read_text() == text, name
     tiny = (ROOT / "benchmarks/quality/results/standard/results.md").read_text()  # the tiny Llama's governed row
-    source = [n for text in [*written.values(), tiny] for n in _numbers(text)]
+
+    def label(row: str) -> str:  # "`outliers8+int8` (default, seeds 0, 1)" → "outliers8+int8"
+        return row.split("|")[1].replace("`", "").split(" (")[0].strip()
+
+    source_rows = _rows("\n".join([*written.values(), tiny]))
     section = _section("### The fidelity governor: the anchor measures what each boundary's codec keeps")
     rows = _rows(section.split("\n## ")[0])  # the last subsection of its chapter
     assert len(rows) >= 10
-    for row in rows:  # every table cell from the second column on
-        for value, decimals in _numbers("|".join(row.split("|")[2:])):
-            assert _rounds_to(value, decimals, source), (row, value)
+    # README table (by its width) → the source column of each of its cells after the first: the probe's
+    # mean cos and gap; governed.md's bytes, ratio, eval loss and gap to the default; the composed table's
+    # bytes, compression and the four tasks' eval loss gaps
+    columns = {3: [5, 8], 5: [1, 2, 4, 6], 7: [2, 3, 5, 7, 9, 11]}
+    for row in rows:  # every cell is its own source row and column's number, rounded
+        cells = [c.strip() for c in row.split("|")[1:-1]]
+        sources = [
+            s for s in source_rows if label(s) == label(row) and len(s.split("|")) - 2 > max(columns[len(cells)])
+        ]
+        assert sources, row
+        for cell, column in zip(cells[1:], columns[len(cells)]):
+            values = [n for s in sources for n in _numbers(s.split("|")[1:-1][column])]
+            for value, decimals in _numbers(cell):
+                assert _rounds_to(value, decimals, values), (row, cell, sources)
