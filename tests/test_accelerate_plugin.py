@@ -16,7 +16,7 @@ from transformers import default_data_collator
 from hf_meshtune import AnchorBatches, AnchorCircuit, MeshConfig, SpectralAdamW, attach_boundaries
 from hf_meshtune.accelerate import MeshAccelerator, MeshPlugin
 from tests.test_recipes import load_script
-from tests.tiny import pattern_dataset, tiny_llama
+from tests.tiny import GOVERNED_TINY, pattern_dataset, tiny_llama
 
 STEPS, BATCH, LR = 4, 2, 1e-2
 KNOBS = dict(
@@ -270,17 +270,8 @@ def test_a_governed_plain_loop_keeps_its_optimizer_and_runs_at_the_governors_lev
     """boundary_codec='governed' through a plain Accelerate loop: the anchor circuit runs for the governor alone
     (the user's AdamW stays), its first round starts the boundary at int4 (cos ≥ 0.99; int2 below), the logs
     carry the fidelity rounds, and the wire carries int4 messages from the second step on."""
-    knobs = dict(
-        num_stages=2,
-        boundary_codec="governed",
-        codec_ladder="int2,int4,int8",
-        fidelity_target=0.99,
-        fidelity_hysteresis=0.0,
-        anchor_every=2,
-        anchor_delay=1,
-    )
     model = tiny_llama()
-    accelerator = MeshAccelerator(cpu=True, mesh_plugin=MeshPlugin(**knobs))
+    accelerator = MeshAccelerator(cpu=True, mesh_plugin=MeshPlugin(**GOVERNED_TINY))
     adamw = torch.optim.AdamW(model.parameters(), lr=LR)
     model, optimizer, loader = accelerator.prepare(model, adamw, _loader())
     assert optimizer.optimizer is adamw and accelerator.spectral_optimizer is None

@@ -14,7 +14,7 @@ from hf_meshtune.anchor.fidelity import FidelityProbe, ProbeRecord, gradient_cos
 from hf_meshtune.anchor.governor import AnchorCadence, FidelityGovernor, candidate_levels, mean_level_bytes
 from hf_meshtune.boundary.compose.handle import attach_composed
 from hf_meshtune.optim.spectral import subspace_drift
-from tests.tiny import pattern_dataset, tiny_llama
+from tests.tiny import GOVERNED_TINY, pattern_dataset, tiny_llama
 
 BASE = dict(
     per_device_train_batch_size=4,
@@ -26,15 +26,6 @@ BASE = dict(
     save_strategy="no",
     seed=0,
     lr_scheduler_type="constant",
-)
-GOVERNED = dict(
-    num_stages=2,
-    boundary_codec="governed",
-    codec_ladder="int2,int4,int8",
-    anchor_every=2,
-    anchor_delay=1,
-    fidelity_target=0.99,
-    fidelity_hysteresis=0.0,
 )
 
 
@@ -205,7 +196,7 @@ def test_subspace_drift_is_the_sine_of_the_largest_principal_angle():
 
 # --- a governed run through MeshTrainer --------------------------------------------------------------
 def _trainer(tmp_path, trainer_cls=MeshTrainer, **overrides) -> MeshTrainer:
-    kwargs = {**BASE, **GOVERNED, "output_dir": str(tmp_path / "out"), "max_steps": 8, **overrides}
+    kwargs = {**BASE, **GOVERNED_TINY, "output_dir": str(tmp_path / "out"), "max_steps": 8, **overrides}
     data = pattern_dataset()
     return trainer_cls(model=tiny_llama(), args=MeshTrainingArguments(**kwargs), train_dataset=data)
 

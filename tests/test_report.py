@@ -20,7 +20,7 @@ from hf_meshtune import MeshTrainer, MeshTrainingArguments
 from hf_meshtune.cli import main
 from hf_meshtune.report import CIRCUITS, MESH_SUMMARY_NAME, write_report
 from hf_meshtune.runtime.job import SUMMARY_NAME
-from tests.tiny import pattern_dataset, tiny_llama
+from tests.tiny import GOVERNED_TINY, pattern_dataset, tiny_llama
 
 BASE = dict(
     per_device_train_batch_size=4,
@@ -317,13 +317,7 @@ def test_governed_run_gets_a_fidelity_plot_of_what_its_anchor_logged(tmp_path, c
     args = MeshTrainingArguments(
         output_dir=str(tmp_path / "runs" / "governed"),
         **{**BASE, "max_steps": 8},
-        num_stages=2,
-        boundary_codec="governed",
-        codec_ladder="int2,int4,int8",
-        anchor_every=2,
-        anchor_delay=1,
-        fidelity_target=0.99,
-        fidelity_hysteresis=0.0,
+        **GOVERNED_TINY,
     )
     trainer = MeshTrainer(model=tiny_llama(), args=args, train_dataset=pattern_dataset())
     trainer.train()

@@ -28,6 +28,18 @@ _TINY_ARCH_OVERRIDES: dict[str, dict] = {
 
 TINY_ARCHS = tuple(_TINY_ARCH_OVERRIDES)
 
+# A governed two-stage tiny_llama: one boundary, ladder int2/int4/int8, a round every 2 steps landing 1 later;
+# at target 0.99 the first round picks int4 (its cosine ≥ 0.99, int2's far below)
+GOVERNED_TINY = dict(
+    num_stages=2,
+    boundary_codec="governed",
+    codec_ladder="int2,int4,int8",
+    anchor_every=2,
+    anchor_delay=1,
+    fidelity_target=0.99,
+    fidelity_hysteresis=0.0,
+)
+
 
 def make_tiny_causal_lm(arch: str, hidden: int = 32, layers: int = 4, seed: int = 0, **overrides) -> torch.nn.Module:
     """A randomly initialised causal LM of architecture ``arch`` (a ``model_type`` of TINY_ARCHS).
