@@ -174,8 +174,14 @@ def test_mean_level_bytes_counts_each_step_at_the_levels_of_its_forward():
     # after step 0's optimizer step boundary 0 drops to level 0 and boundary 1 to level 1; back up after step 2
     switches = [(0, 0, [0, 1]), (2, 1, [2, 2])]
     assert mean_level_bytes(switches, sizes, 2, 4) == pytest.approx((40 + 15 + 15 + 40) / 4)
-    with pytest.raises(ValueError, match="switches"):
+    with pytest.raises(ValueError, match=r"switches=\(1, \[3, 0\]\) is invalid: it must name levels < 3"):
         mean_level_bytes([(1, 0, [3, 0])], sizes, 2, 4)
+    with pytest.raises(ValueError, match=r"switches=\(1, \[0\]\) is invalid: it must hold 2 levels per switch"):
+        mean_level_bytes([(1, 0, [0])], sizes, 2, 4)
+    with pytest.raises(ValueError, match="steps=0 is invalid: it must be >= 1"):
+        mean_level_bytes([], sizes, 2, 0)
+    with pytest.raises(ValueError, match="boundaries=0 is invalid: it must be >= 1"):
+        mean_level_bytes([], sizes, 0, 4)
 
 
 def test_cadence_halves_doubles_and_respects_bounds_and_staleness():
