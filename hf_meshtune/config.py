@@ -442,11 +442,11 @@ def require_mesh_supported(cfg) -> None:
         "be 'gradient' on the distributed mesh (the anchor sends its dense gradient)",
     )
     require(
-        not is_governed(cfg),
-        "boundary_codec",
-        cfg.boundary_codec,
-        "name one codec on the distributed mesh ('governed' runs on one process: the anchor's probe passes through "
-        "its pipeline and the level switch on the fast stages are not built yet)",
+        not is_governed(cfg) or bool(cfg.anchor),
+        "anchor",
+        cfg.anchor,
+        "be True with boundary_codec='governed' on the distributed mesh (the governor's fidelity probes run on "
+        "the anchor replica's pipeline)",
     )
     require(
         cfg.anchor_cadence == "fixed",

@@ -1418,13 +1418,12 @@ def _cases() -> list[Case]:
         ),
         Case(
             MESH,
-            "boundary_codec='governed' on the mesh",
+            "boundary_codec='governed' without the anchor on the mesh",
             "`RunSettings(...)`, `MeshTrainer(...)` (every rank)",
-            run_settings(MeshConfig(boundary_codec="governed")),
+            run_settings(MeshConfig(boundary_codec="governed", anchor=False)),
             ValueError,
-            "boundary_codec='governed' is invalid: it must name one codec on the distributed mesh ('governed' runs on "
-            "one process: the anchor's probe passes through its pipeline and the level switch on the fast stages are "
-            "not built yet)",
+            "anchor=False is invalid: it must be True with boundary_codec='governed' on the distributed mesh (the "
+            "governor's fidelity probes run on the anchor replica's pipeline)",
             note="also refused by `MeshTrainer(...)`, before any rendezvous",
         ),
         Case(

@@ -188,6 +188,6 @@ def test_a_refit_with_nothing_recorded_and_a_geometry_for_another_boundary_are_r
     with pytest.raises(ValueError, match=r"codec refit='no dense forward recorded' is invalid: it must follow"):
         handle.refit_geometry()
     link = FastGeometryLink.__new__(FastGeometryLink)  # its message check alone, without a link to receive on
-    link.codecs, link.held, link.ended = [handle.codecs[0]], [{}], [False]
+    link.codecs, link.held, link.ended = [[handle.codecs[0]]], [{}], [False]
     with pytest.raises(ValueError, match=r"codec geometry boundary=1 is invalid: it must be 0, the boundary"):
         link._take(0, (GeometryHeader(1, 4, 1, 3), torch.zeros(3)))

@@ -34,7 +34,7 @@ from ..boundary.masking import private_rng
 from .fidelity import FidelityProbe, ProbeRecord, stage_parameter_groups
 from .governor import AnchorCadence, FidelityGovernor, candidate_levels
 
-__all__ = ["AnchorCircuit", "PendingGradient"]
+__all__ = ["AnchorCircuit", "PendingGradient", "rng_state", "set_rng_state"]
 
 Batch = Mapping[str, torch.Tensor]
 
@@ -125,7 +125,7 @@ class AnchorCircuit:
             round_index = step // self.every if self.cadence is None else self.rounds_done
             refit = self.refit_every > 0 and round_index % self.refit_every == 0
             record = ProbeRecord(None) if self.governor is not None else None
-            rng = _rng_state(self._device)
+            rng = rng_state(self._device)
             with (
                 self.boundaries.recording() if refit else contextlib.nullcontext(),
                 self.boundaries.probing(record) if record is not None else contextlib.nullcontext(),
@@ -213,7 +213,7 @@ class AnchorCircuit:
         def run_pass(probe_record: ProbeRecord) -> dict[str, torch.Tensor]:
             self.probe_passes += 1
             with handle.disabled(), handle.probing(probe_record), private_rng(self._device):
-                _set_rng_state(self._device, rng)
+                set_rng_state(self._device, rng)
                 return dict(zip(self.params, self._gradient(microbatches)))
 
         groups = stage_parameter_groups(list(self.params), handle.layers_name, handle.stages)
@@ -225,7 +225,7 @@ class AnchorCircuit:
         """Fidelity of ``codecs[b]`` (any objects with ``apply(h, step, microbatch) → (h̃, message)``) at
         boundary b, on round ``round_index``'s batches at the current parameters: ``[b][i] → {cos,
         act_err, grad_err}``. Changes nothing the run uses (its RNG, rounds, levels)."""
-        record, rng = ProbeRecord(None), _rng_state(self._device)
+        record, rng = ProbeRecord(None), rng_state(self._device)
         done = self.rounds_done
         with self.boundaries.probing(record):
             grads = self.dense_gradient(round_index)
@@ -296,12 +296,12 @@ def _or_nan(value: float | None) -> float:
     return float("nan") if value is None else float(value)
 
 
-def _rng_state(device: torch.device) -> tuple:
+def rng_state(device: torch.device) -> tuple:
     """The RNG state a pass starts from (CPU, and the device's on CUDA)."""
     return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
 
 
-def _set_rng_state(device: torch.device, state: tuple) -> None:
+def set_rng_state(device: torch.device, state: tuple) -> None:
     cpu, cuda = state
     torch.set_rng_state(cpu)
     if cuda is not None:

@@ -9,7 +9,11 @@ all of them hold — one int64 MIN all-reduce over the replica's pipeline group 
 circuit) — and switch to it together, for the next step's forward. With ``anchor_lockstep`` a round's
 geometry counts only from the step that applied the round's gradient (snapshot + ``anchor_delay``),
 each stage waiting for it there, so runs and resumes repeat bit for bit; otherwise a geometry counts
-once every stage has it.
+once every stage has it. Governed (``boundary_codec="governed"``), a side holds the whole ladder and
+one message carries every level's geometry, fitted on the same activations, in ladder order.
+
+``agree_min`` is the agreement: one MIN all-reduce of every link's proposal at once (the geometry's
+and, governed, the levels', ``anchor.mesh_governor``), so a step pays for one however many agree.
 """
 
 from __future__ import annotations
@@ -25,22 +29,47 @@ from ..comm.messages import DATA, GEOMETRY
 from ..comm.wire import Wire
 from .link import first_lockstep_snapshot
 
-__all__ = ["FastGeometryLink", "refit_message"]
+__all__ = ["FastGeometryLink", "agree_min", "ladder_from_flat", "refit_message"]
 
 
-def refit_message(codec: ComposedCodec, snapshot: int, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, str]:
-    """The anchor's side: (header, payload, digest) of boundary ``codec.boundary``'s geometry fitted on
-    the dense hidden states ``hidden`` [..., H] of the round on ``snapshot``."""
-    geometry = codec.fitted(hidden)
-    payload = geometry_to_flat(codec, geometry)
-    header = GEOMETRY.encode(DATA, snapshot, codec.boundary, payload.numel())
-    return header, payload, geometry_digest(geometry)
+def refit_message(
+    codecs: list[ComposedCodec], snapshot: int, hidden: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, str, list[dict]]:
+    """The anchor's side: (header, payload, digest, geometries) of boundary b's geometry for each of
+    ``codecs`` (one, or governed every level of b's ladder) fitted on the dense hidden states ``hidden``
+    [..., H] of the round on ``snapshot``; the digest covers every level's (``geometry_digest`` of one)."""
+    geometries = [codec.fitted(hidden) for codec in codecs]
+    payload = torch.cat([geometry_to_flat(codec, g) for codec, g in zip(codecs, geometries)])
+    header = GEOMETRY.encode(DATA, snapshot, codecs[0].boundary, payload.numel())
+    return header, payload, _digest(geometries), geometries
+
+
+def ladder_from_flat(codecs: list[ComposedCodec], flat: torch.Tensor) -> list[dict]:
+    """Inverse of ``refit_message``'s payload: one geometry per codec; a ValueError unless the sizes add up."""
+    sizes = [codec.spec.geometry_numel(codec.hidden_size) for codec in codecs]
+    require(flat.numel() == sum(sizes), "codec geometry size", flat.numel(), f"equal the layouts' {sum(sizes)} values")
+    return [geometry_from_flat(codec, part) for codec, part in zip(codecs, flat.split(sizes))]
+
+
+def _digest(geometries: list[dict]) -> str:
+    digests = [geometry_digest(g) for g in geometries]
+    return digests[0] if len(digests) == 1 else "+".join(digests)
+
+
+def agree_min(wire: Wire, pp_group, stages: int, proposals: list[int], device: torch.device | None = None) -> list[int]:
+    """Every stage of a replica proposes a snapshot per link; all get the element-wise minimum (one int64
+    all-reduce over the replica's pipeline group, on its ``device``, booked on the anchor circuit)."""
+    agreed = torch.tensor(proposals, dtype=torch.long, device=device)
+    if stages > 1:
+        wire.all_reduce("anchor", agreed, stages, lambda t: dist.all_reduce(t, op=dist.ReduceOp.MIN, group=pp_group))
+    return [int(v) for v in agreed.tolist()]
 
 
 class FastGeometryLink:
     """A fast stage's end: the geometry of its incoming (``codec_in``) and outgoing (``codec_out``)
     boundaries from the anchor stages that fit them, and the switch its replica agrees on. ``sources``:
-    (side "in"/"out", the codec, the anchor rank that fits its boundary) per codec of the stage.
+    (side "in"/"out", the side's codecs — one, or governed the ladder —, the anchor rank that fits its
+    boundary) per side of the stage.
 
     ``switches`` lists (fast step after which it switched, snapshot, digest in, digest out) per switch;
     ``current`` is the snapshot of the geometry in use (-1: the calibration at the start).
@@ -54,11 +83,13 @@ class FastGeometryLink:
         link_group,
         pp_group,
         stages: int,
-        sources: list[tuple[str, ComposedCodec, int]],
+        sources: list[tuple[str, list[ComposedCodec], int]],
         *,
         lockstep: tuple[int, int, int] | None,
+        device: torch.device | None = None,
     ) -> None:
         self.wire, self.pp_group, self.stages, self.lockstep = wire, pp_group, stages, lockstep
+        self.device = device
         self.sides = [side for side, _, _ in sources]  # "in" / "out"
         self.codecs = [codec for _, codec, _ in sources]
         self.inboxes = [Receiver(wire, link_group, src, GEOMETRY, lambda header: header.numel) for *_, src in sources]
@@ -73,7 +104,7 @@ class FastGeometryLink:
             self.ended[side] = True
             return
         header, payload = message
-        codec = self.codecs[side]
+        codec = self.codecs[side][0]
         require(
             header.boundary == codec.boundary,
             "codec geometry boundary",
@@ -104,35 +135,37 @@ class FastGeometryLink:
                 newest = snapshot
         return newest
 
-    def after_step(self, step: int) -> None:
-        """After fast step ``step``'s optimizer step: the replica's stages agree on the newest geometry
-        each of them holds and, if it is new, use it from the next forward on."""
+    def propose(self, step: int) -> int:
+        """After fast step ``step``'s optimizer step: the newest geometry this stage holds on every side
+        that may count now (lockstep: waited for); its replica agrees on the minimum (``agree_min``)."""
         if self.lockstep is not None:
-            local = self._due(step)
-        else:
-            for side, inbox in enumerate(self.inboxes):
-                for message in inbox.ready():
-                    self._take(side, message)
-            complete = set.intersection(*(set(held) for held in self.held))
-            local = max(complete | {self.current})
-        agreed = torch.tensor([local], dtype=torch.long)
-        if self.stages > 1:
-            self.wire.all_reduce(
-                "anchor", agreed, self.stages, lambda t: dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.pp_group)
-            )
-        snapshot = int(agreed.item())
+            return self._due(step)
+        for side, inbox in enumerate(self.inboxes):
+            for message in inbox.ready():
+                self._take(side, message)
+        complete = set.intersection(*(set(held) for held in self.held))
+        return max(complete | {self.current})
+
+    def adopt(self, step: int, snapshot: int) -> None:
+        """The replica agreed on ``snapshot``: if it is new, use its geometry from the next forward on."""
         if snapshot <= self.current:
             return
         digests = {}
-        for side, codec in enumerate(self.codecs):
-            geometry = geometry_from_flat(codec, self.held[side][snapshot])
-            codec.load_geometry(geometry)
-            digests[self.sides[side]] = geometry_digest(geometry)
+        for side, codecs in enumerate(self.codecs):
+            geometries = ladder_from_flat(codecs, self.held[side][snapshot])
+            for codec, geometry in zip(codecs, geometries):
+                codec.load_geometry(geometry)
+            digests[self.sides[side]] = _digest(geometries)
         for held in self.held:
             for old in [s for s in held if s <= snapshot]:
                 del held[old]
         self.current = snapshot
         self.switches.append((step, snapshot, digests.get("in", ""), digests.get("out", "")))
+
+    def after_step(self, step: int) -> None:
+        """``propose`` and ``adopt`` with this link's agreement alone."""
+        (snapshot,) = agree_min(self.wire, self.pp_group, self.stages, [self.propose(step)], self.device)
+        self.adopt(step, snapshot)
 
     def close(self) -> None:
         """The end of the run (after the anchor's STOP): every inbox drained and joined; a link that

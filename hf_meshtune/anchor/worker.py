@@ -7,6 +7,9 @@ replica. Anchor stage 0 picks each round's snapshot and tells the other anchor s
 so all stages of a round use the same one. With ``anchor_lockstep`` the snapshots are every multiple
 of ``anchor_every`` instead (θ_global as of the TICK fast replica 0 sends after that step), none
 skipped: the rounds, their batches and their gradients are then a function of the fast run alone.
+
+Governed (``boundary_codec="governed"``), each round also runs the fidelity probes through the anchor's
+pipeline and sends the governor's decision to the fast stages (``anchor.mesh_governor``).
 """
 
 from __future__ import annotations
@@ -16,18 +19,22 @@ from torch import nn
 
 from .._validation import require
 from ..boundary.compose.codec import ComposedCodec
+from ..boundary.masking import private_rng
 from ..comm.mailbox import Receiver
-from ..comm.messages import DATA, GEOMETRY, GRADIENTS, ROUNDS, STOP, TICK, UPDATES, flatten, unflatten
-from ..config import codec_refit_every, composed_codec, require_saved_knobs
+from ..comm.messages import DATA, GEOMETRY, GRADIENTS, LEVELS, ROUNDS, STOP, TICK, UPDATES, flatten, unflatten
+from ..config import codec_ladder, codec_refit_every, composed_codec, is_governed, require_saved_knobs
 from ..dp.outer import OuterUpdate
 from ..runtime.checkpoint import read_rank_state
 from ..runtime.results import MeshResult
 from ..runtime.settings import Batches, RunSettings
 from ..runtime.stage import StageWorker
 from ..topology import MeshGroups
+from .circuit import rng_state, set_rng_state
 from .follower import OuterFollower, update_shapes
 from .geometry import refit_message
+from .governor import FidelityGovernor
 from .link import first_lockstep_snapshot
+from .mesh_governor import MeshGovernor, SendProbe, levels_message, reduce_over
 
 __all__ = ["AnchorWorker"]
 
@@ -49,10 +56,18 @@ class AnchorWorker(StageWorker):
         self.first_round = 0
         self.stopped = False
         self.refit_every = codec_refit_every(cfg)
-        spec = composed_codec(cfg)
-        self.refit_codec = None  # fits boundary `stage` (this stage's output) on each refit round
-        if self.refit_every and self.stage < self.topology.stages - 1:
-            self.refit_codec = ComposedCodec(spec, self.stage, self.module.hidden_size, cfg.mask_seed)
+        spec, last = composed_codec(cfg), self.stage == self.topology.stages - 1
+        self.refit_codecs = None  # fit boundary `stage` (this stage's output) on each refit round
+        self.governor: MeshGovernor | None = None
+        specs = codec_ladder(cfg) if is_governed(cfg) else [spec]
+        codecs = None if last else [ComposedCodec(s, self.stage, self.module.hidden_size, cfg.mask_seed) for s in specs]
+        if self.refit_every and not last:
+            self.refit_codecs = codecs
+        if is_governed(cfg):  # the probes code with the same codecs (and the geometry this stage fits)
+            policy = FidelityGovernor(len(specs), cfg.fidelity_target, cfg.fidelity_hysteresis)
+            reduce = reduce_over(self.wire, groups.pp_group, self.topology.stages, self.device)
+            names = [level.text for level in specs]
+            self.governor = MeshGovernor(self.stage, self.topology.stages, codecs, names, policy, self.matrices, reduce)
         if settings.resume_from is not None:
             self._resume(settings.resume_from)
 
@@ -66,6 +81,9 @@ class AnchorWorker(StageWorker):
         require_saved_knobs(state["config"], self.settings.config, context=f"to resume from {checkpoint}")
         self.follower.load_state(state["diloco"]["fragments"])
         self.applied_step = self.ticked = int(state["step"])
+        levels = state.get("governor")
+        if self.governor is not None and levels is not None:  # the newest decision the fast side holds
+            self.governor.decided = list(levels["decided"])
         self.first_round = self.applied_step // self.settings.config.anchor_every
 
     def _apply(self, message) -> None:
@@ -162,18 +180,27 @@ class AnchorWorker(StageWorker):
     def _round(self, round_index: int, snapshot: int) -> None:
         self.model.zero_grad(set_to_none=True)
         self.module.step = round_index
-        refit = self.refit_codec is not None and round_index % self.refit_every == 0
-        self.module.record = [] if refit else None
+        refit = self.refit_codecs is not None and round_index % self.refit_every == 0
+        governor, last = self.governor, self.stage == self.topology.stages - 1
+        probing = governor is not None and governor.ladder is not None
+        fit = probing and not all(c.ready for c in governor.ladder)  # the probes' first geometry
+        self.module.record = [] if refit or fit else None
+        dense_probe = SendProbe() if governor is not None and not last else None
+        self.module.probe = dense_probe
+        rng = rng_state(self.device)
         ids, labels = (t.to(self.device) for t in self.batches(round_index))
         try:
             loss = self.pipeline_step(ids, labels)
         finally:
-            recorded, self.module.record = self.module.record, None
+            recorded, self.module.record, self.module.probe = self.module.record, None, None
         if loss is not None:
             self.result.losses.append(loss)
         works = []
         if refit:  # the geometry first: it is small, and the fast side waits for it with the gradient
-            header, geometry, digest = refit_message(self.refit_codec, snapshot, torch.cat(recorded))
+            header, geometry, digest, geometries = refit_message(self.refit_codecs, snapshot, torch.cat(recorded))
+            if probing:
+                for codec, fitted in zip(governor.ladder, geometries):
+                    codec.load_geometry(fitted)
             for dst in self._geometry_targets():
                 works.append(
                     self.wire.isend("anchor", header, dst, group=self.groups.link_group, tag=GEOMETRY.header_tag)
@@ -182,7 +209,11 @@ class AnchorWorker(StageWorker):
                     self.wire.isend("anchor", geometry, dst, group=self.groups.link_group, tag=GEOMETRY.payload_tag)
                 )
             self.result.geometry.append((snapshot, digest))
-        payload = flatten([p.grad if p.grad is not None else torch.zeros_like(p) for _, p in self.matrices])
+        elif fit:
+            for codec in governor.ladder:
+                codec.fit(torch.cat(recorded))
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for _, p in self.matrices]
+        payload = flatten(grads)
         header = GRADIENTS.encode(DATA, snapshot)
         # to every fast replica at once: the anchor's uplink is shared among them, so no fast node's
         # downlink gets the whole gradient at the anchor's full rate (one delivery after another
@@ -193,10 +224,36 @@ class AnchorWorker(StageWorker):
             works.append(
                 self.wire.isend("anchor", payload, dst, group=self.groups.link_group, tag=GRADIENTS.payload_tag)
             )
+        if governor is not None:
+            works += self._govern(snapshot, [g.detach().clone() for g in grads], dense_probe, rng, ids, labels)
         for work in works:
             work.wait()
         self.result.anchor_rounds.append(snapshot)
         self.model.zero_grad(set_to_none=True)
+
+    def _govern(self, snapshot: int, dense: list, dense_probe: SendProbe | None, rng, ids, labels) -> list:
+        """The round's fidelity probes (each replaying the dense pass's RNG; the run's stream goes on as if
+        none had run), the decision, and the ``LEVELS`` message to stage s of every fast replica."""
+        governor = self.governor
+
+        def run_pass() -> None:
+            self.model.zero_grad(set_to_none=True)
+            set_rng_state(self.device, rng)
+            self.pipeline_step(ids, labels)
+
+        first = governor.decided is None
+        with private_rng(self.device):  # the run's own stream goes on from where the dense pass left it
+            levels = governor.round(self.module, dense, dense_probe or SendProbe(), run_pass, snapshot)
+        counts_after = snapshot if first else snapshot + self.settings.config.anchor_delay
+        self.result.levels.append((snapshot, counts_after, list(levels)))
+        self.result.fidelity.append(governor.entries[-1])
+        header, payload = levels_message(snapshot, counts_after, levels)
+        works = []
+        for replica in self.topology.fast_replicas:
+            dst = self.topology.rank(replica, self.stage)
+            works.append(self.wire.isend("anchor", header, dst, group=self.groups.link_group, tag=LEVELS.header_tag))
+            works.append(self.wire.isend("anchor", payload, dst, group=self.groups.link_group, tag=LEVELS.payload_tag))
+        return works
 
     def _finish_anchor(self) -> MeshResult:
         while not self.stopped and self.inbox.next() is not None:  # updates after the last round
@@ -210,7 +267,16 @@ class AnchorWorker(StageWorker):
                 group=self.groups.link_group,
                 tag=GRADIENTS.header_tag,
             )
-        if self.refit_codec is not None:
+        if self.governor is not None:
+            for replica in self.topology.fast_replicas:
+                self.wire.send(
+                    "anchor",
+                    LEVELS.encode(STOP, -1, -1, 0),
+                    self.topology.rank(replica, self.stage),
+                    group=self.groups.link_group,
+                    tag=LEVELS.header_tag,
+                )
+        if self.refit_codecs is not None:
             for dst in self._geometry_targets():
                 self.wire.send(
                     "anchor",

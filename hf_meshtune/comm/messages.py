@@ -1,7 +1,7 @@
 """The anchor link's messages: one schema that sender and receiver both read.
 
 Every message is an int64 header on its channel's header tag, followed (for a DATA header) by one
-float32 payload on the channel's payload tag. Four channels cross the anchor link:
+float32 payload on the channel's payload tag. Five channels cross the anchor link:
 
 * ``UPDATES`` (fast replica 0, stage s → anchor stage s): a committed DiLoCo sync in wire form,
   ``[kind, step, fragment, numel]``, ``step`` = the fast step after which it was committed, the
@@ -14,7 +14,11 @@ float32 payload on the channel's payload tag. Four channels cross the anchor lin
   there are no more rounds (no payload);
 * ``GEOMETRY`` (anchor stage s → stages s and s+1 of every fast replica, with ``codec_refit_every``):
   ``[kind, snapshot, boundary, numel]`` and boundary s's codec geometry fitted on that round's dense
-  activations (``compose.codec.geometry_to_flat``).
+  activations (``compose.codec.geometry_to_flat``; governed, every level of the ladder's in turn);
+* ``LEVELS`` (anchor stage s → stage s of every fast replica, ``boundary_codec="governed"``):
+  ``[kind, snapshot, counts_after, numel]`` and the ladder level of every boundary (``numel`` = Y-1
+  values) the governor chose from that round's fidelity probes, in use from the forward after fast
+  step ``counts_after``.
 
 A STOP header ends a channel. Tensors travel as float32 on the CPU (the link is a gloo group,
 whatever the pipeline's backend).
@@ -35,6 +39,7 @@ __all__ = [
     "DATA",
     "GEOMETRY",
     "GRADIENTS",
+    "LEVELS",
     "ROUNDS",
     "STOP",
     "TICK",
@@ -42,6 +47,7 @@ __all__ = [
     "Channel",
     "GeometryHeader",
     "GradientHeader",
+    "LevelsHeader",
     "RoundHeader",
     "UpdateHeader",
     "flatten",
@@ -71,6 +77,13 @@ class GeometryHeader(NamedTuple):
     kind: int
     snapshot: int
     boundary: int
+    numel: int
+
+
+class LevelsHeader(NamedTuple):
+    kind: int
+    snapshot: int
+    counts_after: int
     numel: int
 
 
@@ -104,6 +117,7 @@ UPDATES = Channel("updates", UpdateHeader, header_tag=101, payload_tag=102)
 GRADIENTS = Channel("gradients", GradientHeader, header_tag=201, payload_tag=202)
 ROUNDS = Channel("rounds", RoundHeader, header_tag=301, payload_tag=None)
 GEOMETRY = Channel("geometry", GeometryHeader, header_tag=401, payload_tag=402)
+LEVELS = Channel("levels", LevelsHeader, header_tag=501, payload_tag=502)
 
 
 def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:

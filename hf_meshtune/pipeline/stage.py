@@ -28,7 +28,7 @@ from ..boundary.compose.codec import ComposedCodec
 from ..boundary.fills import FILLS
 from ..boundary.hooks import find_decoder_layers, split_stages
 from ..boundary.masking import BoundaryMask, keep_count
-from ..config import composed_codec
+from ..config import codec_ladder, composed_codec, is_governed
 from .layout import MASKS, SUPPORTED_MODEL_TYPES, decoder_layout, layer_types, logit_softcap, rotary_per_layer_type
 
 __all__ = [
@@ -70,6 +70,12 @@ class StageModule(nn.Module):
             side; None runs that side dense (the anchor replica, or p = 0).
         codec_in / codec_out: composed codecs (``boundary.compose``) on those sides instead of masks;
             their payload is the codec's packed message (``payload_width`` model-dtype words per token).
+        ladder_in / ladder_out: governed (``boundary_codec="governed"``), one codec per level of the
+            ladder on that side instead of one codec; ``set_levels`` picks the one in use (the
+            richest at the start), which ``codec_in``/``codec_out`` then name.
+
+    On the anchor's dense stages ``probe`` (a callable ``probe(h, step, microbatch) → h``) sees every
+    outgoing hidden state first: the fidelity probe codes it there (``anchor.mesh_governor``).
 
     The forward takes ``input_ids`` [B, T] (first stage) or the boundary payload, and returns the
     next payload, or the logits [B, T, V] on the last stage. Set ``step`` before each optimizer step;
@@ -85,6 +91,8 @@ class StageModule(nn.Module):
         mask_out: BoundaryMask | None,
         codec_in: ComposedCodec | None = None,
         codec_out: ComposedCodec | None = None,
+        ladder_in: list[ComposedCodec] | None = None,
+        ladder_out: list[ComposedCodec] | None = None,
     ) -> None:
         super().__init__()
         _, layers = find_decoder_layers(model)
@@ -108,6 +116,15 @@ class StageModule(nn.Module):
         self.lm_head = model.get_output_embeddings() if last else None
         self.softcap = logit_softcap(model.config) if last else None
         self._setup_boundaries(mask_in, mask_out, codec_in, codec_out)
+        self.ladders = {"in": ladder_in, "out": ladder_out}
+        if ladder_in or ladder_out:
+            require(
+                codec_in is None and codec_out is None and mask_in is None and mask_out is None,
+                "boundary",
+                "a ladder and a codec or mask",
+                "be governed ladders (ladder_in/ladder_out) alone on a stage: set_levels picks their codecs",
+            )
+            self.set_levels(len(ladder_in) - 1 if ladder_in else None, len(ladder_out) - 1 if ladder_out else None)
 
     def _setup_boundaries(self, mask_in, mask_out, codec_in, codec_out) -> None:
         require(
@@ -121,6 +138,35 @@ class StageModule(nn.Module):
         self.step, self.microbatch = 0, 0
         self.dense = False  # True: both sides run dense (the codecs' calibration pass)
         self.record: list[torch.Tensor] | None = None  # a list: every forward's outgoing hidden state lands here
+        self.probe: Callable[[torch.Tensor, int, int], torch.Tensor] | None = None  # the anchor's fidelity probe
+        self.levels: tuple[int | None, int | None] = (None, None)  # governed: the level in use per side
+
+    def side_codecs(self, side: str) -> list[ComposedCodec]:
+        """Every codec ``side`` ("in"/"out") holds: governed, its ladder (every level); else its codec."""
+        ladder = self.ladders[side]
+        if ladder:
+            return list(ladder)
+        codec = self.codec_in if side == "in" else self.codec_out
+        return [codec] if codec is not None else []
+
+    def set_levels(self, level_in: int | None, level_out: int | None) -> None:
+        """Governed: use ladder level ``level_in`` on the input side and ``level_out`` on the output side
+        from the next forward on (None for a side without a ladder). The payload widths change with
+        them: the caller rebuilds the pipeline stage that sizes its buffers (``runtime.stage``)."""
+        for side, level in (("in", level_in), ("out", level_out)):
+            ladder = self.ladders[side]
+            require(
+                (ladder is None and level is None)
+                or (ladder is not None and isinstance(level, int) and 0 <= level < len(ladder)),
+                f"level_{side}",
+                level,
+                f"name a level in [0, {len(ladder)}) of this stage's {side}put ladder"
+                if ladder is not None
+                else f"be None: stage {self.stage} has no {side}put boundary ladder",
+            )
+        self.levels = (level_in, level_out)
+        self.codec_in = self.ladders["in"][level_in] if level_in is not None else None
+        self.codec_out = self.ladders["out"][level_out] if level_out is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         hidden = self.embed(x) if self.embed_tokens is not None else self.receive(x)
@@ -179,6 +225,8 @@ class StageModule(nn.Module):
         """A stage's output side: the hidden state as its boundary payload."""
         if self.record is not None:  # the anchor's dense round: the geometry refit learns from it
             self.record.append(hidden.detach())
+        if self.probe is not None:  # the anchor's fidelity probe: this boundary through a codec level
+            hidden = self.probe(hidden, self.step, self.microbatch)
         if self.codec_out is not None and not self.dense:
             return self.codec_out.send(hidden, self.step, self.microbatch)
         if self.mask_out is not None:
@@ -225,8 +273,19 @@ def stage_parameter_names(model: nn.Module, stage_module: StageModule) -> dict[s
 def build_stage(model: nn.Module, stage: int, num_stages: int, cfg, masked: bool) -> StageModule:
     """Stage ``stage`` of ``model`` with the boundary masks of the mesh knobs ``cfg`` (p, seed, rescale,
     fill) on both sides, or its composed ``boundary_codec``, or dense sides (``masked=False``: the anchor
-    replica). A codec that needs geometry gets it from ``calibrate_codecs`` before the first step."""
+    replica). A codec that needs geometry gets it from ``calibrate_codecs`` before the first step. Governed:
+    both sides hold the whole ``codec_ladder``, at its richest level until the governor says otherwise."""
     spec = composed_codec(cfg)
+    if spec is not None and is_governed(cfg):
+        hidden = model.config.get_text_config().hidden_size
+        specs = codec_ladder(cfg)
+
+        def ladder(boundary: int) -> list[ComposedCodec] | None:
+            if not masked or boundary < 0 or boundary >= num_stages - 1:
+                return None
+            return [ComposedCodec(level, boundary, hidden, cfg.mask_seed) for level in specs]
+
+        return StageModule(model, stage, num_stages, None, None, ladder_in=ladder(stage - 1), ladder_out=ladder(stage))
     if spec is not None:
         hidden = model.config.get_text_config().hidden_size
 

@@ -51,6 +51,10 @@ class MeshResult:
     # anchor, (snapshot, digest of the geometry it sent)
     geometry: list[tuple] = field(default_factory=list)
     released_bytes: int = 0  # model tensors given back at the start: the stages this process does not hold
+    # governed: fast, (step after which it switched, snapshot, levels); anchor, (snapshot, counts_after, levels)
+    # of every decision it sent; and per round the anchor's fidelity/* and governor/* entries
+    levels: list[tuple] = field(default_factory=list)
+    fidelity: list[dict] = field(default_factory=list)
     memory: dict = field(default_factory=dict)  # bytes by part (``runtime.memory``), counted and measured
 
 
@@ -85,6 +89,7 @@ def log_history(results: list[MeshResult], summary: dict) -> list[dict]:
     history = [
         {"step": first + i + 1, "loss": statistics.fmean(losses[i] for losses in per_replica)} for i in range(steps)
     ]
+    _governor_entries(results, history, first)
     if history:
         for kind in ("measured", "booked", "wire"):
             figures = summary[f"{kind}_bytes_per_token"]
@@ -92,6 +97,32 @@ def log_history(results: list[MeshResult], summary: dict) -> list[dict]:
         for name, value in summary.get("memory_max_gib", {}).items():  # the largest process's, by part
             history[-1][f"memory/{name}(GiB)"] = value
     return history
+
+
+def _governor_entries(results: list[MeshResult], history: list[dict], first: int) -> None:
+    """Governed: each anchor round's ``fidelity/*`` and ``governor/*`` entries on the line of the step after
+    its snapshot, and on every line the level each boundary's forward used (``governor/b<k>/level``, from
+    fast replica 0's switches), as the single-process run logs them."""
+    anchor = next((r for r in results if r.role == "anchor" and r.stage == 0 and r.fidelity), None)
+    fast = next((r for r in results if r.role == "fast" and r.replica == 0 and r.stage == 0), None)
+    if anchor is None or fast is None or not history:
+        return
+    by_step = {line["step"]: line for line in history}
+    for entries in anchor.fidelity:
+        line = by_step.get(int(entries["fidelity/step"]) + 1)
+        if line is not None:
+            line.update(entries)
+    if first > 0 or not anchor.levels:  # a resumed run starts at its checkpoint's levels, not the richest
+        return
+    ladder = {
+        key.split("/")[2] for key in anchor.fidelity[0] if key.startswith("fidelity/b0/") and key.endswith("/cos")
+    }
+    levels = [len(ladder) - 1] * len(anchor.levels[0][2])  # the first forward runs at the richest level
+    changes = {step: list(new) for step, _, new in fast.levels}
+    for line in history:  # the line of step s + 1 logs the forward of step s
+        for b, level in enumerate(levels):
+            line[f"governor/b{b}/level"] = float(level)
+        levels = changes.get(line["step"] - 1, levels)
 
 
 GIB = 1024**3

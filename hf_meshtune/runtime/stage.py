@@ -46,23 +46,31 @@ class StageWorker:
         microbatches = (settings.anchor_microbatches or settings.microbatches) if anchor else settings.microbatches
         first = next(self.module.parameters())
         self.device, self.dtype = first.device, first.dtype
-        self.pipe = MeshStage(
-            self.module,
-            group=groups.pp_group,
-            device=self.device,
-            microbatch_size=settings.microbatch_size,
-            seq_len=settings.seq_len,
-            dtype=self.dtype,
-            wire=self.wire,
-            anchor=anchor,
-        )
-        self.schedule = build_schedule(self.pipe, microbatches, causal_lm_loss(model))
+        self.microbatches = microbatches
+        self.build_pipe()
         self.fragments = stage_fragments(self.module, settings.config.dp_fragments)
         self.matrices = anchor_matrices(model, self.module)
         self.peer_hosts: dict[int, str] = {}  # pipeline neighbours' addresses (bootstrap fills it)
         self.activations = ActivationMeter(self.module.parameters())
         self._gradient_peak = 0
         self._rss_at_start = current_rss()
+
+    def build_pipe(self) -> None:
+        """This stage's ``MeshStage`` and 1F1B schedule, sized for its boundaries' payload widths now. A
+        governed level switch changes those widths, so every stage of the replica rebuilds both at the
+        same step (torch's schedule runs its start-up handshake with the neighbours again)."""
+        settings = self.settings
+        self.pipe = MeshStage(
+            self.module,
+            group=self.groups.pp_group,
+            device=self.device,
+            microbatch_size=settings.microbatch_size,
+            seq_len=settings.seq_len,
+            dtype=self.dtype,
+            wire=self.wire,
+            anchor=self.role == "anchor",
+        )
+        self.schedule = build_schedule(self.pipe, self.microbatches, causal_lm_loss(self.model))
 
     def _hold_only_this_stage(self) -> None:
         """Give back every tensor of the model this process's stage does not hold (a model loaded per
@@ -83,10 +91,12 @@ class StageWorker:
         """Give this replica's composed codecs their geometry before the first step: one dense pipeline
         pass of ``batches(0)``. Stage ℓ receives stage ℓ-1's dense output and boundary ℓ-1's geometry,
         runs its layers dense, fits boundary ℓ's codec on its own output and sends both on, so the two
-        sides of every boundary hold the same geometry (the sender's fit, received bit for bit). Its
-        bytes are booked on ``pp_fwd`` and counted in ``result.calibration_bytes``."""
+        sides of every boundary hold the same geometry (the sender's fit, received bit for bit). Governed,
+        every level of the ladder is fitted on the same output and its geometry sent in turn. Its bytes
+        are booked on ``pp_fwd`` and counted in ``result.calibration_bytes``."""
         module = self.module
-        sides = [c for c in (module.codec_in, module.codec_out) if c is not None]
+        codecs_in, codecs_out = module.side_codecs("in"), module.side_codecs("out")
+        sides = codecs_in + codecs_out
         if not sides or not sides[0].spec.needs_fit or all(c.ready for c in sides):
             return
         ids, _ = self.batches(0)
@@ -95,18 +105,19 @@ class StageWorker:
         before = self.wire.sent["pp_fwd"]
         group, replica, topology = self.groups.pp_group, self.replica, self.topology
         with self.naming_link_failure("the codec calibration pass with", self._neighbours()):
-            if module.codec_in is not None:
+            if codecs_in:
                 src = topology.rank(replica, self.stage - 1)
                 x = torch.empty(*ids.shape, module.hidden_size, dtype=dtype, device=self.device)
                 self.wire.recv("pp_fwd", x, src, group=group, tag=CALIBRATION_TAG)
-                geometry = {}
-                for name, shape, kind in geometry_layout(module.codec_in):
-                    geometry[name] = torch.empty(shape, dtype=kind)
-                    self.wire.recv("pp_fwd", geometry[name], src, group=group, tag=CALIBRATION_TAG)
-                module.codec_in.load_geometry(geometry)
+                for codec in codecs_in:
+                    geometry = {}
+                    for name, shape, kind in geometry_layout(codec):
+                        geometry[name] = torch.empty(shape, dtype=kind)
+                        self.wire.recv("pp_fwd", geometry[name], src, group=group, tag=CALIBRATION_TAG)
+                    codec.load_geometry(geometry)
             else:
                 x = ids
-            if module.codec_out is None:
+            if not codecs_out:
                 return
             module.dense = True
             try:
@@ -114,12 +125,13 @@ class StageWorker:
                     hidden = module(x)
             finally:
                 module.dense = False
-            module.codec_out.fit(hidden)
             dst = topology.rank(replica, self.stage + 1)
             self.wire.send("pp_fwd", hidden.contiguous(), dst, group=group, tag=CALIBRATION_TAG)
-            geometry = module.codec_out.geometry()
-            for name, _, _ in geometry_layout(module.codec_out):
-                self.wire.send("pp_fwd", geometry[name].contiguous(), dst, group=group, tag=CALIBRATION_TAG)
+            for codec in codecs_out:
+                codec.fit(hidden)
+                geometry = codec.geometry()
+                for name, _, _ in geometry_layout(codec):
+                    self.wire.send("pp_fwd", geometry[name].contiguous(), dst, group=group, tag=CALIBRATION_TAG)
         self.result.calibration_bytes = self.wire.sent["pp_fwd"] - before
 
     # --- the pipeline ---------------------------------------------------------------------------
@@ -162,7 +174,8 @@ class StageWorker:
     # --- memory ---------------------------------------------------------------------------------
     def _state_bytes(self) -> dict[str, int]:
         """Bytes of the optimizer, anchor, DP and codec state this process keeps (``runtime.memory``)."""
-        codecs = [c.geometry() for c in (self.module.codec_in, self.module.codec_out) if c is not None and c.ready]
+        sides = self.module.side_codecs("in") + self.module.side_codecs("out")
+        codecs = [c.geometry() for c in sides if c.ready]
         return {"optimizer": 0, "anchor": 0, "dp": 0, "codec": tensor_bytes(codecs)}
 
     def memory(self) -> dict[str, int]:

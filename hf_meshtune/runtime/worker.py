@@ -13,7 +13,9 @@ One fast step, top to bottom (``FastWorker.run``):
   6. after it, this loop reads what the step did: a heal (a restarted replica took a peer's state:
      the loop goes on from the peer's step) and the committed syncs, which it counts and (replica 0)
      forwards to the anchor (``anchor.link``); with ``codec_refit_every`` the replica's stages agree on
-     the newest codec geometry the anchor sent them all and switch to it together (``anchor.geometry``);
+     the newest codec geometry the anchor sent them all and switch to it together (``anchor.geometry``),
+     and governed on the newest levels the anchor's governor chose (``anchor.mesh_governor``), in the
+     same one all-reduce;
   7. the LR scheduler, logs, a mesh checkpoint when due (``runtime.checkpoint``), the callbacks.
 """
 
@@ -28,10 +30,11 @@ import torch.distributed as dist
 from torch import nn
 
 from .._validation import require
-from ..anchor.geometry import FastGeometryLink
+from ..anchor.geometry import FastGeometryLink, agree_min
 from ..anchor.link import FastAnchorLink
+from ..anchor.mesh_governor import FastLevelLink
 from ..comm.messages import flatten
-from ..config import codec_refit_every, require_saved_knobs
+from ..config import codec_ladder, codec_refit_every, is_governed, require_saved_knobs
 from ..dp.baselines import GradientSync
 from ..dp.diloco import StreamingDiLoCo
 from ..dp.ft import host_replica_store, make_manager
@@ -63,6 +66,7 @@ class FastWorker(StageWorker):
             self._setup_gradient_sync()
         self.anchor = self._setup_anchor_link()
         self.geometry = self._setup_geometry_link()
+        self.levels = self._setup_level_link()
         self._step = 0
         self._healed_to: int | None = None
         self._dp_bytes_at_last_sync = 0.0
@@ -148,12 +152,9 @@ class FastWorker(StageWorker):
         if not refit or self.anchor is None:
             return None
         sources = [
-            (side, codec, topology.anchor_rank(boundary))
-            for side, codec, boundary in (
-                ("in", module.codec_in, self.stage - 1),
-                ("out", module.codec_out, self.stage),
-            )
-            if codec is not None
+            (side, module.side_codecs(side), topology.anchor_rank(boundary))
+            for side, boundary in (("in", self.stage - 1), ("out", self.stage))
+            if module.side_codecs(side)
         ]
         if not sources:  # Y = 1: no boundary
             return None
@@ -164,7 +165,43 @@ class FastWorker(StageWorker):
             topology.stages,
             sources,
             lockstep=(cfg.anchor_every, cfg.anchor_delay, refit) if cfg.anchor_lockstep else None,
+            device=self.device,
         )
+
+    def _setup_level_link(self) -> FastLevelLink | None:
+        cfg, topology = self.settings.config, self.topology
+        if not is_governed(cfg) or self.anchor is None or topology.stages < 2:
+            return None
+        richest = len(codec_ladder(cfg)) - 1
+        return FastLevelLink(
+            self.wire,
+            self.groups.link_group,
+            topology.anchor_rank(self.stage),
+            topology.stages - 1,
+            [richest] * (topology.stages - 1),
+            self._switch_levels,
+            lockstep=(cfg.anchor_every, cfg.anchor_delay) if cfg.anchor_lockstep else None,
+        )
+
+    def _switch_levels(self, levels: list[int]) -> None:
+        """Governed: this stage's sides at ``levels`` (one per boundary) from the next forward on; the
+        payload widths change, so the pipeline stage is rebuilt (every stage of the replica does, at the
+        same step: the replica agreed on the switch)."""
+        stage, stages = self.stage, self.topology.stages
+        self.module.set_levels(levels[stage - 1] if stage > 0 else None, levels[stage] if stage < stages - 1 else None)
+        self.build_pipe()
+
+    def _agree(self, step: int) -> None:
+        """After fast step ``step``: the replica's stages agree on the codec geometry and (governed) the
+        levels to use next, in one all-reduce, and switch together."""
+        links = [link for link in (self.geometry, self.levels) if link is not None]
+        if not links:
+            return
+        agreed = agree_min(
+            self.wire, self.groups.pp_group, self.topology.stages, [link.propose(step) for link in links], self.device
+        )
+        for link, snapshot in zip(links, agreed):
+            link.adopt(step, snapshot)
 
     def _state_bytes(self) -> dict[str, int]:
         own = super()._state_bytes()
@@ -205,17 +242,27 @@ class FastWorker(StageWorker):
             "diloco": self.diloco.state_dict() if self.manager is not None else None,
             "codecs": [c.geometry() if c is not None else None for c in (self.module.codec_in, self.module.codec_out)],
             "geometry_snapshot": None if self.geometry is None else self.geometry.current,
+            "governor": None if self.levels is None else self.levels.state(self._step),
+            "ladder_codecs": [[c.geometry() for c in ladder] for ladder in self.module.ladders.values() if ladder],
         }
 
     def _resume(self, checkpoint: str) -> None:
         state = read_rank_state(checkpoint, self.rank, self.topology)
         require_saved_knobs(state["config"], self.settings.config, context=f"to resume from {checkpoint}")
         self._step = self._restore_stage(state)
-        for codec, geometry in zip((self.module.codec_in, self.module.codec_out), state.get("codecs") or (None, None)):
-            if codec is not None and geometry is not None and geometry["rest_dims"] is not None:
+        ladders = [ladder for ladder in self.module.ladders.values() if ladder]
+        if ladders:  # governed: every level's geometry
+            for ladder, geometries in zip(ladders, state["ladder_codecs"], strict=True):
+                for codec, geometry in zip(ladder, geometries, strict=True):
+                    codec.load_geometry(geometry)
+        saved = state.get("codecs") or (None, None)
+        for codec, geometry in zip((self.module.codec_in, self.module.codec_out), saved):
+            if not ladders and codec is not None and geometry is not None and geometry["rest_dims"] is not None:
                 codec.load_geometry(geometry)  # the geometry the run had, not a new fit
         if self.geometry is not None and state.get("geometry_snapshot") is not None:
             self.geometry.current = state["geometry_snapshot"]  # later refits only
+        if self.levels is not None and state.get("governor") is not None:
+            self.levels.load_state(state["governor"], self._step)
         if self.manager is not None:
             self.diloco.load_state_dict(state["diloco"])
         torch.set_rng_state(state["rng"])
@@ -291,8 +338,7 @@ class FastWorker(StageWorker):
             self.anchor.drain(self.optimizer, step)
         self.optimizer.step()  # DiLoCo's sync runs in its post-hook
         step = self._after_optimizer_step(step)
-        if self.geometry is not None:
-            self.geometry.after_step(step)
+        self._agree(step)
         if self.scheduler is not None:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -348,6 +394,9 @@ class FastWorker(StageWorker):
         if self.geometry is not None:
             self.geometry.close()
             self.result.geometry = self.geometry.switches
+        if self.levels is not None:
+            self.levels.close()
+            self.result.levels = self.levels.switches
         result = self._finish(self._step)
         if self.manager is not None:
             self.manager.shutdown(wait=False)

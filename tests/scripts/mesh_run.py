@@ -14,7 +14,9 @@ the first-generation processes wait after that step until a restarted process ha
 (so a restart that is slow to start on a loaded machine still rejoins before the run ends; at most
 300 s). ``CHECKPOINT_EVERY`` writes mesh checkpoints to OUT_DIR every that many steps
 (``CHECKPOINT_KEEP`` kept); ``RESUME_FROM`` continues from one; ``LINK_TIMEOUT_S`` bounds pipeline
-sends/receives (default 30).
+sends/receives (default 30). ``GOVERNOR_SCRIPT`` (a JSON list of [snapshot, levels]) makes a
+governed anchor decide, at a round on snapshot s, the levels of the last entry at or before s instead of
+the governor's rule, after running its probes as usual: a test's way to force level changes at known rounds.
 """
 
 from __future__ import annotations
@@ -83,8 +85,23 @@ def _wait_for_restarted(out: str, limit_s: float = 300.0) -> None:
     _poll(lambda: any(n.startswith("pid") and not n.endswith(".g0") for n in _progress_names(out)), limit_s)
 
 
+def _script_the_governor(script: list[tuple[int, list[int]]]) -> None:
+    from hf_meshtune.anchor.mesh_governor import MeshGovernor
+
+    measured = MeshGovernor.round
+
+    def scripted(self, module, dense, dense_probe, run_pass, step):
+        measured(self, module, dense, dense_probe, run_pass, step)
+        self.decided = list(max((entry for entry in script if entry[0] <= step), key=lambda entry: entry[0])[1])
+        return list(self.decided)
+
+    MeshGovernor.round = scripted
+
+
 def main(out: str, steps: int, overrides: dict) -> None:
     torch.set_num_threads(1)
+    if os.environ.get("GOVERNOR_SCRIPT"):
+        _script_the_governor(json.loads(os.environ["GOVERNOR_SCRIPT"]))
     if int(os.environ.get("MESHTUNE_RESTART", "0")) > 0:
         time.sleep(float(os.environ.get("RESTART_DELAY_S", "0")))
         _wait_for_peer_step(out, int(os.environ.get("RESTART_AFTER_STEP", "0")))
