@@ -60,7 +60,10 @@ class AnchorWorker(StageWorker):
         self.refit_codecs = None  # fit boundary `stage` (this stage's output) on each refit round
         self.governor: MeshGovernor | None = None
         specs = codec_ladder(cfg) if is_governed(cfg) else [spec]
-        codecs = None if last else [ComposedCodec(s, self.stage, self.module.hidden_size, cfg.mask_seed) for s in specs]
+        wanted = not last and (self.refit_every or is_governed(cfg))
+        codecs = (
+            [ComposedCodec(s, self.stage, self.module.hidden_size, cfg.mask_seed) for s in specs] if wanted else None
+        )
         if self.refit_every and not last:
             self.refit_codecs = codecs
         if is_governed(cfg):  # the probes code with the same codecs (and the geometry this stage fits)
