@@ -3,7 +3,7 @@
     python -m benchmarks.mesh.governed            # ~3 × 12 min on 2 CPU cores; writes benchmarks/mesh/results/
 
 Both rows: `meshtune launch --mesh 3x2 --cpu -- recipes/sft.py`, SmolLM2-135M-Instruct, GSM8K, embeddings
-frozen, 2 fast replicas + the anchor replica (asynchronous, a round every 4 steps), DiLoCo every 8 steps,
+frozen, 2 fast replicas + the anchor replica (asynchronous, a round every 4 steps), DiLoCo every 4 steps,
 the same data, steps and seed; they differ only in the boundary:
   default     boundary_codec = outliers8+int8 (the quality preset's codec), geometry refitted by the anchor
   governed    boundary_codec = governed (ladder outliers8+int3x8, outliers8+int4x8, outliers8+int8, target 0.96)
@@ -46,7 +46,7 @@ COMMON = [
     "1",
     "--freeze_embeddings",
     "--dp_sync_every",
-    "8",
+    "4",
     "--anchor",
     "true",
     "--anchor_every",
