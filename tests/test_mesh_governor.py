@@ -493,3 +493,15 @@ def test_a_resumed_governed_mesh_continues_exactly_with_its_levels(tmp_path):
         for mine, theirs in zip(b.global_params, a.global_params):
             assert torch.equal(mine, theirs)
         assert all(torch.equal(b.params[n], a.params[n]) for n in b.params)
+
+
+def test_without_lockstep_a_decision_counts_once_here_and_due_and_the_replica_takes_the_minimum():
+    link, switched = _link([_message(0, 0, [1]), _message(4, 6, [0])], lockstep=None)
+    assert link.propose(5) == 0  # round 4's decision is here but counts only after step 6
+    link.adopt(5, 0)
+    assert switched == [[1]]
+    assert link.propose(6) == 4
+    link.adopt(6, 0)  # another stage of the replica did not hold it yet: the agreed minimum keeps the levels
+    assert switched == [[1]] and link.current == 0
+    link.adopt(7, 4)
+    assert switched == [[1], [0]] and link.switches == [(5, 0, [1]), (7, 4, [0])]
