@@ -66,6 +66,20 @@ def test_the_mesh_benchmark_tables_are_its_committed_run():
         assert row in quoted, row
 
 
+MESH_GOVERNED = "\n#### The governor on the distributed mesh\n"
+
+
+def test_the_mesh_governor_table_is_its_committed_run_and_the_readme_quotes_it():
+    from benchmarks.mesh.governed import table
+
+    results = json.loads((ROOT / "benchmarks/mesh/results/governed_3x2.json").read_text())
+    written = table(results)
+    assert (ROOT / "benchmarks/mesh/results/governed_3x2.md").read_text() == written
+    section = _section("### The fidelity governor: the anchor measures what each boundary's codec keeps")
+    quoted = _rows(section.split(MESH_GOVERNED)[1])
+    assert quoted == _rows(written)  # the whole table, row for row
+
+
 def test_the_memory_benchmark_tables_are_its_committed_run():
     from benchmarks.memory.report import markdown, summary_table
 
@@ -196,7 +210,7 @@ def test_the_fidelity_tables_are_their_committed_runs_and_the_readme_quotes_them
 
     source_rows = _rows("\n".join([*written.values(), tiny]))
     section = _section("### The fidelity governor: the anchor measures what each boundary's codec keeps")
-    rows = _rows(section.split("\n## ")[0])  # the last subsection of its chapter
+    rows = _rows(section.split("\n## ")[0].split(MESH_GOVERNED)[0])  # the mesh's rows: the test below
     assert len(rows) >= 10
     # README table (by its width) → the source column of each of its cells after the first: the probe's
     # mean cos and gap; governed.md's bytes, ratio, eval loss and gap to the default; the composed table's

@@ -1,6 +1,6 @@
 """The fidelity governor on the distributed mesh, beside the fixed default, on the real model.
 
-    python -m benchmarks.mesh.governed            # ~3 × 12 min on 2 CPU cores; writes benchmarks/mesh/results/
+    python -m benchmarks.mesh.governed [ROW ...]  # ~3 × 12 min on 2 CPU cores; writes benchmarks/mesh/results/
 
 Both rows: `meshtune launch --mesh 3x2 --cpu -- recipes/sft.py`, SmolLM2-135M-Instruct, GSM8K, embeddings
 frozen, 2 fast replicas + the anchor replica (asynchronous, a round every 4 steps), DiLoCo every 4 steps,
@@ -95,7 +95,8 @@ def run_row(name: str, extra: list[str], workdir: str) -> dict:
         "step_seconds_mean": summary["step_seconds_mean"],
         "wall_seconds": wall,
         "levels": [
-            {k: v for k, v in line.items() if k.startswith("governor/b")} | {"step": line["step"]}
+            {k: v for k, v in line.items() if k.startswith("governor/b") and k.endswith("/level")}
+            | {"step": line["step"]}
             for line in history
             if any(k.endswith("/level") for k in line)
         ],
@@ -122,25 +123,35 @@ def table(results: dict[str, dict]) -> str:
             f"{(r['eval_loss'] / base['eval_loss'] - 1) * 100:+.2f}% | {r['anchor_bytes_per_token']:,.0f} | "
             f"{r['step_seconds_mean']:.1f} | {passes:.0f} |"
         )
-    governed = results.get("governed")
-    if governed and governed["levels"]:
+    for name, r in results.items():
         changes, previous = [], None
-        for line in governed["levels"]:
-            levels = tuple(int(v) for k, v in sorted(line.items()) if k != "step")
-            if levels != previous:
-                changes.append(f"step {line['step'] - 1}: {list(levels)}")
-                previous = levels
-        lines += ["", "Governed levels per boundary (0 = the cheapest), from the forward of: " + "; ".join(changes)]
+        for line in r["levels"]:  # the line of step s + 1 logs the level the forward of step s used
+            level = int(line["governor/b0/level"])
+            if level != previous:
+                changes.append(f"{line['step'] - 1}: {level}")
+                previous = level
+        if changes:
+            lines += [
+                "",
+                f"{name}: the boundary's level (0 = the cheapest) from the forward of step " + ", ".join(changes),
+            ]
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
+def main(names: list[str]) -> None:
+    """Every row, or only ``names`` (the others kept from the committed JSON)."""
     os.makedirs(OUT, exist_ok=True)
+    path = os.path.join(OUT, "governed_3x2.json")
     results: dict[str, dict] = {}
+    if names:
+        with open(path) as handle:
+            results = json.load(handle)
     with tempfile.TemporaryDirectory() as workdir:
         for name, extra in ROWS.items():
+            if names and name not in names:
+                continue
             results[name] = run_row(name, extra, workdir)
-            with open(os.path.join(OUT, "governed_3x2.json"), "w") as handle:  # written as the rows come
+            with open(path, "w") as handle:  # written as the rows come
                 json.dump(results, handle, indent=2)
     with open(os.path.join(OUT, "governed_3x2.md"), "w") as handle:
         handle.write(table(results))
@@ -148,4 +159,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

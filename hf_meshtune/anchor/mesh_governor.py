@@ -12,9 +12,11 @@ every stage's sums, so all of them compute the same cosines and the same decisio
 trains none, as in ``anchor.fidelity``). The probes measure the anchor's own geometry: fitted on its
 first round's dense pass and refitted with every geometry refit it sends (``anchor.geometry``).
 
-The decision (every boundary's level) goes to stage s of every fast replica as a ``LEVELS`` message:
-the first round's counts after fast step ``snapshot`` (the start: one wait, like the codec's own
-calibration), a later round's after ``snapshot + anchor_delay``, where its gradient is applied.
+The decision (every boundary's level) goes to stage s of every fast replica as a ``LEVELS`` message with
+the fast step after which it counts: with ``anchor_lockstep`` the first round's after its ``snapshot`` (the
+start: one wait, like the codec's own calibration) and a later round's after ``snapshot + anchor_delay``,
+where its gradient is applied; with the asynchronous anchor after its ``snapshot``, i.e. as soon as the
+replica's stages all hold it (its gradient, too, is applied on arrival there).
 
 Fast side (``FastLevelLink``): after each fast step, the replica's stages agree (``agree_min``, with the
 geometry's proposal when both run) on the newest decision all of them hold that may count now

@@ -247,7 +247,10 @@ class AnchorWorker(StageWorker):
         first = governor.decided is None
         with private_rng(self.device):  # the run's own stream goes on from where the dense pass left it
             levels = governor.round(self.module, dense, dense_probe or SendProbe(), run_pass, snapshot)
-        counts_after = snapshot if first else snapshot + self.settings.config.anchor_delay
+        # lockstep: where the round's gradient is applied; asynchronous: as soon as the replica's stages hold it
+        # (the gradient, too, is applied on arrival there)
+        lockstep = self.settings.config.anchor_lockstep
+        counts_after = snapshot + self.settings.config.anchor_delay if lockstep and not first else snapshot
         self.result.levels.append((snapshot, counts_after, list(levels)))
         self.result.fidelity.append(governor.entries[-1])
         header, payload = levels_message(snapshot, counts_after, levels)
