@@ -338,6 +338,12 @@ class MeshArguments:
             self.anchor_payload,
             f"be one of {list(ANCHOR_PAYLOADS)}",
         )
+        require(
+            self.anchor_payload != "factors" or self.spectral_rank is not None,
+            "spectral_rank",
+            self.spectral_rank,
+            "be set with anchor_payload='factors' (the rank r of the factors U_r, s_r, V_r the anchor sends)",
+        )
 
     @property
     def mesh_config(self) -> MeshConfig:
@@ -434,12 +440,6 @@ def require_mesh_supported(cfg) -> None:
         "mask_protect_dims",
         cfg.mask_protect_dims,
         "be 0 on the distributed mesh (choosing the dims needs a dense forward of the whole model)",
-    )
-    require(
-        cfg.anchor_payload == "gradient",
-        "anchor_payload",
-        cfg.anchor_payload,
-        "be 'gradient' on the distributed mesh (the anchor sends its dense gradient)",
     )
     require(
         not is_governed(cfg) or bool(cfg.anchor),

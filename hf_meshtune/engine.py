@@ -37,7 +37,7 @@ from .config import (
     require_saved_knobs,
 )
 from .ledger import Ledger, compute_ledger, param_shapes_of, settings_from_knobs
-from .optim.spectral import SpectralAdamW
+from .optim.spectral import SpectralAdamW, anchor_momentum
 
 __all__ = ["RESUME_KNOBS", "MeshEngine"]
 
@@ -124,6 +124,7 @@ class MeshEngine:
             governor=governor,
             cadence=cadence,
             feed=bool(cfg.anchor),
+            factors=anchor_momentum(cfg),
         )
         return self.anchor
 

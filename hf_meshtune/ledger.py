@@ -199,14 +199,14 @@ def anchor_payload_numel(shape: Sequence[int], payload: str, rank: int) -> int:
     """Elements the anchor delivers to one fast replica for one parameter per round.
 
     Only 2-D parameters get anchor gradients (the spectral optimizer filters matrices only). Payload
-    "gradient": the full m·n gradient; "factors": U [m, r], s [r], V [n, r] = r·(m+n+1), or the
-    full gradient when that is not smaller.
+    "gradient": the full m·n gradient; "factors": U [m, k], s [k], V [n, k] = k·(m+n+1) with
+    k = min(r, m, n), what ``optim.spectral.AnchorMomentum`` sends (even where that exceeds m·n).
     """
     if len(shape) != 2:
         return 0
     m, n = shape
     if payload == "factors":
-        return min(rank * (m + n + 1), m * n)
+        return min(rank, m, n) * (m + n + 1)
     return m * n
 
 

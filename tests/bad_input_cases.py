@@ -331,6 +331,11 @@ def anchor_for_foreign_parameter() -> None:
     SpectralAdamW([nn.Parameter(torch.zeros(4, 3))]).update_anchor({nn.Parameter(torch.zeros(4, 3)): torch.zeros(4, 3)})
 
 
+def factors_of_wrong_shape() -> None:
+    w = torch.nn.Parameter(torch.zeros(4, 3))
+    SpectralAdamW([w]).update_anchor_factors({w: (torch.zeros(4, 2), torch.zeros(3), torch.zeros(3, 2))})
+
+
 def anchor_of_wrong_shape() -> None:
     weight = nn.Parameter(torch.zeros(4, 3))
     SpectralAdamW([weight]).update_anchor({weight: torch.zeros(3, 4)})
@@ -1148,6 +1153,11 @@ def _cases() -> list[Case]:
         _knob("dp_outer_lr=0.0 is invalid: it must be > 0", dp_outer_lr=0.0),
         _knob("dp_outer_momentum=1.0 is invalid: it must lie in [0, 1)", dp_outer_momentum=1.0),
         _knob("anchor_payload='svd' is invalid: it must be one of ['gradient', 'factors']", anchor_payload="svd"),
+        _knob(
+            "spectral_rank=None is invalid: it must be set with anchor_payload='factors' (the rank r of the factors "
+            "U_r, s_r, V_r the anchor sends)",
+            anchor_payload="factors",
+        ),
         Case(
             KNOBS,
             "mask_ratio='0.5' (a string, from Python)",
@@ -1270,6 +1280,15 @@ def _cases() -> list[Case]:
             anchor_of_wrong_shape,
             ValueError,
             "grads value shape=(3, 4) is invalid: it must equal its parameter's shape (4, 3)",
+        ),
+        Case(
+            SPECTRAL,
+            "update_anchor_factors({W [4, 3]: (U [4, 2], s [3], V [3, 2])})",
+            "`SpectralAdamW.update_anchor_factors`",
+            factors_of_wrong_shape,
+            ValueError,
+            "factors value shapes=((4, 2), (3,), (3, 2)) is invalid: it must be (U [m, r], s [r], V [n, r]) for its "
+            "parameter (4, 3)",
         ),
         # --- mesh shape ----------------------------------------------------------------------------------
         Case(
@@ -1408,13 +1427,15 @@ def _cases() -> list[Case]:
         ),
         Case(
             MESH,
-            "anchor_payload='factors' on the mesh",
-            "`RunSettings(...)`, `MeshTrainer(...)` (every rank)",
-            run_settings(MeshConfig(anchor_payload="factors")),
+            "anchor_payload='factors' when resuming a mesh run with the anchor",
+            "`RunSettings(...)`, `trainer.train(resume_from_checkpoint=...)` (every rank)",
+            run_settings(
+                MeshConfig(preset="paper", anchor_payload="factors", spectral_rank=8), resume_from="checkpoint-20"
+            ),
             ValueError,
-            "anchor_payload='factors' is invalid: it must be 'gradient' on the distributed mesh (the anchor sends its "
-            "dense gradient)",
-            note="also refused by `MeshTrainer(...)`, before any rendezvous",
+            "anchor_payload='factors' is invalid: it must be 'gradient' to resume a mesh run with the anchor (with "
+            "'factors' the anchor replica holds M_anc, and anchor processes write no checkpoint: the resumed run "
+            "would not continue exactly)",
         ),
         Case(
             MESH,

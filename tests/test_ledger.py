@@ -90,9 +90,12 @@ def test_anchor_factor_payload_by_hand():
     led = compute_ledger(SHAPES, H, anchored(anchor_payload="factors", anchor_rank=1))
     # (iii) rank 1: [8,4] -> 1 * (8+4+1) = 13, [6,6] -> 13: 26 elements * 3 replicas * 2 B / 150.
     assert led.anchor == pytest.approx(PIPELINE + PARAMS + 156 / 150)
-    # rank 3: 3 * 13 = 39 exceeds both 32 and 36, so the full gradient goes instead.
+    # rank 3: 3 * 13 = 39 per matrix, more than the gradients' 32 and 36: factors are what is sent, so booked.
     led3 = compute_ledger(SHAPES, H, anchored(anchor_payload="factors", anchor_rank=3))
-    assert led3.anchor == pytest.approx(PIPELINE + PARAMS + 408 / 150)
+    assert led3.anchor == pytest.approx(PIPELINE + PARAMS + 78 * 3 * 2 / 150)
+    # rank 10: k = min(10, m, n) = 4 and 6: 4 * 13 + 6 * 13 = 130 elements
+    led10 = compute_ledger(SHAPES, H, anchored(anchor_payload="factors", anchor_rank=10))
+    assert led10.anchor == pytest.approx(PIPELINE + PARAMS + 130 * 3 * 2 / 150)
 
 
 def test_anchor_plain_allreduce_pulls_snapshots():

@@ -46,7 +46,7 @@ class PendingGradient:
 
     snapshot_step: int
     deliver_step: int
-    grads: dict[str, torch.Tensor]
+    grads: dict[str, torch.Tensor]  # name → dense gradient, or (U_r, s_r, V_r) with the factors payload
     geometry: list[dict] | None = None
     levels: list[int] | None = None  # governed: the boundaries' levels the round chose
 
@@ -68,6 +68,7 @@ class AnchorCircuit:
         cadence: the adaptive cadence (None: a round every ``every`` steps).
         feed: whether the gradients go into the optimizer's anchor momentum (False: the circuit runs for
             the governor only).
+        factors: the anchor's M_anc for ``anchor_payload="factors"`` (None: deliver the gradient).
     """
 
     def __init__(
@@ -83,6 +84,7 @@ class AnchorCircuit:
         governor: FidelityGovernor | None = None,
         cadence: AnchorCadence | None = None,
         feed: bool = True,
+        factors=None,
     ) -> None:
         require(every >= 1, "anchor_every", every, "be >= 1")
         require(delay >= 0, "anchor_delay", delay, "be >= 0")
@@ -108,6 +110,7 @@ class AnchorCircuit:
             "be 'governed' (a codec ladder on the boundaries) for the fidelity governor",
         )
         self.governor, self.cadence, self.feed = governor, cadence, feed
+        self.factors = factors  # optim.spectral.AnchorMomentum, or None for the gradient payload
         self.decided: list[int] | None = None  # governed: the newest levels chosen (maybe still in flight)
         self.switches: list[tuple[int, int, list[int]]] = []  # level changes: (step applied, snapshot, levels)
         self.fidelity: dict[str, float] = {}  # the newest round's fidelity/* and governor/* log entries
@@ -137,7 +140,10 @@ class AnchorCircuit:
             if start:  # the start levels count at once (a one-time wait on a mesh), not after anchor_delay steps
                 self._switch(step, step, levels)
                 levels = None
-            self.pending.append(PendingGradient(step, step + self.delay, grads, geometry, levels))
+            payload = grads
+            if self.factors is not None and self.feed:  # the anchor folds at its snapshot and sends factors
+                payload = dict(zip(grads, self.factors.fold(list(grads.values()))))
+            self.pending.append(PendingGradient(step, step + self.delay, payload, geometry, levels))
             if self.cadence is not None:
                 self.gap = self.cadence.next_gap(self.gap, self.last_drift, self.last_staleness)
                 self.next_round = step + self.gap
@@ -158,7 +164,8 @@ class AnchorCircuit:
             if arrival.levels is not None:
                 self._switch(step, arrival.snapshot_step, arrival.levels)
             if self.feed:
-                optimizer.update_anchor(
+                deliver = optimizer.update_anchor if self.factors is None else optimizer.update_anchor_factors
+                deliver(
                     {self.params[name]: grad for name, grad in arrival.grads.items()},
                     staleness=step - arrival.snapshot_step,
                 )
@@ -272,6 +279,7 @@ class AnchorCircuit:
             "switches": self.switches,
             "cadence": {"gap": self.gap, "next_round": self.next_round, "last_drift": self.last_drift},
             "probe_passes": self.probe_passes,
+            "factors": self.factors.state_dict() if self.factors is not None else None,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -290,6 +298,15 @@ class AnchorCircuit:
         self.next_round = cadence.get("next_round", 0)
         self.last_drift = cadence.get("last_drift")
         self.probe_passes = state.get("probe_passes", 0)
+        saved = state.get("factors")
+        require(
+            (saved is None) == (self.factors is None),
+            "anchor state factors",
+            "present" if saved is not None else "absent",
+            f"match this run's anchor_payload ({'factors' if self.factors is not None else 'gradient'})",
+        )
+        if saved is not None:
+            self.factors.load_state_dict(saved)
 
 
 def _or_nan(value: float | None) -> float:

@@ -2,7 +2,9 @@
 
 Stage s of every fast replica receives the anchor's dense gradients G_anc of stage s on a background
 thread (``comm.mailbox.Receiver``) and, once per fast step, ``drain`` hands whatever has arrived to
-``SpectralAdamW.update_anchor`` with its staleness (fast steps between its snapshot and now). Fast
+``SpectralAdamW.update_anchor`` with its staleness (fast steps between its snapshot and now). With
+``anchor_payload="factors"`` the anchor sends its momentum's top-r factors (U_r, s_r, V_r) per matrix
+instead, and they go to ``SpectralAdamW.update_anchor_factors``. Fast
 replica 0 also ``forward``s every committed DiLoCo sync to the anchor's stage s, which replays it
 (``anchor.follower``). Nothing here ever waits for the anchor during a step, except with
 ``anchor_lockstep``: then the gradient of snapshot s (every multiple of ``anchor_every``) is applied
@@ -14,6 +16,7 @@ anchor replica is gone (``meshtune launch --optional-replica``): the fast side w
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 
 from torch import nn
@@ -24,6 +27,7 @@ from ..comm.mailbox import Receiver, Sender
 from ..comm.messages import DATA, GRADIENTS, STOP, TICK, UPDATES, flatten, unflatten
 from ..comm.wire import Wire
 from ..dp.outer import OuterUpdate
+from ..optim.spectral import factor_shapes
 from ..pipeline.stage import StageModule, stage_parameter_names
 
 __all__ = ["FastAnchorLink", "anchor_matrices", "first_lockstep_snapshot"]
@@ -48,6 +52,7 @@ class FastAnchorLink:
     ``arrivals`` lists (fast step on arrival, snapshot step) of every gradient applied; ``lost_at``
     the fast step at which the link broke (None while it holds). ``lockstep`` = (``anchor_every``,
     ``anchor_delay``) for the lockstep schedule, None for the paper's (apply what has arrived).
+    ``factor_rank``: the rank r of the factors the anchor sends (None: it sends its gradient).
     """
 
     def __init__(
@@ -61,8 +66,15 @@ class FastAnchorLink:
         who: str,
         max_staleness: int | None,
         lockstep: tuple[int, int] | None = None,
+        factor_rank: int | None = None,
     ) -> None:
-        numel = sum(p.numel() for _, p in matrices)
+        self.factor_rank = factor_rank
+        self.shapes = [
+            shape
+            for _, p in matrices
+            for shape in ([tuple(p.shape)] if factor_rank is None else factor_shapes(p.shape, factor_rank))
+        ]
+        numel = sum(math.prod(shape) for shape in self.shapes)
         self.matrices, self.anchor_rank, self.who, self.max_staleness = matrices, anchor_rank, who, max_staleness
         self.inbox = Receiver(wire, group, anchor_rank, GRADIENTS, lambda header: numel)
         self.outbox = Sender(wire, group, "anchor") if forwards else None
@@ -103,11 +115,17 @@ class FastAnchorLink:
                 self._lost(self.inbox.error, step)
             return
         header, payload = message
-        grads = unflatten(payload, [p.shape for _, p in self.matrices])
-        optimizer.update_anchor(
-            {p: g.to(p.device, p.dtype) for (_, p), g in zip(self.matrices, grads)},
-            staleness=step - header.snapshot,
-        )
+        tensors = unflatten(payload, self.shapes)
+        if self.factor_rank is None:
+            optimizer.update_anchor(
+                {p: g.to(p.device, p.dtype) for (_, p), g in zip(self.matrices, tensors)},
+                staleness=step - header.snapshot,
+            )
+        else:  # (U_r, s_r, V_r) per matrix, in the same order
+            triples = [tuple(tensors[3 * i : 3 * i + 3]) for i in range(len(self.matrices))]
+            optimizer.update_anchor_factors(
+                {p: triple for (_, p), triple in zip(self.matrices, triples)}, staleness=step - header.snapshot
+            )
         self.arrivals.append((step, header.snapshot))
 
     def tick(self, step: int) -> None:

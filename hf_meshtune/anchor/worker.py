@@ -10,6 +10,8 @@ skipped: the rounds, their batches and their gradients are then a function of th
 
 Governed (``boundary_codec="governed"``), each round also runs the fidelity probes through the anchor's
 pipeline and sends the governor's decision to the fast stages (``anchor.mesh_governor``).
+With ``anchor_payload="factors"`` the stage keeps M_anc of its matrices (``optim.spectral.AnchorMomentum``),
+folds each round's gradient into it and sends its top-r factors instead of the gradient.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from ..comm.mailbox import Receiver
 from ..comm.messages import DATA, GEOMETRY, GRADIENTS, LEVELS, ROUNDS, STOP, TICK, UPDATES, flatten, unflatten
 from ..config import codec_ladder, codec_refit_every, composed_codec, is_governed, require_saved_knobs
 from ..dp.outer import OuterUpdate
+from ..optim.spectral import anchor_momentum
 from ..runtime.checkpoint import read_rank_state
 from ..runtime.results import MeshResult
 from ..runtime.settings import Batches, RunSettings
@@ -56,6 +59,7 @@ class AnchorWorker(StageWorker):
         self.first_round = 0
         self.stopped = False
         self.refit_every = codec_refit_every(cfg)
+        self.factors = anchor_momentum(cfg)  # M_anc here, factors on the wire (None: the gradient)
         spec, last = composed_codec(cfg), self.stage == self.topology.stages - 1
         self.refit_codecs = None  # fit boundary `stage` (this stage's output) on each refit round
         self.governor: MeshGovernor | None = None
@@ -216,7 +220,10 @@ class AnchorWorker(StageWorker):
             for codec in governor.ladder:
                 codec.fit(torch.cat(recorded))
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for _, p in self.matrices]
-        payload = flatten(grads)
+        if self.factors is None:
+            payload = flatten(grads)
+        else:
+            payload = flatten([t for triple in self.factors.fold(grads) for t in triple])
         header = GRADIENTS.encode(DATA, snapshot)
         # to every fast replica at once: the anchor's uplink is shared among them, so no fast node's
         # downlink gets the whole gradient at the anchor's full rate (one delivery after another

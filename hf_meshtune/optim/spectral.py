@@ -9,13 +9,17 @@ is passed through a Tikhonov soft filter d_i = s_i / (s_i + τ_p) applied on bot
 
 so directions the anchor's momentum supports pass, the rest are damped, and nothing is amplified
 (0 <= d_i < 1). The SVD is recomputed only when M_anc changes and cached as (U, d, V).
+
+With ``anchor_payload="factors"`` the anchor keeps M_anc itself (``AnchorMomentum``) and sends only its
+top-r factors (U_r, s_r, V_r), r·(m+n+1) numbers per matrix instead of m·n; the fast optimizer takes
+them in ``SpectralAdamW.update_anchor_factors`` and holds no [m, n] momentum.
 """
 
 from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,11 +29,19 @@ from torch import Tensor
 from .._validation import require
 from ..boundary.masking import stable_seed
 
-__all__ = ["SpectralAdamW", "spectral_options", "subspace_drift"]
+__all__ = [
+    "AnchorMomentum",
+    "SpectralAdamW",
+    "anchor_basis",
+    "anchor_momentum",
+    "factor_shapes",
+    "spectral_options",
+    "subspace_drift",
+]
 
 logger = logging.getLogger(__name__)
 
-_ANCHOR_TENSORS = ("anchor_momentum", "anchor_U", "anchor_d", "anchor_V")
+_ANCHOR_TENSORS = ("anchor_momentum", "anchor_U", "anchor_d", "anchor_V", "anchor_s")
 
 
 def _anchor_dtype(param: Tensor) -> torch.dtype:
@@ -64,6 +76,96 @@ def _randomized_svd(matrix: Tensor, rank: int, niter: int, oversample: int, seed
         q = torch.linalg.qr(matrix @ z).Q
     u_small, s, vh = torch.linalg.svd(q.mT @ matrix, full_matrices=False)
     return (q @ u_small[:, :rank]), s[:rank].clone(), vh[:rank].mT.contiguous()
+
+
+def anchor_basis(
+    momentum: Tensor, rank: int | None, niter: int, oversample: int, seed: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(U [m, r], s [r], V [n, r]) of M_anc: the full SVD when ``rank`` is None or >= min(m, n), else the
+    randomized rank-``rank`` one (test matrix seeded by ``seed``). Raises RuntimeError when LAPACK fails."""
+    if rank is None or rank >= min(momentum.shape):
+        # LAPACK is several times slower on a wide matrix than on its transpose (same factors with U and V
+        # swapped): decompose the tall orientation
+        wide = momentum.shape[0] < momentum.shape[1]
+        u, s, vh = torch.linalg.svd(momentum.mT if wide else momentum, full_matrices=False)
+        return (vh.mT.contiguous(), s, u) if wide else (u, s, vh.mT.contiguous())
+    return _randomized_svd(momentum, rank, niter, oversample, seed)
+
+
+def factor_shapes(shape: Sequence[int], rank: int) -> list[tuple[int, ...]]:
+    """Shapes of the factors the anchor sends for an [m, n] matrix: U [m, k], s [k], V [n, k], k = min(r, m, n)."""
+    m, n = shape
+    k = min(rank, m, n)
+    return [(m, k), (k,), (n, k)]
+
+
+def _factor_shapes_ok(shape: tuple[int, ...], got: tuple[tuple[int, ...], ...]) -> bool:
+    """Whether ``got`` is (U [m, k], s [k], V [n, k]) for an [m, n] matrix with 1 <= k <= min(m, n)."""
+    if len(shape) != 2 or len(got) != 3 or len(got[1]) != 1:
+        return False
+    m, n = shape
+    k = got[1][0]
+    return 1 <= k <= min(m, n) and got == ((m, k), (k,), (n, k))
+
+
+class AnchorMomentum:
+    """The anchor's side of ``anchor_payload="factors"``: M_anc per matrix and its top-r factors.
+
+    ``fold(grads)`` does what ``SpectralAdamW.update_anchor`` does to M_anc, M ← β·M + (1-β)·G (float32 at
+    least), and returns each matrix's (U_r, s_r, V_r) from ``anchor_basis`` with the test matrix seeded by
+    (seed, the matrix's position in ``grads``, folds so far). A delivery with a non-finite value is refused
+    whole (M_anc unchanged) and comes back as NaN factors, which the fast optimizer rejects and counts as
+    ``anchor/rejected_non_finite``; a matrix whose SVD fails comes back as NaN factors alone (its basis is
+    dropped there, ``spectral/svd_fallbacks``).
+    """
+
+    def __init__(self, beta: float, rank: int, svd_niter: int = 2, svd_oversample: int = 8, seed: int = 0) -> None:
+        require(0 <= beta <= 1, "anchor_beta", beta, "lie in [0, 1]")
+        ok_rank = isinstance(rank, int) and not isinstance(rank, bool) and rank >= 1
+        require(ok_rank, "spectral_rank", rank, "be an int >= 1 with anchor_payload='factors'")
+        self.beta, self.rank, self.seed = beta, rank, seed
+        self.svd_niter, self.svd_oversample = svd_niter, svd_oversample
+        self.momenta: list[Tensor | None] = []
+        self.folds = 0
+        self.refused = 0
+
+    @torch.no_grad()
+    def fold(self, grads: Sequence[Tensor]) -> list[tuple[Tensor, Tensor, Tensor]]:
+        """Fold one dense gradient per matrix into M_anc; the factors to send, in ``grads``' order."""
+        if not self.momenta:
+            self.momenta = [None] * len(grads)
+        require(len(grads) == len(self.momenta), "anchor gradients", len(grads), f"number {len(self.momenta)} matrices")
+        if not all(bool(torch.isfinite(g).all()) for g in grads):
+            self.refused += 1
+            logger.warning("anchor gradient refused: non-finite values; M_anc unchanged, NaN factors sent")
+            return [_nan_factors(g.shape, self.rank, g.device, _anchor_dtype(g)) for g in grads]
+        out = []
+        for index, grad in enumerate(grads):
+            dtype = _anchor_dtype(grad)
+            if self.momenta[index] is None:
+                self.momenta[index] = torch.zeros(grad.shape, dtype=dtype, device=grad.device)
+            momentum = self.momenta[index]
+            momentum.mul_(self.beta).add_(grad.to(dtype), alpha=1 - self.beta)
+            seed = _basis_seed(self.seed, index, self.folds)
+            try:
+                out.append(anchor_basis(momentum, self.rank, self.svd_niter, self.svd_oversample, seed))
+            except RuntimeError as err:
+                logger.warning("SVD of the anchor momentum %s failed (%s): NaN factors sent", tuple(grad.shape), err)
+                out.append(_nan_factors(grad.shape, self.rank, grad.device, dtype))
+        self.folds += 1
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"momenta": [None if m is None else m.clone() for m in self.momenta], "folds": self.folds,
+                "refused": self.refused}  # fmt: skip
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.momenta = [None if m is None else m.clone() for m in state["momenta"]]
+        self.folds, self.refused = int(state["folds"]), int(state.get("refused", 0))
+
+
+def _nan_factors(shape, rank: int, device, dtype) -> tuple[Tensor, Tensor, Tensor]:
+    return tuple(torch.full(sh, float("nan"), device=device, dtype=dtype) for sh in factor_shapes(shape, rank))
 
 
 def subspace_drift(old: Tensor, new: Tensor, k: int = 8) -> float:
@@ -131,6 +233,16 @@ class _Diagnostics:
         terms = [torch.dot(g, m), torch.dot(p, m), torch.dot(g, g), torch.dot(p, p), torch.dot(m, m)]
         terms.append(d.mean() if d.numel() else d.new_zeros(()))
         self.rows.append(torch.stack(terms))  # stays on device: one host sync per step, in as_dict
+
+    def add_factors(self, grad: Tensor, proj: Tensor, u: Tensor, s: Tensor, v: Tensor, d: Tensor) -> None:
+        """``add`` against M = U diag(s) Vᵀ (orthonormal U, V): <X, M> = Σ s_i·u_iᵀ X v_i, |M|² = Σ s_i²."""
+        g, p = grad.to(u.dtype), proj.to(u.dtype)
+        g_uv = ((u.mT @ g) * v.mT).sum(1)  # diag(Uᵀ G V) without the [r, r] product
+        p_uv = ((u.mT @ p) * v.mT).sum(1)
+        terms = [torch.dot(s, g_uv), torch.dot(s, p_uv), torch.dot(g.reshape(-1), g.reshape(-1))]
+        terms += [torch.dot(p.reshape(-1), p.reshape(-1)), torch.dot(s, s)]
+        terms.append(d.mean() if d.numel() else d.new_zeros(()))
+        self.rows.append(torch.stack(terms))
 
     def as_dict(self) -> dict[str, float]:
         if not self.rows:
@@ -320,34 +432,83 @@ class SpectralAdamW(torch.optim.Optimizer):
         beta = group["anchor_beta"]
         momentum = state["anchor_momentum"]
         momentum.mul_(beta).add_(grad.to(device=momentum.device, dtype=dtype), alpha=1 - beta)
-        rank = group["rank"]
-        try:
-            if rank is None or rank >= min(momentum.shape):
-                # LAPACK is several times slower on a wide matrix than on its transpose (same
-                # factors with U and V swapped): decompose the tall orientation
-                wide = momentum.shape[0] < momentum.shape[1]
-                u, s, vh = torch.linalg.svd(momentum.mT if wide else momentum, full_matrices=False)
-                u, v = (vh.mT.contiguous(), u) if wide else (u, vh.mT.contiguous())
-            else:
-                seed = _basis_seed(self.seed, index, state["anchor_updates"])
-                u, s, v = _randomized_svd(momentum, rank, self.svd_niter, self.svd_oversample, seed)
-            finite = all(bool(torch.isfinite(t).all()) for t in (u, s, v))
-            reason = "non-finite factors"
-        except RuntimeError as err:  # torch.linalg.LinAlgError (no convergence) is a RuntimeError
-            finite, reason = False, f"{type(err).__name__}: {err}"
+        seed = _basis_seed(self.seed, index, state["anchor_updates"])
         state["anchor_updates"] += 1
-        if not finite:  # unfiltered until the next good delivery, never a broken basis
-            for key in ("anchor_U", "anchor_d", "anchor_V"):
+        try:
+            factors = anchor_basis(momentum, group["rank"], self.svd_niter, self.svd_oversample, seed)
+        except RuntimeError as err:  # torch.linalg.LinAlgError (no convergence) is a RuntimeError
+            factors = None
+            reason = f"{type(err).__name__}: {err}"
+        else:
+            reason = "non-finite factors"
+        return self._set_basis(param, state, group, factors, previous, reason)
+
+    def _set_basis(
+        self,
+        param: Tensor,
+        state: dict[str, Any],
+        group: dict[str, Any],
+        factors: tuple[Tensor, Tensor, Tensor] | None,
+        previous: Tensor | None,
+        reason: str,
+    ) -> float | None:
+        """Cache (U, d, V) from good factors, or drop the basis (counted, logged) for missing/non-finite ones."""
+        if factors is None or not all(bool(torch.isfinite(t).all()) for t in factors):
+            for key in ("anchor_U", "anchor_d", "anchor_V", "anchor_s"):  # unfiltered until the next good basis
                 state.pop(key, None)
             self.guard_counts["spectral/svd_fallbacks"] += 1
             logger.warning(
                 "SVD of the anchor momentum %s failed (%s): that matrix steps unfiltered", tuple(param.shape), reason
             )
             return None
+        u, s, v = factors
         state["anchor_U"], state["anchor_V"] = u, v
         state["anchor_d"] = _soft_filter(s, group["tau"], group["relative_tau"])
         state["anchor_age"] = 0
         return subspace_drift(previous, u) if previous is not None and previous.shape == u.shape else None
+
+    @torch.no_grad()
+    def update_anchor_factors(
+        self, factors: Mapping[Tensor, tuple[Tensor, Tensor, Tensor]], staleness: int | None = None
+    ) -> int:
+        """Take the anchor momentum's top-r factors (U_r [m, r], s_r [r], V_r [n, r]) as each matrix's basis.
+
+        The anchor keeps M_anc (``AnchorMomentum``) and sends these instead of its gradient
+        (``anchor_payload="factors"``); d = s_r / (s_r + τ_p) as in ``update_anchor``. Non-spectral keys
+        are accepted and ignored. A delivery with a non-finite value anywhere (the anchor marks a gradient
+        it refused that way) or older than ``max_staleness`` is rejected whole and counted; the bases stay.
+        Returns the number of matrices updated (0 for a rejected delivery).
+        """
+        owners = {id(p): (i, p, g) for i, (p, g) in enumerate(self._params_with_groups())}
+        for key, triple in factors.items():
+            owner = owners.get(id(key))
+            require(owner is not None, "factors key of shape", tuple(key.shape), "be a parameter of this optimizer")
+            shape = tuple(owner[1].shape)
+            got = tuple(tuple(t.shape) for t in triple)
+            ok = _factor_shapes_ok(shape, got)
+            require(ok, "factors value shapes", got, f"be (U [m, r], s [r], V [n, r]) for its parameter {shape}")
+        flat = {key: torch.cat([t.reshape(-1) for t in triple]) for key, triple in factors.items()}
+        if self._reject(flat, staleness):
+            return 0
+        updated, drifts = 0, []
+        for key, (u, s, v) in factors.items():
+            _, param, group = owners[id(key)]
+            if not self._is_spectral(param, group):
+                continue
+            state = self.state[param]
+            dtype = _anchor_dtype(param)
+            u, s, v = (t.to(device=param.device, dtype=dtype) for t in (u, s, v))
+            previous = state.get("anchor_U")
+            state["anchor_updates"] = state.get("anchor_updates", 0) + 1
+            state.pop("anchor_momentum", None)  # this optimizer's M_anc is the anchor's now
+            drift = self._set_basis(param, state, group, (u, s, v), previous, "non-finite factors")
+            if "anchor_U" in state:
+                state["anchor_s"] = s
+            if drift is not None:
+                drifts.append(drift)
+            updated += 1
+        self.last_drift = sum(drifts) / len(drifts) if drifts else None
+        return updated
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -378,7 +539,10 @@ class SpectralAdamW(torch.optim.Optimizer):
             proj = grad.to(u.dtype)  # G_proj = G exactly; skipping the filter keeps AdamW bit-exact
         else:
             proj = _filter_gradient(grad, u, d, v, alpha)
-        diagnostics.add(grad, proj, state["anchor_momentum"], d)
+        if "anchor_s" in state:  # factors: <·, M_r> from the rank-r momentum U diag(s) Vᵀ, no [m, n] product
+            diagnostics.add_factors(grad, proj, u, state["anchor_s"], v, d)
+        else:
+            diagnostics.add(grad, proj, state["anchor_momentum"], d)
         return proj.to(grad.dtype)
 
     def _fading_alpha(self, state: dict[str, Any], alpha: float, diagnostics: _Diagnostics) -> float:
@@ -426,3 +590,11 @@ def spectral_options(knobs: Any) -> dict[str, Any]:
         "seed": knobs.mask_seed,
         "max_staleness": knobs.anchor_max_staleness,
     }
+
+
+def anchor_momentum(knobs: Any) -> AnchorMomentum | None:
+    """The anchor's M_anc for ``anchor_payload="factors"`` (rank ``spectral_rank``, β_anc, the basis seed and
+    the SVD settings ``SpectralAdamW`` uses), or None when the anchor sends its gradient or does not feed."""
+    if knobs.anchor_payload != "factors" or not knobs.anchor:
+        return None
+    return AnchorMomentum(knobs.anchor_beta, knobs.spectral_rank, seed=knobs.mask_seed)

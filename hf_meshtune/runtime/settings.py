@@ -122,6 +122,13 @@ class RunSettings:
                 self.dp_mode,
                 "be 'streaming_diloco' or 'allreduce' with mesh checkpoints (torch's PowerSGD hook state is not saved)",
             )
+        require(
+            self.resume_from is None or self.config.anchor_payload != "factors" or not self.config.anchor,
+            "anchor_payload",
+            self.config.anchor_payload,
+            "be 'gradient' to resume a mesh run with the anchor (with 'factors' the anchor replica holds M_anc, "
+            "and anchor processes write no checkpoint: the resumed run would not continue exactly)",
+        )
         period = self.config.dp_sync_every // self.config.dp_fragments
         require(
             every is None or self.dp_mode != "streaming_diloco" or every % period == 0,

@@ -144,6 +144,7 @@ class FastWorker(StageWorker):
             who=who,
             max_staleness=cfg.anchor_max_staleness,
             lockstep=(cfg.anchor_every, cfg.anchor_delay) if cfg.anchor_lockstep else None,
+            factor_rank=cfg.spectral_rank if cfg.anchor_payload == "factors" else None,
         )
 
     def _setup_geometry_link(self) -> FastGeometryLink | None:
@@ -181,6 +182,7 @@ class FastWorker(StageWorker):
             [richest] * (topology.stages - 1),
             self._switch_levels,
             lockstep=(cfg.anchor_every, cfg.anchor_delay) if cfg.anchor_lockstep else None,
+            factor_rank=cfg.spectral_rank if cfg.anchor_payload == "factors" else None,
         )
 
     def _switch_levels(self, levels: list[int]) -> None:
