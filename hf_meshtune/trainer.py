@@ -56,7 +56,23 @@ class MeshCallback(TrainerCallback):
         self.trainer.mesh_engine.begin_step(state.global_step)
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        self.trainer.mesh_engine.before_optimizer_step(state.global_step, self.trainer.spectral_optimizer)
+        optimizer = self.trainer.spectral_optimizer
+        if optimizer is not None:  # the filter's cosines cost five reductions a matrix: only for logged steps
+            optimizer.diagnostics = logs_after_step(args, state, state.global_step + 1)
+        self.trainer.mesh_engine.before_optimizer_step(state.global_step, optimizer)
+
+
+def logs_after_step(args, state, step: int) -> bool:
+    """Whether the Trainer logs after optimizer step ``step`` by its own rule (``DefaultFlowCallback``); True
+    when the strategy cannot tell in advance (per epoch). A callback that forces a log on another step gets
+    it without ``spectral/*`` keys."""
+    strategy = str(getattr(args.logging_strategy, "value", args.logging_strategy))
+    if strategy == "no":
+        return False
+    if strategy != "steps":
+        return True
+    every = state.logging_steps or args.logging_steps
+    return (step == 1 and bool(args.logging_first_step)) or (bool(every) and step % every == 0)
 
 
 class MeshTrainerMixin:
@@ -124,6 +140,7 @@ class MeshTrainerMixin:
             "lr": args.learning_rate,
             "betas": (args.adam_beta1, args.adam_beta2),
             "eps": args.adam_epsilon,
+            "overwrite_grads": True,  # the Trainer zeroes the gradients right after each optimizer step
             **spectral_options(args),
         }
 

@@ -335,7 +335,7 @@ def test_a_basis_past_max_staleness_fades_linearly_to_plain_adamw(monkeypatch, c
     alphas = []
     real_filter = spectral._filter_gradient
     monkeypatch.setattr(
-        spectral, "_filter_gradient", lambda g, u, d, v, a: alphas.append(a) or real_filter(g, u, d, v, a)
+        spectral, "_filter_gradient", lambda g, u, d, v, a, **kw: alphas.append(a) or real_filter(g, u, d, v, a, **kw)
     )
     opt.update_anchor({w: torch.randn(6, 4, generator=gen, dtype=torch.float64)})
     with caplog.at_level("WARNING", logger="hf_meshtune.optim.spectral"):
@@ -354,3 +354,42 @@ def test_a_basis_past_max_staleness_fades_linearly_to_plain_adamw(monkeypatch, c
 def test_max_staleness_is_validated():
     with pytest.raises(ValueError, match="max_staleness=0 is invalid: it must be None or an int >= 1"):
         SpectralAdamW([torch.nn.Parameter(torch.zeros(2, 2))], max_staleness=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reusing_grads_as_scratch_and_skipping_diagnostics_change_no_bit(dtype: torch.dtype) -> None:
+    """The fast path (G_proj written into .grad, AdamW's denominator in its storage, no cosines) against the
+    plain one (.grad kept, every temporary its own, diagnostics on): the same parameters and moments, bit for
+    bit, over steps with and without a basis; only the plain one leaves .grad intact and logs cosines."""
+    gen = torch.Generator().manual_seed(3)
+    shapes = [(24, 10), (7, 13), (10,)]
+    params = [torch.nn.Parameter(torch.randn(*s, generator=gen).to(dtype)) for s in shapes]
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    hyper = dict(lr=1e-2, weight_decay=0.1, alpha=0.3, tau=1e-2, rank=4)
+    fast = SpectralAdamW(params, diagnostics=False, overwrite_grads=True, **hyper)
+    plain = SpectralAdamW(twins, diagnostics=True, overwrite_grads=False, **hyper)
+    for step in range(5):
+        if step in (1, 3):
+            anchor = [torch.randn(*s, generator=gen) for s in shapes[:2]]
+            fast.update_anchor(dict(zip(params, anchor)))
+            plain.update_anchor(dict(zip(twins, anchor)))
+        grads = [torch.randn(*s, generator=gen).to(dtype) for s in shapes]
+        for p, t, g in zip(params, twins, grads):
+            p.grad, t.grad = g.clone(), g.clone()
+        fast.step()
+        plain.step()
+        for p, t, g in zip(params, twins, grads):
+            assert torch.equal(p, t), (step, p.shape)
+            assert torch.equal(fast.state[p]["exp_avg_sq"], plain.state[t]["exp_avg_sq"])
+            assert torch.equal(t.grad, g)  # overwrite_grads=False: .grad is still the gradient
+        assert "spectral/cos_filtered_vs_anchor" not in fast.last_diagnostics
+        assert ("spectral/cos_filtered_vs_anchor" in plain.last_diagnostics) == (step >= 1)
+    # float32: the fast path used .grad as scratch; bf16 filters in float32, so the scratch is its own copy
+    assert torch.equal(params[0].grad, grads[0]) == (dtype == torch.bfloat16)
+
+
+def test_the_optimizer_flags_are_checked() -> None:
+    with pytest.raises(ValueError, match="diagnostics=1 is invalid"):
+        SpectralAdamW([torch.nn.Parameter(torch.zeros(2, 2))], diagnostics=1)
+    with pytest.raises(ValueError, match="overwrite_grads='yes' is invalid"):
+        SpectralAdamW([torch.nn.Parameter(torch.zeros(2, 2))], overwrite_grads="yes")

@@ -260,3 +260,21 @@ def test_a_process_killed_while_saving_leaves_the_previous_checkpoint_to_resume_
     full = make_trainer(tmp_path / "full", **knobs)
     full.train()
     assert [h["loss"] for h in resumed.state.log_history if "loss" in h and h["step"] > 2] == train_losses(full)[2:]
+
+
+def test_spectral_cosines_are_computed_for_the_logged_steps_only(tmp_path):
+    """SpectralAdamW's diagnostics cost five reductions per matrix: MeshTrainer turns them on for the steps
+    the Trainer will log (logging_steps=3, and the first with logging_first_step) and every log has them."""
+    flags = []
+
+    class Watch(transformers.TrainerCallback):
+        def on_optimizer_step(self, args, state, control, **kwargs):
+            flags.append(trainer.spectral_optimizer.diagnostics)
+
+    trainer = make_trainer(tmp_path, max_steps=7, logging_steps=3, logging_first_step=True, anchor_delay=0)
+    trainer.add_callback(Watch())
+    trainer.train()
+    assert flags == [True, False, True, False, False, True, False]  # steps 1..7: logged 1, 3, 6
+    logged = [h for h in trainer.state.log_history if "loss" in h]
+    assert [h["step"] for h in logged] == [1, 3, 6]
+    assert all("spectral/cos_filtered_vs_anchor" in h for h in logged)

@@ -41,8 +41,19 @@ def test_micro_smoke_writes_the_expected_keys(tmp_path):
     assert data["optimizer"]["sets"], "no optimizer shape set was timed"
     for result in data["optimizer"]["sets"].values():
         assert result["adamw"]["state_over_params"] == pytest.approx(2.0, rel=1e-2)  # exp_avg, exp_avg_sq
-        assert set(result["spectral"]) == {"full", "rank32", "rank8"}
-        for spec in result["spectral"].values():
+        assert set(result["spectral"]) == {
+            "full",
+            "rank32",
+            "rank8",
+            "rank32 trainer path",
+            "rank8 trainer path",
+            "rank32 factors, trainer path",
+            "rank8 factors, trainer path",
+        }
+        # the factors path holds U, d, V but no M_anc: less state than the path that folds the gradient itself
+        spectral = result["spectral"]
+        assert spectral["rank8 factors, trainer path"]["state_over_params"] < spectral["rank8"]["state_over_params"]
+        for spec in spectral.values():
             assert {
                 "no_basis_step",
                 "cached_step",

@@ -185,20 +185,27 @@ def _soft_filter(s: Tensor, tau: float, relative_tau: bool) -> Tensor:
     return s / (s + tau_eff)
 
 
-def _filter_gradient(grad: Tensor, u: Tensor, d: Tensor, v: Tensor, alpha: float) -> Tensor:
-    """G_proj = α·G + (1-α)·U diag(d) (Uᵀ G V) diag(d) Vᵀ, in ``u``'s dtype."""
+def _filter_gradient(grad: Tensor, u: Tensor, d: Tensor, v: Tensor, alpha: float, in_place: bool = False) -> Tensor:
+    """G_proj = α·G + (1-α)·U diag(d) (Uᵀ G V) diag(d) Vᵀ, in ``u``'s dtype; ``in_place`` writes it into
+    ``grad`` (same dtype only) and saves the [m, n] allocation, which costs more than the GEMM on a CPU."""
     g = grad.to(u.dtype)
     x = u.mT @ g @ v
     x_f = d[:, None] * x * d[None, :]
     # α·G + (1-α)·U X_f Vᵀ as one GEMM accumulating into α·G: no [m, n] temporaries besides the result
+    if in_place and g is grad:
+        return grad.addmm_(u, x_f @ v.mT, beta=alpha, alpha=1 - alpha)
     return torch.addmm(g, u, x_f @ v.mT, beta=alpha, alpha=1 - alpha)
 
 
-def _adamw_update(param: Tensor, grad: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
+def _adamw_update(
+    param: Tensor, grad: Tensor, state: dict[str, Any], group: dict[str, Any], scratch: bool = False
+) -> None:
     """One AdamW step, op for op torch 2.13's ``_single_tensor_adam`` (decoupled, no amsgrad).
 
     Same ops in the same order (lerp_, mul_/addcmul_, Python-float bias corrections, ``** 0.5``)
-    so that α = 1 reproduces ``torch.optim.AdamW(foreach=False)`` bit for bit.
+    so that α = 1 reproduces ``torch.optim.AdamW(foreach=False)`` bit for bit. ``scratch``: ``grad`` is
+    free once the moments hold it, so the denominator is computed in its storage (the same ops, the
+    same bits, two [m, n] allocations fewer).
     """
     if "step" not in state:
         state["step"] = torch.tensor(0.0, dtype=torch.float32)
@@ -216,7 +223,10 @@ def _adamw_update(param: Tensor, grad: Tensor, state: dict[str, Any], group: dic
     bias_correction1 = 1 - beta1**step
     bias_correction2 = 1 - beta2**step
     step_size = lr / bias_correction1
-    denom = (exp_avg_sq.sqrt() / bias_correction2**0.5).add_(eps)
+    if scratch and grad.dtype == exp_avg_sq.dtype and grad.shape == exp_avg_sq.shape:
+        denom = torch.sqrt(exp_avg_sq, out=grad).div_(bias_correction2**0.5).add_(eps)
+    else:
+        denom = (exp_avg_sq.sqrt() / bias_correction2**0.5).add_(eps)
     param.addcdiv_(exp_avg, denom, value=-step_size)
 
 
@@ -299,7 +309,13 @@ class SpectralAdamW(torch.optim.Optimizer):
     ``spectral`` (False opts a group out). A parameter is filtered iff its group is spectral and it is
     2-D; others (norms, biases) and matrices without anchor momentum yet get the plain gradient.
     After each step ``last_diagnostics`` holds the cosines of G and G_proj with M_anc, which tell
-    how much of the dense direction the filtered masked gradient carries.
+    how much of the dense direction the filtered masked gradient carries; they cost five reductions over
+    every matrix, so ``diagnostics`` (an attribute, also a constructor argument) can be switched off for
+    steps that are not logged (``MeshTrainer`` and the mesh's workers do). ``overwrite_grads=True``:
+    ``step()`` uses each ``.grad`` as scratch (G_proj, then AdamW's denominator), which saves up to three
+    [m, n] allocations per matrix and leaves ``.grad`` holding no gradient after the step; for loops that
+    zero the gradients right after ``step()`` (``MeshTrainer`` and the mesh's workers turn it on). Off by
+    default, as torch's optimizers leave ``.grad`` alone. Either way the parameters are the same bit for bit.
 
     Guards (nothing bad is ever applied, and each case is counted in ``last_diagnostics`` and logged):
 
@@ -340,6 +356,8 @@ class SpectralAdamW(torch.optim.Optimizer):
         svd_oversample: int = 8,
         seed: int = 0,
         max_staleness: int | None = None,
+        diagnostics: bool = True,
+        overwrite_grads: bool = False,
     ) -> None:
         defaults: dict[str, Any] = dict(
             lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, alpha=alpha, tau=tau,
@@ -354,6 +372,9 @@ class SpectralAdamW(torch.optim.Optimizer):
         require(ok_staleness, "max_staleness", max_staleness, "be None or an int >= 1")
         self.svd_niter, self.svd_oversample, self.seed = svd_niter, svd_oversample, seed
         self.max_staleness = max_staleness
+        require(isinstance(diagnostics, bool), "diagnostics", diagnostics, "be a bool")
+        require(isinstance(overwrite_grads, bool), "overwrite_grads", overwrite_grads, "be a bool")
+        self.diagnostics, self.overwrite_grads = diagnostics, overwrite_grads
         self.last_diagnostics: dict[str, float] = {}
         self.last_drift: float | None = None  # mean subspace drift of the newest anchor delivery
         # cumulative counts of the guards' interventions (reported while non-zero)
@@ -521,29 +542,32 @@ class SpectralAdamW(torch.optim.Optimizer):
         for param, group in self._params_with_groups():
             if param.grad is None:
                 continue
-            grad = self._projected_grad(param, group, diagnostics)
-            _adamw_update(param, grad, self.state[param], group)
-        self.last_diagnostics = {**diagnostics.as_dict(), **{k: float(v) for k, v in self.guard_counts.items() if v}}
+            grad, owned = self._projected_grad(param, group, diagnostics)
+            _adamw_update(param, grad, self.state[param], group, scratch=owned or self.overwrite_grads)
+        guards = {k: float(v) for k, v in self.guard_counts.items() if v}
+        self.last_diagnostics = {**diagnostics.as_dict(), **guards} if self.diagnostics else guards
         if diagnostics.stale:
             self.last_diagnostics["spectral/stale_matrices"] = float(diagnostics.stale)
         return loss
 
-    def _projected_grad(self, param: Tensor, group: dict[str, Any], diagnostics: _Diagnostics) -> Tensor:
+    def _projected_grad(self, param: Tensor, group: dict[str, Any], diagnostics: _Diagnostics) -> tuple[Tensor, bool]:
+        """(G_proj in the gradient's dtype, whether it is a tensor of this step's own rather than ``param.grad``)."""
         grad = param.grad
         state = self.state[param]
         if not self._is_spectral(param, group) or "anchor_U" not in state:
-            return grad
+            return grad, False
         u, d, v = state["anchor_U"], state["anchor_d"], state["anchor_V"]
         alpha = self._fading_alpha(state, group["alpha"], diagnostics)
         if alpha == 1:
             proj = grad.to(u.dtype)  # G_proj = G exactly; skipping the filter keeps AdamW bit-exact
-        else:
-            proj = _filter_gradient(grad, u, d, v, alpha)
-        if "anchor_s" in state:  # factors: <·, M_r> from the rank-r momentum U diag(s) Vᵀ, no [m, n] product
+        else:  # in place only without diagnostics: they need G beside G_proj
+            proj = _filter_gradient(grad, u, d, v, alpha, in_place=self.overwrite_grads and not self.diagnostics)
+        if self.diagnostics and "anchor_s" in state:  # factors: <·, M_r> from U diag(s) Vᵀ, no [m, n] product
             diagnostics.add_factors(grad, proj, u, state["anchor_s"], v, d)
-        else:
+        elif self.diagnostics:
             diagnostics.add(grad, proj, state["anchor_momentum"], d)
-        return proj.to(grad.dtype)
+        out = proj.to(grad.dtype)
+        return out, out is not grad
 
     def _fading_alpha(self, state: dict[str, Any], alpha: float, diagnostics: _Diagnostics) -> float:
         """α, or past ``max_staleness`` steps without a fresh basis, α + (1-α)·(age - max)/max up to 1."""

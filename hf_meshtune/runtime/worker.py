@@ -87,7 +87,10 @@ class FastWorker(StageWorker):
         groups = [g for g in groups if g["params"]]
         if not cfg.anchor:
             return torch.optim.AdamW(groups, lr=s.lr, betas=s.betas, eps=s.eps)
-        return SpectralAdamW(groups, lr=s.lr, betas=s.betas, eps=s.eps, **spectral_options(cfg))
+        # the mesh's logs carry no spectral/* cosines, so their per-step reductions are skipped; each step's
+        # gradients are zeroed before the next backward, so step() may use them as scratch
+        options = dict(diagnostics=False, overwrite_grads=True, **spectral_options(cfg))
+        return SpectralAdamW(groups, lr=s.lr, betas=s.betas, eps=s.eps, **options)
 
     def _setup_diloco(self) -> None:
         s, cfg = self.settings, self.settings.config
