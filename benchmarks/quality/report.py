@@ -169,10 +169,10 @@ def _mean_final_eval_loss(runs: list[dict]) -> float:
     return statistics.mean(_logs(r, "eval_loss")[-1] for r in runs)
 
 
-def composed(runs: list[dict]) -> list[str]:
-    """The composed codec's sweep: each task's metric and dense eval loss, mean ± half-range over seeds, with the
-    relative gap to the same table's Dense (+ = worse)."""
-    grouped = _by(runs, "composed")
+def composed(runs: list[dict], table: str = "composed") -> list[str]:
+    """The composed codec's sweep (or another table of composed-codec rows, e.g. ``payload``): each task's metric
+    and dense eval loss, mean ± half-range over seeds, with the relative gap to the same table's Dense (+ = worse)."""
+    grouped = _by(runs, table)
     if ("Dense", TASK_ORDER[0]) not in grouped:
         return []
     hidden = next(iter(grouped.values()))[0]["ledger"]["hidden_size"]
@@ -181,7 +181,8 @@ def composed(runs: list[dict]) -> list[str]:
     for t in tasks:
         head += [f"{t} {METRIC_NAMES[_metric(grouped[('Dense', t)][0])[0]]}", f"{t} eval loss"]
     lines = [
-        f"Plain AdamW (no anchor), H = {hidden} (dense bf16 {2 * hidden} B/token/boundary). Mean ± half-range over "
+        ("Plain AdamW (no anchor)" if table == "composed" else "SpectralAdamW where +AP, anchor every 20 steps, Δ = 20")
+        + f", H = {hidden} (dense bf16 {2 * hidden} B/token/boundary). Mean ± half-range over "
         "seeds; (relative gap to Dense, + = worse). Evaluated dense.",
         "",
         "| " + " | ".join(head) + " |",
@@ -416,6 +417,7 @@ def write_report(root: Path = RESULTS) -> None:
             ("Variants of the masked method (seed 0)", diagnostics(runs, "variants")),
             ("Table 2: boundary codecs (seed 0)", codecs(runs)),
             ("Composed boundary codec: quality vs bytes", composed(runs)),
+            ("What the anchor sends: its gradient vs its momentum's rank-8 factors", composed(runs, "payload")),
             ("Ablations (arithmetic, seed 0)", ablations(runs)),
             ("Pruning robustness", pruning(runs)),
             ("Anchor prior overhead per step", overhead(runs)),

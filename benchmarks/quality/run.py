@@ -6,6 +6,7 @@ Every run fine-tunes the pretrained tiny Llama (``pretrain.py``) on one task thr
     python -m benchmarks.quality.run --mode quick       # Table 1 (4 rows x 4 tasks x 2 seeds)
     python -m benchmarks.quality.run --mode standard    # + variants, codecs, ablations, composed (reuses quick's)
     python -m benchmarks.quality.run --tables composed  # the composed boundary codec's sweep alone
+    python -m benchmarks.quality.run --tables payload   # the anchor's gradient vs its rank-8 factors, default codec
     python -m benchmarks.quality.run --mode full        # 400 steps, 3 seeds, + the SmolLM2 rows
 
 Each run is one JSON under ``results/<folder>/``; finished runs are skipped, so an interrupted sweep
@@ -110,6 +111,14 @@ COMPOSED = {
     "governed": dict(boundary_codec="governed", anchor=False),
 }
 COMPOSED_ALL_SEEDS = ("Dense", "outliers8+int8")  # the default
+# what the anchor sends, side by side on the default codec with the anchor prior: its dense gradient, or its
+# momentum's rank-8 factors (anchor_payload="factors": the anchor keeps M_anc and sends U_r, s_r, V_r)
+AP = dict(boundary_codec="outliers8+int8", mask_ratio=0.0, anchor=True)
+PAYLOAD = {
+    "Dense": dict(DENSE),
+    "outliers8+int8 +AP gradient": dict(AP),
+    "outliers8+int8 +AP factors r=8": dict(AP, anchor_payload="factors", spectral_rank=8),
+}
 ABLATIONS = {
     "p=0.90": dict(mask_ratio=0.90),
     "p=0.99": dict(mask_ratio=0.99),
@@ -359,6 +368,10 @@ def plan(mode: Mode, tables: tuple[str, ...]) -> list[RunSpec]:
             for row, knobs in COMPOSED.items()
             if seed == mode.seeds[0] or row in COMPOSED_ALL_SEEDS
             for task in TASK_NAMES
+        ]
+    if "payload" in tables:
+        specs += [
+            RunSpec("payload", row, task, mode.seeds[0], knobs) for row, knobs in PAYLOAD.items() for task in TASK_NAMES
         ]
     if "ablations" in tables:
         specs += [

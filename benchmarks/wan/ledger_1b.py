@@ -21,6 +21,7 @@ Targets (from the spec): M95+AP <= 446 B/token with the anchor and DP included, 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import math
@@ -102,6 +103,51 @@ def dominant_circuits(ledgers: Mapping[str, L.Ledger]) -> dict[str, dict[str, fl
         name = max(parts, key=parts.get)
         out[row] = {"circuit": name, "bytes_per_token": parts[name], "share": parts[name] / led.total}
     return out
+
+
+def default_ledgers(config=None) -> dict[str, L.Ledger]:
+    """The quality-first boundaries at 1B shapes, every circuit counted: the default codec without and with
+    the anchor (its rank-8 factors), the governed ladder's levels with the anchor, and the ~20× codec. Each
+    row is the paper row with the same DP and anchor (M95: DiLoCo, no anchor; M95+AP: DiLoCo and the anchor)
+    with its mask swapped for the codec."""
+    from hf_meshtune.config import GOVERNED_LADDER, QUALITY_CODEC
+
+    config = config if config is not None else L.PRESETS[PRESET]
+
+    def row(base: str, codec: str, payload: str = "factors") -> L.Ledger:
+        merged = {**KNOBS, "anchor_payload": payload}
+        settings = L.settings_for_row(base, global_batch=GLOBAL_BATCH, seq_len=SEQ_LEN, **merged)
+        return L.ledger_for_config(config, dataclasses.replace(settings, mask_ratio=0.0, boundary_codec=codec))
+
+    rows = {
+        f"default `{QUALITY_CODEC}`": row("M95", QUALITY_CODEC),
+        f"default `{QUALITY_CODEC}` +AP (gradient)": row("M95+AP", QUALITY_CODEC, "gradient"),
+        f"default `{QUALITY_CODEC}` +AP (factors)": row("M95+AP", QUALITY_CODEC),
+    }
+    for level in GOVERNED_LADDER.split(","):
+        rows[f"governed at `{level}` +AP (factors)"] = row("M95+AP", level)
+    rows["`outliers8+spca32+int4` (the WAN benchmark's ~20× codec at H = 256)"] = row("M95", "outliers8+spca32+int4")
+    rows["`outliers8+spca320+int4` (~20× at H = 2048)"] = row("M95", "outliers8+spca320+int4")
+    return rows
+
+
+def _default_lines(data: Mapping[str, Any]) -> list[str]:
+    lines = [
+        "| row | boundary vs bf16 | pp_fwd | pp_bwd | dp | anchor | total (B/token) | anchor share | ≤ 446? | ≤ 300? |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|---|",
+    ]
+    dense_fwd = data["tables"]["gradient"]["Dense"]["pp_fwd_bytes_per_token"]
+    for name, led in data["default_rows"].items():
+        total = led["total_bytes_per_token"]
+        verdict = "met" if total <= TARGET_BYTES else f"missed ({total / TARGET_BYTES:.1f}×)"
+        stretch = "met" if total <= 300 else f"missed ({total / 300:.1f}×)"
+        lines.append(
+            f"| {name} | {dense_fwd / led['pp_fwd_bytes_per_token']:.1f}× | "
+            f"{led['pp_fwd_bytes_per_token']:,.1f} | {led['pp_bwd_bytes_per_token']:,.1f} | "
+            f"{led['dp_bytes_per_token']:,.1f} | {led['anchor_bytes_per_token']:,.1f} | {total:,.1f} | "
+            f"{led['anchor_bytes_per_token'] / total:.1%} | {verdict} | {stretch} |"
+        )
+    return lines
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -340,6 +386,7 @@ def build(config=None) -> dict[str, Any]:
         "bandwidth_check": bandwidth_check(fit, hidden),
         "candidates": candidate_explanations(tables["gradient"], fit, config),
         "sensitivity": sensitivity(config),
+        "default_rows": {name: led.to_dict() for name, led in default_ledgers(config).items()},
     }
 
 
@@ -537,6 +584,15 @@ def markdown(data: Mapping[str, Any], wall_s: float) -> str:
     for p in PAYLOADS:
         out += [f"## Anchor payload `{p}`", "", data["markdown_tables"][p], ""]
     out += [
+        "## The quality-first boundaries at 1B shapes",
+        "",
+        "The default codec (`preset=\"quality\"`), the governed ladder's levels and the ~20× codec, each in the "
+        "paper row with the same DP and anchor (DiLoCo S = 20 + PowerSGD r = 4; the anchor every 20 steps), the mask "
+        "swapped for the codec; the anchor sends rank-8 factors unless marked. bf16 activations: a codec's payload "
+        "is counted as its wire bytes (`compose.spec`), so its compression is against bf16.",
+        "",
+        *_default_lines(data),
+        "",
         "## Targets",
         "",
         *_target_lines(data),
