@@ -185,7 +185,6 @@ class FastWorker(StageWorker):
             [richest] * (topology.stages - 1),
             self._switch_levels,
             lockstep=(cfg.anchor_every, cfg.anchor_delay) if cfg.anchor_lockstep else None,
-            factor_rank=cfg.spectral_rank if cfg.anchor_payload == "factors" else None,
         )
 
     def _switch_levels(self, levels: list[int]) -> None:
