@@ -134,23 +134,26 @@ def test_bad_settings_and_a_non_root_user_are_refused_naming_the_rule(star, monk
 def test_a_mesh_row_trains_across_namespaces_and_the_wire_matches_the_kernel_counters(star, tmp_path):
     """Rank k in node k's namespace: gloo on eth0, torchft's stores and lighthouse on MESHTUNE_HOST."""
     from benchmarks.wan.mesh import run_row
-    from benchmarks.wan.rows import Shape, prepare_data
+    from benchmarks.wan.rows import ROWS, Shape, prepare_data, scratch_model
     from benchmarks.wan.run import read_run
+    from hf_meshtune.boundary.compose.spec import parse_codec
 
     star.up(6, rate_mbit=200.0, delay_ms=0.0)
-    prepare_data(Shape(), str(tmp_path / "data.pt"))
+    data = prepare_data(Shape(), str(tmp_path / "data.pt"), load=scratch_model)
     start = time.perf_counter()
-    run_row("m95", str(tmp_path / "m95"), str(tmp_path / "data.pt"), 4, save_every=2, timeout_s=240)
-    result = read_run(str(tmp_path / "m95"), "m95")
+    run_row("default", str(tmp_path / "default"), str(tmp_path / "data.pt"), 4, save_every=2, timeout_s=240)
+    result = read_run(str(tmp_path / "default"), "default")
     assert result["steps"] == 4 and time.perf_counter() - start < 240
     b = result["bytes_per_token"]
-    shape = Shape()
-    k = round(0.05 * shape.hidden)
-    assert b["pp_fwd"] == pytest.approx(k * 4, rel=1e-9)  # K fp32 values per token cross the one boundary
+    codec = parse_codec(ROWS["default"].boundary_codec)
+    # the composed codec's message (fp32 outliers, a bf16 scale, int8 codes) per token across the one boundary,
+    # its one-off calibration pass (a dense forward and the fitted geometry) counted apart
+    assert b["pp_fwd"] == pytest.approx(codec.payload_bytes(data["config"]["hidden_size"], 4), rel=1e-9)
+    assert result["calibration_bytes"] > 0
     assert b["anchor"] == 0
     # headers, handshakes and torchft's control traffic come on top of the tensors, never less
     assert b["total"] <= result["kernel_bytes_per_token"] <= 3 * b["total"] + 200
-    assert sorted(os.listdir(tmp_path / "m95" / "params")) == [
+    assert sorted(os.listdir(tmp_path / "default" / "params")) == [
         f"step0000{s}_stage{t}.pt" for s in (2, 4) for t in (0, 1)
     ]
 
@@ -170,16 +173,16 @@ def test_a_cut_link_fails_the_mesh_within_the_timeout_naming_the_unreachable_pee
     import threading
 
     from benchmarks.wan.mesh import run_row
-    from benchmarks.wan.rows import Shape, prepare_data
+    from benchmarks.wan.rows import Shape, prepare_data, scratch_model
 
     star.up(6, rate_mbit=200.0, delay_ms=0.0)
-    prepare_data(Shape(), str(tmp_path / "data.pt"))
-    out = tmp_path / "m95"
+    prepare_data(Shape(), str(tmp_path / "data.pt"), load=scratch_model)
+    out = tmp_path / "dp"
     outcome: dict = {}
 
     def run() -> None:
         try:
-            run_row("m95", str(out), str(tmp_path / "data.pt"), 500, save_every=2, timeout_s=240, link_timeout_s=8.0)
+            run_row("dp", str(out), str(tmp_path / "data.pt"), 500, save_every=2, timeout_s=240, link_timeout_s=8.0)
         except RuntimeError as err:
             outcome["error"] = str(err)
         outcome["end"] = time.monotonic()
@@ -205,14 +208,14 @@ def test_a_cut_link_fails_the_mesh_within_the_timeout_naming_the_unreachable_pee
 
 def test_a_straggler_link_at_a_tenth_of_the_rate_slows_the_mesh_but_it_completes(star, tmp_path):
     from benchmarks.wan.mesh import run_row
-    from benchmarks.wan.rows import Shape, prepare_data
+    from benchmarks.wan.rows import Shape, prepare_data, scratch_model
     from benchmarks.wan.run import read_run
 
     star.up(6, rate_mbit=40.0, delay_ms=0.0)
     star.set_rate(5, 4.0)  # replica 2's last stage behind a link 10x slower than the others
-    prepare_data(Shape(), str(tmp_path / "data.pt"))
-    run_row("m95", str(tmp_path / "m95"), str(tmp_path / "data.pt"), 6, timeout_s=240, link_timeout_s=60.0)
-    result = read_run(str(tmp_path / "m95"), "m95")
+    prepare_data(Shape(), str(tmp_path / "data.pt"), load=scratch_model)
+    run_row("codec20", str(tmp_path / "codec20"), str(tmp_path / "data.pt"), 6, timeout_s=240, link_timeout_s=60.0)
+    result = read_run(str(tmp_path / "codec20"), "codec20")
     assert result["steps"] == 6 and len(result["losses"]) == 6
     shaped = subprocess.run(
         [*star.exec_prefix(5), "tc", "qdisc", "show", "dev", "eth0"], capture_output=True, text=True, check=True
@@ -225,11 +228,11 @@ def test_the_dense_row_all_reduces_every_gradient_every_step_across_namespaces(s
     import torch
 
     from benchmarks.wan.mesh import run_row
-    from benchmarks.wan.rows import Shape, prepare_data
+    from benchmarks.wan.rows import Shape, prepare_data, scratch_model
     from benchmarks.wan.run import read_run
 
     star.up(6, rate_mbit=200.0, delay_ms=0.0)
-    data = prepare_data(Shape(), str(tmp_path / "data.pt"))
+    data = prepare_data(Shape(), str(tmp_path / "data.pt"), load=scratch_model)
     run_row("dense", str(tmp_path / "dense"), str(tmp_path / "data.pt"), 3, timeout_s=240)
     result = read_run(str(tmp_path / "dense"), "dense")
     params = sum(t.numel() for name, t in data["init"].items() if "rotary" not in name)

@@ -1,15 +1,25 @@
-"""What the WAN benchmark compares: the rows, the shared model/mesh shape and the data.
+"""What the WAN benchmark compares: the rows, the shared mesh shape and the data.
 
-Every row trains the same model from the same initial weights on the same token blocks, with the same
-fast replicas (3), pipeline stages (2), batch, schedule and steps; rows differ only in what crosses
-the links. The +AP rows add the anchor replica (2 more nodes), as the paper's mesh does.
+Every row fine-tunes the same pretrained model (the quality benchmark's tiny Llama: 8 layers, H = 256,
+a 4,096-token BPE; ``benchmarks/quality/pretrain.py``) from the same weights on the same arithmetic
+word problems (``benchmarks/quality/tasks/word_problems.py``) in the same order, with the same fast
+replicas (3), pipeline stages (2), batch, lr schedule and steps; rows differ only in what crosses the
+links. The rows with an anchor add the anchor replica (2 more nodes), as the paper's mesh does.
+
+Data: the task's train pairs as the quality benchmark tokenizes them (``sft_row``: prompt + answer +
+EOS, loss on the answer tokens only), right-padded to the mesh's fixed ``seq_len`` (pad = EOS, label
+-100); held-out loss on the first ``n_eval_loss`` eval items, exact match on ``n_eval`` eval items.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 
 import torch
+
+from hf_meshtune._validation import require
 
 
 @dataclass(frozen=True)
@@ -19,7 +29,10 @@ class Row:
     anchor: bool
     dp_mode: str  # streaming_diloco | allreduce | powersgd_hook
     powersgd_rank: int | None
-    peer: bool = False  # a method a user would otherwise pick, not one of the paper's rows
+    peer: bool = False  # a method a user would otherwise pick, not one of this library's rows
+    boundary_codec: str | None = None  # MeshConfig.boundary_codec (None: masks per mask_ratio, or dense)
+    anchor_payload: str = "gradient"  # MeshConfig.anchor_payload: "gradient" | "factors"
+    spectral_rank: int | None = None  # MeshConfig.spectral_rank (the factors' rank r with "factors")
 
     @property
     def replicas(self) -> int:
@@ -29,70 +42,167 @@ class Row:
 ROWS: dict[str, Row] = {
     "dense": Row("Dense", 0.0, False, "allreduce", None),
     "dp": Row("+DP", 0.0, False, "streaming_diloco", 4),
-    "m95": Row("M95", 0.95, False, "streaming_diloco", 4),
-    "m90_ap": Row("M90+AP", 0.90, True, "streaming_diloco", 4),
-    "m95_ap": Row("M95+AP", 0.95, True, "streaming_diloco", 4),
+    "m95_ap": Row("M95+AP (paper)", 0.95, True, "streaming_diloco", 4),
+    "default": Row("Default: outliers8+int8", 0.0, False, "streaming_diloco", 4, boundary_codec="outliers8+int8"),
+    "default_ap": Row(
+        "Default+AP (factors r=8)",
+        0.0,
+        True,
+        "streaming_diloco",
+        4,
+        boundary_codec="outliers8+int8",
+        anchor_payload="factors",
+        spectral_rank=8,  # the ledger's default anchor rank (hf_meshtune.ledger.LedgerSettings.anchor_rank)
+    ),
+    "governed": Row("Governed (+anchor)", 0.0, True, "streaming_diloco", 4, boundary_codec="governed"),
+    "codec20": Row("outliers8+spca32+int4", 0.0, False, "streaming_diloco", 4, boundary_codec="outliers8+spca32+int4"),
     "torchft_diloco": Row("torchft DiLoCo", 0.0, False, "streaming_diloco", None, peer=True),
     "powersgd_hook": Row("PowerSGD hook (DDP)", 0.0, False, "powersgd_hook", 4, peer=True),
+    "int8_dense_dp": Row("int8 activations + DDP", 0.0, False, "allreduce", None, peer=True, boundary_codec="int8"),
 }
+
+
+QUALITY_EVAL_ITEMS = 200  # benchmarks/quality/run.py's Mode.n_eval: the eval split's size
 
 
 @dataclass(frozen=True)
 class Shape:
-    """The model and mesh every row shares (a tiny Llama trained from scratch on GSM8K text)."""
+    """The mesh, batch and schedule every row shares (the model comes from the data file)."""
 
-    hidden: int = 128
-    layers: int = 4
-    heads: int = 4
-    vocab: int = 2048
     stages: int = 2
-    seq_len: int = 64
+    seq_len: int = 104  # the longest train/eval item is 99 tokens with this tokenizer
     microbatch_size: int = 4
-    microbatches: int = 4
-    lr: float = 3e-3
+    microbatches: int = 2
+    lr: float = 5e-4  # the quality benchmark's arithmetic runs
     sync_every: int = 20
     fragments: int = 2
     anchor_every: int = 20
+    n_train: int = 1000  # 120 steps x 3 replicas x 8 rows = 2.9 epochs, as the quality benchmark's 3
+    n_eval: int = 100  # exact-match items: the first half of the quality benchmark's eval split (200)
+    n_eval_loss: int = 64  # held-out loss items (the quality benchmark's)
 
     @property
     def tokens_per_replica_step(self) -> int:
+        """Positions per replica step (padding included: the pipeline carries them)."""
         return self.seq_len * self.microbatch_size * self.microbatches
 
 
-def build_model(shape: Shape, vocab_size: int):
+def build_task(shape: Shape):
+    """The quality benchmark's arithmetic task (seed 0): its eval split (200 items), ``n_train`` train pairs
+    after it (the quality benchmark's 400 first)."""
+    from benchmarks.quality import tasks
+
+    return tasks.arithmetic(0, shape.n_train, QUALITY_EVAL_ITEMS)
+
+
+def load_pretrained():
+    """(model, tokenizer) of the quality benchmark's pretrained tiny Llama (cached; pretrains on first use)."""
+    from benchmarks.quality.pretrain import load_tiny_llama
+
+    return load_tiny_llama()
+
+
+def scratch_model(hidden: int = 128, layers: int = 4, vocab: int = 2048):
+    """A small randomly initialised Llama and a BPE trained on the task's own text: for the tests of the
+    emulated network, which check links and bytes, not quality (and must not pretrain a model first)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from benchmarks.quality.pretrain import _train_tokenizer
+
+    task = build_task(Shape())
+    text = "".join(f"{e.prompt}{e.answer}\n" for e in task.eval + task.train)
+    tokenizer = _train_tokenizer(text, vocab)
     config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=shape.hidden,
-        intermediate_size=4 * shape.hidden,
-        num_hidden_layers=shape.layers,
-        num_attention_heads=shape.heads,
-        num_key_value_heads=shape.heads,
-        max_position_embeddings=shape.seq_len,
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=256,
         tie_word_embeddings=False,
-        bos_token_id=0,
-        eos_token_id=0,
-        pad_token_id=0,
+        bos_token_id=tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.eos_token_id,
     )
-    return LlamaForCausalLM(config)
-
-
-def prepare_data(shape: Shape, path: str, eval_blocks: int = 64) -> dict:
-    """Tokenize the embedded GSM8K (a BPE trained on it), cut blocks, fix the initial weights; save."""
-    from benchmarks.quality.pretrain import _token_blocks, _train_tokenizer
-    from hf_meshtune.apps.assets import gsm8k_items
-
-    text = "".join(f"Question: {it['question']}\nAnswer: {it['answer']}<|endoftext|>" for it in gsm8k_items())
-    tokenizer = _train_tokenizer(text, shape.vocab)
-    blocks = _token_blocks(tokenizer, text, shape.seq_len)
     torch.manual_seed(0)
-    model = build_model(shape, len(tokenizer))
+    return LlamaForCausalLM(config), tokenizer
+
+
+def _padded(tokenizer, examples, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sft_row`` of every (prompt, answer), right-padded to ``seq_len``: pad = EOS, label -100."""
+    from benchmarks.quality.evaluate import sft_row
+
+    rows = [sft_row(tokenizer, e.prompt, e.answer, 10_000) for e in examples]
+    longest = max(len(r["input_ids"]) for r in rows)
+    require(longest <= seq_len, "seq_len", seq_len, f"hold every item (the longest has {longest} tokens)")
+    pad = tokenizer.eos_token_id
+    ids = torch.tensor([r["input_ids"] + [pad] * (seq_len - len(r["input_ids"])) for r in rows])
+    labels = torch.tensor([r["labels"] + [-100] * (seq_len - len(r["labels"])) for r in rows])
+    return ids, labels
+
+
+def prepare_data(shape: Shape, path: str, load: Callable = load_pretrained) -> dict:
+    """Tokenize the task with the model's tokenizer, fix the initial weights (untied: the first and the last
+    stage each train their own copy of the embeddings, as on the mesh), save the tokenizer next to ``path``."""
+    from hf_meshtune.pipeline.stage import untie_embeddings
+
+    model, tokenizer = load()
+    untie_embeddings(model)
+    task = build_task(shape)
+    train_ids, train_labels = _padded(tokenizer, task.train, shape.seq_len)
+    eval_ids, eval_labels = _padded(tokenizer, task.eval[: shape.n_eval_loss], shape.seq_len)
+    tokenizer_dir = os.path.splitext(path)[0] + "_tokenizer"
+    tokenizer.save_pretrained(tokenizer_dir)
     data = {
-        "train": blocks[:-eval_blocks],
-        "eval": blocks[-eval_blocks:],
-        "vocab_size": len(tokenizer),
-        "init": model.state_dict(),
+        "config": model.config.to_dict(),
+        "init": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "train_ids": train_ids,
+        "train_labels": train_labels,
+        "eval_ids": eval_ids,
+        "eval_labels": eval_labels,
+        "tokenizer": tokenizer_dir,
+        "vocab_size": model.config.vocab_size,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "shape": asdict(shape),
     }
     torch.save(data, path)
     return data
+
+
+def build_model(data: dict):
+    """The model of the data file, at its initial weights, fp32."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    settings = dict(data["config"])
+    config = AutoConfig.for_model(settings.pop("model_type"), **settings)
+    model = AutoModelForCausalLM.from_config(config).float()
+    missing, unexpected = model.load_state_dict(data["init"], strict=False)
+    require(
+        not unexpected and not set(missing) - {"model.rotary_emb.inv_freq"},
+        "data init",
+        f"missing {missing[:3]}, unexpected {unexpected[:3]}",
+        "hold every weight of the model its config builds",
+    )
+    return model
+
+
+def batches(
+    ids: torch.Tensor, labels: torch.Tensor, rows: int, replica: int, replicas: int, seed: int
+) -> Callable[[int], tuple[torch.Tensor, torch.Tensor]]:
+    """Replica ``replica``'s ``rows`` rows at step t: its share of the step's global batch, read in order from a
+    fresh permutation of the train rows per epoch (a pure function of ``seed`` and the epoch), so every row of
+    the benchmark sees the same examples in the same order."""
+    n, orders = len(ids), {}
+
+    def order(epoch: int) -> torch.Tensor:
+        if epoch not in orders:
+            orders[epoch] = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+        return orders[epoch]
+
+    def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        start = (step * replicas + replica) * rows
+        picked = torch.stack([order(p // n)[p % n] for p in range(start, start + rows)])
+        return ids[picked], labels[picked]
+
+    return batch

@@ -1,13 +1,15 @@
 """One rank of a WAN-benchmark mesh (started by ``run.py`` inside its node's network namespace).
 
     RANK=.. WORLD_SIZE=.. MASTER_ADDR=.. MASTER_PORT=.. GLOO_SOCKET_IFNAME=eth0 MESHTUNE_HOST=<node ip> \\
-        python -m benchmarks.wan.worker --row m95_ap --data DIR/data.pt --out DIR/m95_ap --steps 60
+        python -m benchmarks.wan.worker --row m95_ap --data DIR/data.pt --out DIR/m95_ap --steps 120
 
 Runs this rank's part of the X × Y mesh (``hf_meshtune.runtime.bootstrap.run_worker``, the code
-``MeshTrainer`` runs on a launched mesh) on the row's configuration, and writes ``rank{R}.json``: step
-times, losses, the Wire's bytes per circuit, DP syncs, anchor arrivals and the node's kernel byte
-counter. Fast replica 0 also saves its stage's parameters every ``--save-every`` steps, so ``run.py``
-can evaluate the dense model along the run after the timed part is over.
+``MeshTrainer`` runs on a launched mesh) on the row's configuration, fine-tuning the data file's
+model (``rows.prepare_data``) on its train rows, and writes ``rank{R}.json``: step times, losses, the
+Wire's bytes per circuit (the codecs' one-off calibration pass counted apart), DP syncs, anchor
+arrivals and the node's kernel byte counter. Fast replica 0 also saves its stage's parameters every
+``--save-every`` steps and at the last, so ``run.py`` can evaluate the dense model along the run after
+the timed part is over.
 """
 
 from __future__ import annotations
@@ -28,21 +30,12 @@ from hf_meshtune.runtime.job import _lighthouse
 from hf_meshtune.runtime.settings import RunSettings, StageCallback
 from hf_meshtune.topology import MeshTopology
 
-from .rows import ROWS, Shape, build_model
+from .rows import ROWS, Shape, batches, build_model
 
 
 def _tx_bytes() -> int:
     with open("/sys/class/net/eth0/statistics/tx_bytes") as fh:
         return int(fh.read())
-
-
-def _batches(blocks: torch.Tensor, rows: int, seed: int):
-    def batches(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
-        picked = blocks[torch.randint(0, len(blocks), (rows,), generator=gen)]
-        return picked, picked.clone()
-
-    return batches
 
 
 def main() -> None:
@@ -64,13 +57,15 @@ def main() -> None:
 
     data = torch.load(args.data)
     torch.manual_seed(0)
-    model = build_model(shape, data["vocab_size"])
-    model.load_state_dict(data["init"])
+    model = build_model(data)
     cfg = MeshConfig(
         num_stages=shape.stages,
         num_replicas=row.replicas,
         mask_ratio=row.mask_ratio,
+        boundary_codec=row.boundary_codec,
         anchor=row.anchor,
+        anchor_payload=row.anchor_payload,
+        spectral_rank=row.spectral_rank,
         anchor_every=shape.anchor_every,
         dp_sync_every=shape.sync_every,
         dp_fragments=shape.fragments,
@@ -115,10 +110,15 @@ def main() -> None:
         link_timeout_s=args.link_timeout,
     )
     rows = shape.microbatch_size * shape.microbatches
-    fast_index = min(replica, len(topology.fast_replicas) - 1)
+    fast = len(topology.fast_replicas)
+    train = data["train_ids"], data["train_labels"]
     tx0, start = _tx_bytes(), time.perf_counter()
     result = run_worker(
-        model, groups, settings, _batches(data["train"], rows, 1 + fast_index), _batches(data["train"], rows, 999)
+        model,
+        groups,
+        settings,
+        batches(*train, rows, min(replica, fast - 1), fast, seed=0),
+        batches(*train, rows, 0, 1, seed=999),  # the anchor's rounds: an order of their own
     )
     wall, tx = time.perf_counter() - start, _tx_bytes() - tx0
     record = asdict(result) | {"wall_seconds": wall, "tx_bytes": tx, "tokens_per_step": rows * shape.seq_len}
