@@ -22,7 +22,6 @@ from tests.tiny import make_tiny_causal_lm, pattern_dataset, tiny_llama
     [
         ("mask_fill", "gaussian", "be 'zeros' or 'mean' on the distributed mesh"),
         ("mask_protect_dims", 2, "be 0 on the distributed mesh"),
-        ("anchor_payload", "factors", "be 'gradient' on the distributed mesh"),
     ],
 )
 def test_run_settings_refuse_what_the_mesh_cannot_do(knob, value, rule):
