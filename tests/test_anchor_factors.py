@@ -183,3 +183,22 @@ def test_mesh_factors_at_full_rank_repeat_the_gradient_run_and_rank_capped_ones_
         assert c.anchor_rounds == g.anchor_rounds == list(range(0, STEPS + 1, 2))
         saved = 4 * sum(m * n - 2 * (m + n + 1) for m, n in shapes)
         assert g.wire["sent"]["anchor"] - c.wire["sent"]["anchor"] == rounds * 2 * saved  # 2 fast replicas
+
+
+def test_anchor_momentum_refuses_a_bad_rank_and_a_delivery_of_another_size():
+    with pytest.raises(ValueError, match="spectral_rank=0 is invalid: it must be an int >= 1 with anchor_payload"):
+        AnchorMomentum(BETA, rank=0)
+    anchor = AnchorMomentum(BETA, rank=2)
+    anchor.fold(_grads(0, [(4, 3), (3, 3)], 1)[0])
+    with pytest.raises(ValueError, match="anchor gradients=1 is invalid: it must number 2 matrices"):
+        anchor.fold(_grads(1, [(4, 3)], 1)[0])
+
+
+def test_an_anchor_state_of_the_other_payload_is_refused(tmp_path):
+    knobs = dict(max_steps=2, anchor_every=2, anchor_delay=3)
+    gradient = make_trainer(tmp_path / "g", **knobs)
+    gradient.train()
+    factors = make_trainer(tmp_path / "f", anchor_payload="factors", spectral_rank=4, **knobs)
+    factors.train()
+    with pytest.raises(ValueError, match="anchor state factors='absent' is invalid: it must match this run's"):
+        factors.mesh_anchor.load_state_dict(gradient.mesh_anchor.state_dict())
