@@ -20,7 +20,7 @@ from hf_meshtune.anchor.follower import OuterFollower
 from hf_meshtune.comm.wire import Wire
 from hf_meshtune.dp.diloco import StreamingDiLoCo
 from hf_meshtune.dp.ft import host_replica_store, make_manager, start_lighthouse
-from hf_meshtune.dp.outer import OuterUpdate
+from hf_meshtune.dp.outer import OuterUpdate, outer_optimizer
 from hf_meshtune.dp.powersgd import PowerSGD, decode, power_iteration
 from hf_meshtune.ledger import dp_payload_numel
 from tests.distributed import launch  # the shared launcher; module fixtures cannot take `launcher`
@@ -280,6 +280,22 @@ def test_outer_update_decodes_factors_and_passes_dense_through():
     assert torch.equal(grad, p @ q.T) and bias is b
     with pytest.raises(ValueError, match=r"shapes=\[\(40, 30\)\] is invalid: it must describe all 3 tensors"):
         update.pseudo_gradients([(40, 30)])
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_outer_optimizer_steps_by_hand_with_and_without_momentum(momentum):
+    """dp_outer_momentum lies in [0, 1): 0 is plain SGD on the pseudo-gradient (torch refuses Nesterov
+    without momentum), above it the Nesterov step θ -= η (Δ + μ b), b = μ b + Δ."""
+    theta = nn.Parameter(torch.randn(5, 3, dtype=torch.float64))
+    start, deltas = theta.detach().clone(), [torch.randn(5, 3, dtype=torch.float64) for _ in range(3)]
+    opt = outer_optimizer([theta], lr=0.7, momentum=momentum)
+    want, buf = start.clone(), None
+    for delta in deltas:
+        theta.grad = delta.clone()
+        opt.step()
+        buf = delta if buf is None else momentum * buf + delta
+        want -= 0.7 * (delta + momentum * buf) if momentum else 0.7 * delta
+        torch.testing.assert_close(theta.detach(), want, rtol=0, atol=1e-12)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -26,7 +26,9 @@ def outer_optimizer(params, lr: float, momentum: float) -> torch.optim.SGD:
     a pseudo-gradient an ``OuterUpdate`` still holds; the per-tensor path also makes replicas and
     followers run the very same kernels.
     """
-    return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=True, foreach=False)
+    # μ_out = 0 is plain SGD on the averaged pseudo-gradient (η_out = 1: parameter averaging); torch refuses
+    # Nesterov without momentum, so it is asked for only with one
+    return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=momentum > 0, foreach=False)
 
 
 @dataclass
