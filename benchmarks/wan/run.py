@@ -89,6 +89,37 @@ COMPUTE_LINKS = {"rate_mbit": 10_000.0, "delay_ms": 0.0}
 # ---------------------------------------------------------------------------------------------------
 # Reading one run
 # ---------------------------------------------------------------------------------------------------
+# Every frame on the emulated links is TCP over IPv4 with timestamps (Linux's default): 14 (Ethernet) + 20 (IP)
+# + 32 (TCP with the 12-byte timestamp option) bytes of headers each, a pure ACK being nothing else. veth hands
+# segmentation-offloaded super-frames to its counters as one packet with one set of headers, so headers =
+# packets × 66 holds for the counters as they count.
+FRAME_HEADER_BYTES = 14 + 20 + 32
+
+
+def kernel_check(record: dict) -> dict:
+    """One process's interface counters against its Wire: what it sent on eth0, the frame headers in it
+    (``FRAME_HEADER_BYTES`` per packet, ACKs included), the payload left, and the Wire's bytes (measured sends,
+    the calibration pass among them, plus booked all-reduces). The rest (payload − wire) is what no Wire sees:
+    gloo's message framing, torchft's quorum and heartbeat calls, the stores."""
+    wire = sum(record["wire"]["sent"].values()) + sum(record["wire"]["booked"].values())
+    headers = FRAME_HEADER_BYTES * record["tx_packets"]
+    payload = record["tx_bytes"] - headers
+    return {
+        "rank": record["rank"],
+        "tx_bytes": record["tx_bytes"],
+        "tx_packets": record["tx_packets"],
+        "headers": headers,
+        "payload": payload,
+        "wire": wire,
+        "payload_over_wire": payload / wire if wire else None,
+    }
+
+
+def _extremes(values: list) -> list | None:
+    known = [v for v in values if v is not None]
+    return [min(known), max(known)] if known else None
+
+
 def read_run(out: str, row_name: str) -> dict:
     """Aggregate one run's rank records: tokens/s, bytes per fast token per circuit, staleness."""
     row, shape = ROWS[row_name], Shape()
@@ -107,6 +138,7 @@ def read_run(out: str, row_name: str) -> dict:
     circuits["pp_fwd"] -= calibration / fast_tokens
     circuits["total"] = sum(circuits.values())
     kernel = sum(r["tx_bytes"] for r in ranks) / fast_tokens
+    per_process = [kernel_check(r) for r in ranks]
     # the mesh's time per step: the slowest fast rank's (they move in lockstep through the pipeline)
     per_step = [max(r["step_seconds"][i] for r in fast) for i in range(steps)]
     warm = max(3, steps // 10) if steps > 10 else 2
@@ -114,7 +146,7 @@ def read_run(out: str, row_name: str) -> dict:
         warm = 1  # the same all-reduce every step: only the first pays for the links' start-up
     if row.dp_mode == "powersgd_hook":
         warm = max(warm, 3)  # torch's hook all-reduces densely for its first start_powerSGD_iter steps
-    period = shape.sync_every // shape.fragments
+    period = (row.sync_every or shape.sync_every) // shape.fragments
     # a per-step DP peer costs the same every step; DiLoCo's syncs land every `period` steps: whole periods
     window = period if row.dp_mode == "streaming_diloco" and steps - warm >= 2 * period else 1
     timed = per_step[warm:]
@@ -136,6 +168,8 @@ def read_run(out: str, row_name: str) -> dict:
         "warmup_steps": warm,
         "bytes_per_token": circuits,
         "kernel_bytes_per_token": kernel,
+        "kernel_per_process": per_process,
+        "kernel_payload_over_wire": _extremes([p["payload_over_wire"] for p in per_process]),
         "calibration_bytes": calibration,
         "busiest_link_bytes_per_step": busiest,
         "anchor_deliveries": len(staleness),
@@ -541,17 +575,25 @@ def write_report(report: dict, out: Path) -> None:
         "",
         "Every run, by phase (compute-bound: 10 Gbit/s links; shaped: R and D above; unscaled: 200 Mbit/s, 20 ms):",
         "",
-        "| phase | row | steps | step s | tokens/s | B/token | calibration bytes | wall s |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
+        "The last column checks the Wire against the kernel, process by process: each node's eth0 bytes sent, less "
+        f"{FRAME_HEADER_BYTES} bytes of Ethernet/IPv4/TCP headers per packet counted (ACKs are nothing else), over "
+        "the bytes its Wire measured or booked (calibration included); the excess is traffic no Wire sees (gloo's "
+        "framing, torchft's quorum and heartbeats, the stores).",
+        "",
+        "| phase | row | steps | step s | tokens/s | B/token | calibration bytes | wall s | kernel payload / wire, "
+        "per process |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for phase in ("compute", "shaped", "unscaled"):
         for name, r in report["phases"][phase].items():
             if "error" in r:
-                lines.append(f"| {phase} | {r['label']} | failed | | | | | |")
+                lines.append(f"| {phase} | {r['label']} | failed | | | | | | |")
                 continue
+            check = r.get("kernel_payload_over_wire")  # absent from runs recorded before the packet counters
             lines.append(
                 f"| {phase} | {r['label']} | {r['steps']} | {r['step_seconds']:.3f} | {r['tokens_per_s']:,.0f} | "
-                f"{r['bytes_per_token']['total']:,.0f} | {r['calibration_bytes']:,.0f} | {r['wall_seconds']:.0f} |"
+                f"{r['bytes_per_token']['total']:,.0f} | {r['calibration_bytes']:,.0f} | {r['wall_seconds']:.0f} | "
+                f"{f'{check[0]:.3f}–{check[1]:.3f}' if check else '–'} |"
             )
     anchored = [n for n in ANCHOR_ROWS if n in summary["rows"]]
     if anchored:
@@ -639,8 +681,8 @@ def _plots(report: dict, summary: dict, out: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.wan.run")
     parser.add_argument("--work", default=str(cache_dir() / "wan"), help="run folders, token data, saved parameters")
-    parser.add_argument("--steps", type=int, default=120)
-    parser.add_argument("--save-every", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=80)
+    parser.add_argument("--save-every", type=int, default=10)
     parser.add_argument("--eval-items", type=int, default=Shape().n_eval, help="eval items scored by exact match")
     parser.add_argument("--out", default=None, help="wan.json, wan.md, plots (default: results/; smoke: WORK/results)")
     parser.add_argument("--skip", default="", help="comma-separated rows to leave out, e.g. default_ap")

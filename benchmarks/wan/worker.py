@@ -33,9 +33,13 @@ from hf_meshtune.topology import MeshTopology
 from .rows import ROWS, Shape, batches, build_model
 
 
-def _tx_bytes() -> int:
-    with open("/sys/class/net/eth0/statistics/tx_bytes") as fh:
-        return int(fh.read())
+def _counters() -> dict[str, int]:
+    """The node's eth0 counters: bytes and packets sent and received (frames, Ethernet headers included)."""
+    out = {}
+    for name in ("tx_bytes", "tx_packets", "rx_bytes", "rx_packets"):
+        with open(f"/sys/class/net/eth0/statistics/{name}") as fh:
+            out[name] = int(fh.read())
+    return out
 
 
 def main() -> None:
@@ -67,10 +71,11 @@ def main() -> None:
         anchor_payload=row.anchor_payload,
         spectral_rank=row.spectral_rank,
         anchor_every=shape.anchor_every,
-        dp_sync_every=shape.sync_every,
+        dp_sync_every=row.sync_every or shape.sync_every,
         dp_fragments=shape.fragments,
         dp_powersgd_rank=row.powersgd_rank,
         mask_seed=0,
+        **{f"dp_{k}": v for k in ("outer_lr", "outer_momentum") if (v := getattr(row, k)) is not None},
     )
     warmup = max(1, args.steps // 10)
 
@@ -112,7 +117,7 @@ def main() -> None:
     rows = shape.microbatch_size * shape.microbatches
     fast = len(topology.fast_replicas)
     train = data["train_ids"], data["train_labels"]
-    tx0, start = _tx_bytes(), time.perf_counter()
+    before, start = _counters(), time.perf_counter()
     result = run_worker(
         model,
         groups,
@@ -120,8 +125,9 @@ def main() -> None:
         batches(*train, rows, min(replica, fast - 1), fast, seed=0),
         batches(*train, rows, 0, 1, seed=999),  # the anchor's rounds: an order of their own
     )
-    wall, tx = time.perf_counter() - start, _tx_bytes() - tx0
-    record = asdict(result) | {"wall_seconds": wall, "tx_bytes": tx, "tokens_per_step": rows * shape.seq_len}
+    wall, after = time.perf_counter() - start, _counters()
+    record = asdict(result) | {k: after[k] - before[k] for k in after}
+    record |= {"wall_seconds": wall, "tokens_per_step": rows * shape.seq_len}
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as fh:
         json.dump(record, fh)
