@@ -52,6 +52,10 @@ QUALITY_CODEC = "outliers8+int8"
 GOVERNED = "governed"
 GOVERNED_LADDER = "outliers8+int3x8,outliers8+int4x8,outliers8+int8"
 CADENCES = ("fixed", "adaptive")
+# PowerSGD rank of the DP pseudo-gradients, both presets: on the WAN benchmark's fine-tune (benchmarks/wan/
+# dp_sweep.md) rank 4 ended at eval loss 1.45 against Dense's 0.85 and uncompressed DiLoCo's 0.90; rank 32 at
+# 0.96 for 8x rank 4's bytes, which at Llama-3.2-1B shapes is +510 B/token (4 % of the default's).
+DEFAULT_DP_POWERSGD_RANK = 32
 PRESETS = {
     "quality": {"boundary_codec": QUALITY_CODEC, "mask_ratio": 0.0, "anchor": False},
     "paper": {"boundary_codec": None, "mask_ratio": 0.95, "anchor": True},
@@ -215,7 +219,7 @@ class MeshArguments:
     num_replicas: int = field(default=8, metadata={"help": "X: data-parallel replicas, the anchor replica included."})
     dp_sync_every: int = field(default=20, metadata={"help": "Inner steps between Streaming DiLoCo outer syncs."})
     dp_powersgd_rank: int | None = field(
-        default=4,
+        default=DEFAULT_DP_POWERSGD_RANK,
         metadata={"help": "PowerSGD rank of the DP pseudo-gradient; None (or 0, for command lines) = uncompressed."},
     )
     dp_fragments: int = field(

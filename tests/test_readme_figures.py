@@ -226,3 +226,16 @@ def test_the_fidelity_tables_are_their_committed_runs_and_the_readme_quotes_them
             values = [n for s in sources for n in _numbers(s.split("|")[1:-1][column])]
             for value, decimals in _numbers(cell):
                 assert _rounds_to(value, decimals, values), (row, cell, sources)
+
+
+def test_the_dp_sweep_md_is_written_from_its_committed_json(tmp_path):
+    from benchmarks.wan.dp_sweep import write_report
+
+    report = json.loads((ROOT / "benchmarks/wan/results/dp_sweep.json").read_text())
+    write_report(report, tmp_path)
+    assert (ROOT / "benchmarks/wan/results/dp_sweep.md").read_text() == (tmp_path / "dp_sweep.md").read_text()
+    # the default's rank is the sweep's row at S = 20 with DiLoCo's outer step, and it is measured there
+    from hf_meshtune.config import DEFAULT_DP_POWERSGD_RANK, MeshConfig
+
+    assert MeshConfig().dp_powersgd_rank == DEFAULT_DP_POWERSGD_RANK
+    assert report["rows"][f"dp_r{DEFAULT_DP_POWERSGD_RANK}"]["row"]["powersgd_rank"] == DEFAULT_DP_POWERSGD_RANK

@@ -35,6 +35,7 @@ import transformers
 
 from hf_meshtune import ledger as L
 from hf_meshtune.boundary.masking import keep_count
+from hf_meshtune.config import DEFAULT_DP_POWERSGD_RANK
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -115,7 +116,7 @@ def default_ledgers(config=None) -> dict[str, L.Ledger]:
     config = config if config is not None else L.PRESETS[PRESET]
 
     def row(base: str, codec: str, payload: str = "factors") -> L.Ledger:
-        merged = {**KNOBS, "anchor_payload": payload}
+        merged = {**KNOBS, "anchor_payload": payload, "powersgd_rank": DEFAULT_DP_POWERSGD_RANK}
         settings = L.settings_for_row(base, global_batch=GLOBAL_BATCH, seq_len=SEQ_LEN, **merged)
         return L.ledger_for_config(config, dataclasses.replace(settings, mask_ratio=0.0, boundary_codec=codec))
 
@@ -587,8 +588,10 @@ def markdown(data: Mapping[str, Any], wall_s: float) -> str:
         "## The quality-first boundaries at 1B shapes",
         "",
         "The default codec (`preset=\"quality\"`), the governed ladder's levels and the ~20× codec, each in the "
-        "paper row with the same DP and anchor (DiLoCo S = 20 + PowerSGD r = 4; the anchor every 20 steps), the mask "
-        "swapped for the codec; the anchor sends rank-8 factors unless marked. bf16 activations: a codec's payload "
+        "paper row with its anchor and the library's default DP (DiLoCo S = 20 + PowerSGD r = "
+        f"{DEFAULT_DP_POWERSGD_RANK}, `MeshConfig.dp_powersgd_rank`; the paper rows above use r = 4; the anchor every "
+        "20 steps), the mask swapped for the codec; the anchor sends rank-8 factors unless marked. bf16 activations: "
+        "a codec's payload "
         "is counted as its wire bytes (`compose.spec`), so its compression is against bf16.",
         "",
         *_default_lines(data),

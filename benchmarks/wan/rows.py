@@ -20,6 +20,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from hf_meshtune._validation import require
+from hf_meshtune.config import DEFAULT_DP_POWERSGD_RANK
+from hf_meshtune.ledger import PAPER_POWERSGD_RANK
 
 
 @dataclass(frozen=True)
@@ -33,33 +35,79 @@ class Row:
     boundary_codec: str | None = None  # MeshConfig.boundary_codec (None: masks per mask_ratio, or dense)
     anchor_payload: str = "gradient"  # MeshConfig.anchor_payload: "gradient" | "factors"
     spectral_rank: int | None = None  # MeshConfig.spectral_rank (the factors' rank r with "factors")
+    sync_every: int | None = None  # MeshConfig.dp_sync_every (None: Shape.sync_every)
+    outer_lr: float | None = None  # MeshConfig.dp_outer_lr (None: MeshConfig's default)
+    outer_momentum: float | None = None  # MeshConfig.dp_outer_momentum (None: MeshConfig's default)
 
     @property
     def replicas(self) -> int:
         return 4 if self.anchor else 3
 
 
+# The library's DP (MeshConfig.dp_powersgd_rank) for its own rows; the paper row keeps the rank this benchmark
+# always gave it (the paper states 64x for its PowerSGD, not a rank); the PowerSGD hook peer keeps torch's
+# usual small rank.
+R_DP = DEFAULT_DP_POWERSGD_RANK
+R_PAPER = PAPER_POWERSGD_RANK
+
 ROWS: dict[str, Row] = {
     "dense": Row("Dense", 0.0, False, "allreduce", None),
-    "dp": Row("+DP", 0.0, False, "streaming_diloco", 4),
-    "m95_ap": Row("M95+AP (paper)", 0.95, True, "streaming_diloco", 4),
-    "default": Row("Default: outliers8+int8", 0.0, False, "streaming_diloco", 4, boundary_codec="outliers8+int8"),
+    "dp": Row("+DP", 0.0, False, "streaming_diloco", R_DP),
+    "m95_ap": Row("M95+AP (paper)", 0.95, True, "streaming_diloco", R_PAPER),
+    "default": Row("Default: outliers8+int8", 0.0, False, "streaming_diloco", R_DP, boundary_codec="outliers8+int8"),
     "default_ap": Row(
         "Default+AP (factors r=8)",
         0.0,
         True,
         "streaming_diloco",
-        4,
+        R_DP,
         boundary_codec="outliers8+int8",
         anchor_payload="factors",
         spectral_rank=8,  # the ledger's default anchor rank (hf_meshtune.ledger.LedgerSettings.anchor_rank)
     ),
-    "governed": Row("Governed (+anchor)", 0.0, True, "streaming_diloco", 4, boundary_codec="governed"),
-    "codec20": Row("outliers8+spca32+int4", 0.0, False, "streaming_diloco", 4, boundary_codec="outliers8+spca32+int4"),
+    "governed": Row("Governed (+anchor)", 0.0, True, "streaming_diloco", R_DP, boundary_codec="governed"),
+    "codec20": Row(
+        "outliers8+spca32+int4", 0.0, False, "streaming_diloco", R_DP, boundary_codec="outliers8+spca32+int4"
+    ),
     "torchft_diloco": Row("torchft DiLoCo", 0.0, False, "streaming_diloco", None, peer=True),
     "powersgd_hook": Row("PowerSGD hook (DDP)", 0.0, False, "powersgd_hook", 4, peer=True),
     "int8_dense_dp": Row("int8 activations + DDP", 0.0, False, "allreduce", None, peer=True, boundary_codec="int8"),
 }
+
+
+def _dp_variant(rank: int | None, sync_every: int = 20, averaging: bool = False) -> Row:
+    """The default row (outliers8+int8 boundaries, no anchor) with one DP setting changed: PowerSGD rank r (None:
+    uncompressed), sync period S, and the outer step (DiLoCo's Nesterov SGD η = 0.7, μ = 0.9, or ``averaging``:
+    η = 1, μ = 0, the replicas' parameters averaged)."""
+    outer = "η=1, μ=0 (averaging)" if averaging else "η=0.7, μ=0.9"
+    return Row(
+        f"S={sync_every}, r={rank or 'none'}, {outer}",
+        0.0,
+        False,
+        "streaming_diloco",
+        rank,
+        boundary_codec="outliers8+int8",
+        sync_every=sync_every,
+        **({"outer_lr": 1.0, "outer_momentum": 0.0} if averaging else {}),
+    )
+
+
+# benchmarks/wan/dp_sweep.py: which DP sync keeps the fine-tune's quality, at what bytes
+DP_SWEEP: dict[str, Row] = {
+    "dp_r4": _dp_variant(4),
+    "dp_r16": _dp_variant(16),
+    "dp_r32": _dp_variant(32),
+    "dp_r64": _dp_variant(64),
+    "dp_none": _dp_variant(None),
+    "dp_s10_r8": _dp_variant(8, 10),
+    "dp_s10_r16": _dp_variant(16, 10),
+    "dp_s4_r4": _dp_variant(4, 4),
+    "dp_s4_none": _dp_variant(None, 4),
+    "dp_r4_avg": _dp_variant(4, averaging=True),
+    "dp_r32_avg": _dp_variant(32, averaging=True),
+    "dp_none_avg": _dp_variant(None, averaging=True),
+}
+ROWS |= DP_SWEEP
 
 
 QUALITY_EVAL_ITEMS = 200  # benchmarks/quality/run.py's Mode.n_eval: the eval split's size

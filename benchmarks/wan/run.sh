@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Regenerate every WAN-benchmark table and plot under benchmarks/wan/results/ (as root: network
-# namespaces and tc need CAP_NET_ADMIN). About 70 min on 2 idle CPU cores, plus ~15 min once if the quality
+# namespaces and tc need CAP_NET_ADMIN). About 90 min on 2 idle CPU cores, plus ~15 min once if the quality
 # benchmark's pretrained tiny Llama is not cached yet (benchmarks/quality/pretrain.py); set up .venv
 # first with `bash scripts/setup.sh`.
 set -euo pipefail
@@ -8,4 +8,5 @@ cd "$(dirname "$0")/../.."
 PY=${PYTHON:-.venv/bin/python}
 "$PY" -m benchmarks.wan.ledger_1b      # 1B-shape byte ledger next to the paper's row (seconds)
 "$PY" -m benchmarks.wan.micro          # masking share of a step, SpectralAdamW vs AdamW, optimizer memory (~5 min)
-"$PY" -m benchmarks.wan.run            # every row fine-tunes on shaped links: tokens/s, bytes/token, quality (~65 min)
+"$PY" -m benchmarks.wan.dp_sweep       # which DP sync keeps the fine-tune's quality, at what bytes (~20 min)
+"$PY" -m benchmarks.wan.run            # every row fine-tunes on shaped links: tokens/s, bytes/token, quality (~60 min)
