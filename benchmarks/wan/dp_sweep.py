@@ -27,12 +27,12 @@ import torch
 from hf_meshtune.apps.assets import cache_dir
 
 from . import netns
-from .rows import DP_SWEEP, ROWS, Shape, prepare_data
-from .run import COMPUTE_LINKS, RESULTS, _run, evaluate
+from .rows import DP_SWEEP, ROWS, Shape
+from .run import COMPUTE_LINKS, RESULTS, _run, evaluate, final_loss, load_data
 
 
 def _line(name: str, result: dict, ev: dict, dense_final: float | None) -> str:
-    final = ev["eval_loss"][str(ev["final_step"])]
+    final = final_loss(ev)
     gap = "" if dense_final is None else f"{(final - dense_final) / dense_final:+.1%}"
     b = result["bytes_per_token"]
     return (
@@ -42,7 +42,7 @@ def _line(name: str, result: dict, ev: dict, dense_final: float | None) -> str:
 
 def write_report(report: dict, out: Path) -> None:
     dense = report["rows"].get("dense")
-    dense_final = None if dense is None else dense["eval"]["eval_loss"][str(dense["eval"]["final_step"])]
+    dense_final = None if dense is None else final_loss(dense["eval"])
     lines = [
         "# DP sync on the fine-tune: quality against bytes",
         "",
@@ -80,11 +80,7 @@ def main() -> None:
     args = parser.parse_args()
     netns.require_root()
     work, out = Path(args.work), Path(args.out)
-    work.mkdir(parents=True, exist_ok=True)
-    data_path = str(work / "data.pt")
-    data = torch.load(data_path) if os.path.exists(data_path) else None
-    if data is None or data.get("shape") != dataclasses.asdict(Shape()):
-        data = prepare_data(Shape(), data_path)
+    data_path, data = load_data(work)
     names = args.only.split(",") if args.only else ["dense", *DP_SWEEP]
     report = {
         "steps": args.steps,
@@ -106,7 +102,7 @@ def main() -> None:
             out.mkdir(parents=True, exist_ok=True)
             (out / "dp_sweep.json").write_text(json.dumps(report, indent=1))
             write_report(report, out)
-            print(f"[dp_sweep] {name}: eval loss {ev['eval_loss'][str(ev['final_step'])]:.4f}", flush=True)
+            print(f"[dp_sweep] {name}: eval loss {final_loss(ev):.4f}", flush=True)
     finally:
         netns.down()
 

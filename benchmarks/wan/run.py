@@ -216,6 +216,11 @@ def exact_match(model, data: dict, eval_items: int) -> dict:
             "seconds": time.perf_counter() - started}  # fmt: skip
 
 
+def final_loss(ev: dict) -> float:
+    """The held-out loss at the last saved step of an ``evaluate`` result."""
+    return ev["eval_loss"][str(ev["final_step"])]
+
+
 def evaluate(out: str, data: dict, eval_items: int) -> dict:
     """Held-out loss at step 0 and every saved step; exact match at the last saved step. Cached in OUT/eval.json."""
     cached = os.path.join(out, "eval.json")
@@ -313,14 +318,21 @@ def _save(report: dict, out: Path) -> None:
     os.replace(tmp, out / "wan.json")
 
 
+def load_data(work: Path) -> tuple[str, dict]:
+    """(path, contents) of WORK/data.pt, the token data every run reads; prepared again when missing or made
+    for another ``Shape``."""
+    work.mkdir(parents=True, exist_ok=True)
+    path = str(work / "data.pt")
+    data = torch.load(path) if os.path.exists(path) else None
+    if data is None or data.get("shape") != dataclasses.asdict(Shape()):
+        data = prepare_data(Shape(), path)
+    return path, data
+
+
 def run(work: Path, steps: int, save_every: int, out: Path, rows: list[str], eval_items: int) -> dict:
     netns.require_root()
     shape = Shape()
-    work.mkdir(parents=True, exist_ok=True)
-    data_path = str(work / "data.pt")
-    data = torch.load(data_path) if os.path.exists(data_path) else None
-    if data is None or data.get("shape") != dataclasses.asdict(shape):
-        data = prepare_data(shape, data_path)
+    data_path, data = load_data(work)
     sync_rows = [r for r in SYNC_ROWS if r in rows]
     anchor_rows = [r for r in ANCHOR_ROWS if r in rows]
     nodes = 8
@@ -364,7 +376,7 @@ def run(work: Path, steps: int, save_every: int, out: Path, rows: list[str], eva
             report["eval"][row] = evaluate(str(work / name / row), data, eval_items) | {"phase": name}
             ev = report["eval"][row]
             print(
-                f"[wan]   eval loss {ev['eval_loss'][str(ev['final_step'])]:.4f}, exact match "
+                f"[wan]   eval loss {final_loss(ev):.4f}, exact match "
                 f"{ev['exact_match']:.3f} ({ev['seconds']:.0f} s to generate)",
                 flush=True,
             )
