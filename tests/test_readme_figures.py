@@ -239,3 +239,12 @@ def test_the_dp_sweep_md_is_written_from_its_committed_json(tmp_path):
 
     assert MeshConfig().dp_powersgd_rank == DEFAULT_DP_POWERSGD_RANK
     assert report["rows"][f"dp_r{DEFAULT_DP_POWERSGD_RANK}"]["row"]["powersgd_rank"] == DEFAULT_DP_POWERSGD_RANK
+
+
+def test_the_dp_sweep_refuses_a_variant_it_does_not_have(capsys):
+    from benchmarks.wan.dp_sweep import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--only", "dense,dp_r5"])
+    assert exit_.value.code == 2
+    assert "--only ['dp_r5']: name variants of ['dense', 'dp_r4', 'dp_r16'" in capsys.readouterr().err

@@ -69,19 +69,22 @@ def write_report(report: dict, out: Path) -> None:
     (out / "dp_sweep.md").write_text("\n".join(lines) + "\n")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.wan.dp_sweep")
     parser.add_argument("--work", default=str(cache_dir() / "wan"), help="run folders and token data (shared)")
     parser.add_argument("--steps", type=int, default=80)
     parser.add_argument("--save-every", type=int, default=10)
     parser.add_argument("--eval-items", type=int, default=Shape().n_eval)
     parser.add_argument("--out", default=str(RESULTS))
     parser.add_argument("--only", default="", help="comma-separated variants (default: dense and all of DP_SWEEP)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    names = args.only.split(",") if args.only else ["dense", *DP_SWEEP]
+    unknown = sorted(set(names) - {"dense", *DP_SWEEP})
+    if unknown:
+        parser.error(f"--only {unknown}: name variants of {['dense', *DP_SWEEP]}")
     netns.require_root()
     work, out = Path(args.work), Path(args.out)
     data_path, data = load_data(work)
-    names = args.only.split(",") if args.only else ["dense", *DP_SWEEP]
     report = {
         "steps": args.steps,
         "eval_items": args.eval_items,
