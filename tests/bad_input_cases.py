@@ -51,6 +51,7 @@ from hf_meshtune.comm.wire import Wire
 from hf_meshtune.config import QUALITY_CODEC
 from hf_meshtune.dp.baselines import GradientSync
 from hf_meshtune.ledger import format_table, settings_for_row
+from hf_meshtune.pipeline.generate import RolloutSettings
 from hf_meshtune.topology import MeshTopology
 from tests.tiny import make_tiny_causal_lm, pattern_dataset, tiny_llama
 
@@ -348,6 +349,29 @@ def added_group_with_negative_lr() -> None:
 
 
 # --- the mesh (launched jobs, run here as one rank) --------------------------------------------------
+
+
+def rollout_settings(**options: object) -> Callable[[], None]:
+    """``RolloutSettings.from_generation_config`` of a GenerationConfig with ``options`` over
+    max_new_tokens=8, pad_token_id=0."""
+    from transformers import GenerationConfig
+
+    from hf_meshtune.pipeline.generate import RolloutSettings
+
+    def trigger() -> None:
+        RolloutSettings.from_generation_config(GenerationConfig(**{"max_new_tokens": 8, "pad_token_id": 0, **options}))
+
+    return trigger
+
+
+def generate_without_prompts() -> None:
+    """Stage 0 of a 2-stage tiny_llama asked to generate with no prompts (no process group needed: it
+    refuses before any send)."""
+    from hf_meshtune.pipeline.generate import pipelined_generate
+    from hf_meshtune.pipeline.stage import build_stage
+
+    module = build_stage(tiny_llama(), 0, 2, MeshConfig(num_stages=2), masked=False)
+    pipelined_generate(module, Wire(), [0, 1], RolloutSettings(max_new_tokens=4, pad_token_id=0))
 
 
 def mesh_trainer_in(world_size: int, mesh: str | None, **overrides: object) -> Callable[[Path], object]:
@@ -3436,11 +3460,61 @@ def _cases() -> list[Case]:
         # --- mesh internals ------------------------------------------------------------------------------
         Case(
             INTERNALS,
+            "GenerationConfig(repetition_penalty=1.1) for generation through the pipeline",
+            "`RolloutSettings.from_generation_config`",
+            rollout_settings(repetition_penalty=1.1),
+            ValueError,
+            "generation_config.repetition_penalty=1.1 is invalid: it must be 1.0 for generation through the pipeline "
+            "(it samples with temperature, top_k, top_p and min_p only)",
+        ),
+        Case(
+            INTERNALS,
+            "GenerationConfig(num_beams=4) for generation through the pipeline",
+            "`RolloutSettings.from_generation_config`",
+            rollout_settings(num_beams=4),
+            ValueError,
+            "generation_config.num_beams=4 is invalid: it must be 1 for generation through the pipeline (it samples "
+            "with temperature, top_k, top_p and min_p only)",
+        ),
+        Case(
+            INTERNALS,
+            "GenerationConfig() without max_new_tokens for generation through the pipeline",
+            "`RolloutSettings.from_generation_config`",
+            rollout_settings(max_new_tokens=None),
+            ValueError,
+            "max_new_tokens=None is invalid: it must be set (the number of tokens to generate)",
+        ),
+        Case(
+            INTERNALS,
+            "GenerationConfig(max_new_tokens=8) with neither pad_token_id nor eos_token_id",
+            "`RolloutSettings.from_generation_config`",
+            rollout_settings(pad_token_id=None, eos_token_id=None),
+            ValueError,
+            "generation_config.pad_token_id=None is invalid: it must be set (or an eos_token_id to pad with)",
+        ),
+        Case(
+            INTERNALS,
+            "RolloutSettings(top_p=0)",
+            "`RolloutSettings`",
+            lambda: RolloutSettings(max_new_tokens=4, pad_token_id=0, top_p=0.0),
+            ValueError,
+            "top_p=0.0 is invalid: it must lie in (0, 1]",
+        ),
+        Case(
+            INTERNALS,
+            "pipelined_generate on stage 0 without prompts",
+            "`pipelined_generate`",
+            generate_without_prompts,
+            ValueError,
+            "prompt_ids=None is invalid: it must be a [B, T] tensor of token ids on the first stage",
+        ),
+        Case(
+            INTERNALS,
             "record_send('telemetry', ...)",
             "`Wire.record_send`",
             wire_send("telemetry"),
             ValueError,
-            "circuit='telemetry' is invalid: it must be one of ['pp_fwd', 'pp_bwd', 'dp', 'anchor']",
+            "circuit='telemetry' is invalid: it must be one of ['pp_fwd', 'pp_bwd', 'dp', 'anchor', 'rollout']",
         ),
         Case(
             INTERNALS,

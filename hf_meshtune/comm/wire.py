@@ -1,8 +1,8 @@
 """The one place every byte of the mesh goes through on its way to a communication backend.
 
-``Wire`` wraps point-to-point sends/receives and all-reduces and counts, per circuit (``pp_fwd``,
-``pp_bwd``, ``dp``, ``anchor``), what this process puts on its links, in two kinds that are never
-mixed up:
+``Wire`` wraps point-to-point sends/receives and all-reduces and counts, per circuit (the training
+circuits ``pp_fwd``, ``pp_bwd``, ``dp``, ``anchor``, and ``rollout``: RL generation through the
+pipeline), what this process puts on its links, in two kinds that are never mixed up:
 
 - ``sent``, **measured**: the bytes of the tensors handed to a point-to-point send (the payload; the
   transport's headers come on top).
@@ -12,8 +12,8 @@ mixed up:
   (``handed``); the factor is an assumption, checked against the kernel's byte counters by the WAN
   test of the dense row (``tests/test_wan_netns.py``).
 
-Summed over all processes, ``sent + booked`` is the mesh's traffic, the counterpart of the analytic
-``ledger``.
+Summed over all processes, ``sent + booked`` of the training circuits is the mesh's training traffic,
+the counterpart of the analytic ``ledger``; ``rollout`` is reported per generated token beside it.
 """
 
 from __future__ import annotations
@@ -28,9 +28,11 @@ import torch.distributed as dist
 
 from .._validation import require
 
-__all__ = ["CIRCUITS", "Wire", "nbytes"]
+__all__ = ["CIRCUITS", "ROLLOUT", "WIRE_CIRCUITS", "Wire", "nbytes"]
 
-CIRCUITS = ("pp_fwd", "pp_bwd", "dp", "anchor")
+CIRCUITS = ("pp_fwd", "pp_bwd", "dp", "anchor")  # the training circuits (the ledger's)
+ROLLOUT = "rollout"  # generation through the pipeline (pipeline.generate)
+WIRE_CIRCUITS = (*CIRCUITS, ROLLOUT)
 
 
 def nbytes(tensor: torch.Tensor) -> int:
@@ -39,7 +41,7 @@ def nbytes(tensor: torch.Tensor) -> int:
 
 
 def _zeros() -> dict[str, float]:
-    return dict.fromkeys(CIRCUITS, 0)
+    return dict.fromkeys(WIRE_CIRCUITS, 0)
 
 
 @dataclass
@@ -56,11 +58,11 @@ class Wire:
     booked: dict[str, float] = field(default_factory=_zeros)
     received: dict[str, float] = field(default_factory=_zeros)
     handed: dict[str, float] = field(default_factory=_zeros)
-    messages: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CIRCUITS, 0))
+    messages: dict[str, int] = field(default_factory=lambda: dict.fromkeys(WIRE_CIRCUITS, 0))
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def _check(self, circuit: str) -> None:
-        require(circuit in CIRCUITS, "circuit", circuit, f"be one of {list(CIRCUITS)}")
+        require(circuit in WIRE_CIRCUITS, "circuit", circuit, f"be one of {list(WIRE_CIRCUITS)}")
 
     def record_send(self, circuit: str, tensor: torch.Tensor) -> None:
         """Book a tensor handed to the backend for a point-to-point send."""

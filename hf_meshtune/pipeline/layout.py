@@ -32,6 +32,7 @@ __all__ = [
     "SUPPORTED_MODEL_TYPES",
     "DecoderLayout",
     "decoder_layout",
+    "layer_cache_argument",
     "layer_types",
     "logit_softcap",
     "rotary_per_layer_type",
@@ -66,6 +67,22 @@ SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 
 # The mask each layer type attends under, built as the base models build them (no padding, no cache).
 MASKS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+
+_CACHE_ARGUMENTS = ("cache", "past_key_values", "layer_past")  # the KV cache's name in a decoder layer's forward
+
+
+def layer_cache_argument(layer: nn.Module) -> str:
+    """The name under which ``layer``'s forward takes the KV cache: ``cache`` in most families,
+    ``layer_past`` in GPT-NeoX's (generation through the pipeline passes it by name)."""
+    parameters = inspect.signature(layer.forward).parameters
+    name = next((n for n in _CACHE_ARGUMENTS if n in parameters), None)
+    require(
+        name is not None,
+        "decoder layer",
+        type(layer).__name__,
+        f"take a KV cache as one of {list(_CACHE_ARGUMENTS)} in its forward (generation through the pipeline)",
+    )
+    return name
 
 
 def _why_not(model: nn.Module, base: nn.Module) -> str:

@@ -29,7 +29,15 @@ from ..boundary.fills import FILLS
 from ..boundary.hooks import find_decoder_layers, split_stages
 from ..boundary.masking import BoundaryMask, keep_count
 from ..config import codec_ladder, composed_codec, is_governed
-from .layout import MASKS, SUPPORTED_MODEL_TYPES, decoder_layout, layer_types, logit_softcap, rotary_per_layer_type
+from .layout import (
+    MASKS,
+    SUPPORTED_MODEL_TYPES,
+    decoder_layout,
+    layer_cache_argument,
+    layer_types,
+    logit_softcap,
+    rotary_per_layer_type,
+)
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
@@ -172,6 +180,43 @@ class StageModule(nn.Module):
         hidden = self.embed(x) if self.embed_tokens is not None else self.receive(x)
         positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
         return self.through_layers(hidden, positions, self.attention_masks(hidden, positions))
+
+    def decode(
+        self, x: torch.Tensor, cache, attention_mask: torch.Tensor | None, positions: torch.Tensor
+    ) -> torch.Tensor:
+        """One decoding forward through this stage, dense on both sides (rollouts sample the model itself,
+        not its compressed boundaries): ``x`` is token ids [B, T] (first stage) or the previous stage's
+        hidden state [B, T, H]; ``cache`` holds the keys and values of this stage's own layers (a
+        ``DynamicCache`` of the whole model's layout, of which this stage fills its slice);
+        ``attention_mask`` the 2D padding mask over every position so far (None: no padding);
+        ``positions`` [B, T] as ``generate`` builds them. Returns the hidden state [B, T, H], or the last
+        position's logits [B, 1, V] on the last stage."""
+        hidden = self.embed(x) if self.embed_tokens is not None else x
+        masks = {}
+        for kind in dict.fromkeys(self.layer_types):
+            first_of_kind = self.layer_range[self.layer_types.index(kind)]  # a layer whose cache this stage fills
+            masks[kind] = MASKS[kind](
+                config=self.mask_config,
+                inputs_embeds=hidden,
+                attention_mask=attention_mask,
+                cache=cache,
+                position_ids=positions,
+                layer_idx=first_of_kind,
+            )
+        rotary = self.rotary(hidden, positions)
+        for layer, kind in zip(self.layers, self.layer_types):
+            out = layer(
+                hidden,
+                attention_mask=masks[kind],
+                position_ids=positions,
+                position_embeddings=rotary[kind],
+                use_cache=True,
+                **{layer_cache_argument(layer): cache},
+            )
+            hidden = out[0] if isinstance(out, tuple) else out
+        if self.lm_head is not None:
+            return self.logits(hidden[:, -1:])
+        return hidden
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """The first stage's input side: the embeddings (scaled inside the module where the family scales
