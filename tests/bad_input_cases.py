@@ -374,6 +374,28 @@ def generate_without_prompts() -> None:
     pipelined_generate(module, Wire(), [0, 1], RolloutSettings(max_new_tokens=4, pad_token_id=0))
 
 
+def policy_loss_settings(**options: object) -> Callable[[], None]:
+    """``PolicyLossSettings.from_grpo_config`` of a TRL GRPOConfig with ``options``."""
+
+    def trigger() -> None:
+        from trl import GRPOConfig
+
+        from hf_meshtune.rl import PolicyLossSettings
+
+        config = GRPOConfig(output_dir=str(temporary_folder()), use_cpu=True, bf16=False, report_to="none", **options)
+        PolicyLossSettings.from_grpo_config(config)
+
+    return trigger
+
+
+def rollouts_longer_than_seq_len() -> None:
+    """Two rollouts of a 5-token prompt and a 6-token completion packed into 8 positions."""
+    from hf_meshtune.rl import pack_rollouts
+
+    ones = torch.ones(2, 5, dtype=torch.long)
+    pack_rollouts(ones, ones, torch.ones(2, 6, dtype=torch.long), torch.ones(2, 6), torch.zeros(2), 8, 0)
+
+
 def mesh_trainer_in(world_size: int, mesh: str | None, **overrides: object) -> Callable[[Path], object]:
     """A trigger: MeshTrainer(...) built on one rank of a launched job of ``world_size`` processes."""
 
@@ -3507,6 +3529,30 @@ def _cases() -> list[Case]:
             generate_without_prompts,
             ValueError,
             "prompt_ids=None is invalid: it must be a [B, T] tensor of token ids on the first stage",
+        ),
+        Case(
+            INTERNALS,
+            "GRPOConfig(loss_type='sapo') for the policy loss on the mesh",
+            "`PolicyLossSettings.from_grpo_config`",
+            policy_loss_settings(loss_type="sapo"),
+            ValueError,
+            "loss_type='sapo' is invalid: it must be one of ['dapo', 'grpo', 'bnpo', 'dr_grpo', 'luspo'] on the mesh",
+        ),
+        Case(
+            INTERNALS,
+            "GRPOConfig(top_entropy_quantile=0.2) for the policy loss on the mesh",
+            "`PolicyLossSettings.from_grpo_config`",
+            policy_loss_settings(top_entropy_quantile=0.2),
+            ValueError,
+            "top_entropy_quantile=0.2 is invalid: it must be 1.0 on the mesh (the entropy mask is not applied there)",
+        ),
+        Case(
+            INTERNALS,
+            "pack_rollouts(..., seq_len=8) of 11-token rollouts",
+            "`pack_rollouts`",
+            rollouts_longer_than_seq_len,
+            ValueError,
+            "seq_len=8 is invalid: it must be >= the longest prompt + completion in the batch (11 tokens)",
         ),
         Case(
             INTERNALS,
