@@ -128,16 +128,33 @@ def _progress(out: Path, rank: int) -> tuple[int, int] | None:
         return None
 
 
+@pytest.fixture(scope="module")
+def uninterrupted_2x2(tmp_path_factory) -> Path:
+    """The output folder of an uninterrupted 2x2 run without the anchor, checkpointing every 4 steps."""
+    full = tmp_path_factory.mktemp("full")
+    _finish(_launch("2x2", full, {"anchor": False}, CHECKPOINT_EVERY="4"))
+    return full
+
+
+def _assert_continues_exactly(full: Path, resumed: Path, start: int) -> None:
+    """The resumed run's losses, θ_global and parameters are the uninterrupted run's from ``start`` on."""
+    for before, after in zip(_results(full, 4), _results(resumed, 4)):
+        assert after.first_step == start and after.steps == STEPS - start
+        assert after.losses == before.losses[start:]  # last stages: exact floats; others log none
+        for mine, theirs in zip(before.global_params, after.global_params):
+            assert torch.equal(mine, theirs)
+        assert after.params.keys() == before.params.keys()
+        assert all(torch.equal(before.params[n], after.params[n]) for n in before.params)
+
+
 @pytest.mark.slow
-def test_a_mesh_killed_by_pid_resumes_bit_exactly_without_the_anchor(tmp_path):
+def test_a_mesh_killed_by_pid_resumes_bit_exactly_without_the_anchor(tmp_path, uninterrupted_2x2):
     """Uninterrupted 2x2 run vs the same run SIGKILLed (every process, by PID) after step 10 and
     resumed from its newest complete checkpoint: the same losses and θ_global, bit for bit. The ranks
     hold after step 10 (``HOLD_FOR_RESTART_AT``, an event, not a pace) so the kill lands there on any
     machine: the newest complete checkpoint is step 8's."""
-    full, killed, resumed = tmp_path / "full", tmp_path / "killed", tmp_path / "resumed"
+    killed, resumed = tmp_path / "killed", tmp_path / "resumed"
     config = {"anchor": False}
-    reference = _launch("2x2", full, config, CHECKPOINT_EVERY="4")
-    _finish(reference)
     run = _launch("2x2", killed, config, CHECKPOINT_EVERY="4", CHECKPOINT_KEEP="2", HOLD_FOR_RESTART_AT="10")
     deadline = time.monotonic() + 120
     while any((seen := _progress(killed, r)) is None or seen[1] < 10 for r in range(4)):
@@ -154,13 +171,30 @@ def test_a_mesh_killed_by_pid_resumes_bit_exactly_without_the_anchor(tmp_path):
     start = int(checkpoint.rsplit("-", 1)[1])
     assert start == 8, checkpoint
     _finish(_launch("2x2", resumed, config, RESUME_FROM=checkpoint))
-    for before, after in zip(_results(full, 4), _results(resumed, 4)):
-        assert after.first_step == start and after.steps == STEPS - start
-        assert after.losses == before.losses[start:]  # last stages: exact floats; others log none
-        for mine, theirs in zip(before.global_params, after.global_params):
-            assert torch.equal(mine, theirs)
-        assert after.params.keys() == before.params.keys()
-        assert all(torch.equal(before.params[n], after.params[n]) for n in before.params)
+    _assert_continues_exactly(uninterrupted_2x2, resumed, start)
+
+
+@pytest.mark.slow
+def test_a_rank_killed_while_writing_its_checkpoint_resumes_from_the_previous_complete_one(tmp_path, uninterrupted_2x2):
+    """Rank 3 is SIGKILLed halfway through writing its file of step 12 (``KILL_DURING_SAVE``: half the
+    bytes fsynced under the temporary name, then the signal). Step 12's checkpoint lacks rank 3's file,
+    so the newest complete one is step 8's; the run resumed from it continues bit-exactly, and the torn
+    temporary file is not something a load would accept."""
+    killed, resumed = tmp_path / "killed", tmp_path / "resumed"
+    topology = MeshTopology(2, 2, anchor=False)
+    run = _launch("2x2", killed, {"anchor": False}, CHECKPOINT_EVERY="4", KILL_DURING_SAVE="12:3", LINK_TIMEOUT_S="10")
+    output, _ = run.communicate(timeout=300)
+    assert run.returncode != 0, output[-2000:]
+    folder = killed / "checkpoint-12" / "mesh"
+    torn = list(folder.glob("rank3.pt.tmp-*"))
+    assert len(torn) == 1 and torn[0].stat().st_size > 0 and not (folder / "rank3.pt").exists()
+    with pytest.raises(Exception):  # half a zip archive: torch refuses it
+        torch.load(torn[0], weights_only=True)
+    assert [step for step, _ in complete_checkpoints(str(killed), topology)] == [4, 8]
+    checkpoint = resolve_resume(True, str(killed), topology)
+    assert checkpoint == str(killed / "checkpoint-8")
+    _finish(_launch("2x2", resumed, {"anchor": False}, RESUME_FROM=checkpoint))
+    _assert_continues_exactly(uninterrupted_2x2, resumed, 8)
 
 
 @pytest.mark.slow

@@ -17,12 +17,17 @@ the first-generation processes wait after that step until a restarted process ha
 sends/receives (default 30). ``GOVERNOR_SCRIPT`` (a JSON list of [snapshot, levels]) makes a
 governed anchor decide, at a round on snapshot s, the levels of the last entry at or before s instead of
 the governor's rule, after running its probes as usual: a test's way to force level changes at known rounds.
+``KILL_DURING_SAVE`` = ``STEP:RANK`` makes that first-generation rank SIGKILL itself in the middle of writing
+its checkpoint file of that step: half the bytes are on disk (fsynced), in the file the checkpoint code
+opened, when the signal lands, as when a machine dies mid-save.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import signal
 import sys
 import time
 
@@ -98,8 +103,32 @@ def _script_the_governor(script: list[tuple[int, list[int]]]) -> None:
     MeshGovernor.round = scripted
 
 
+def _die_while_saving(step: int, rank: int) -> None:
+    """Make ``torch.save`` of ``rank``'s checkpoint state of ``step`` write half its bytes to whatever file
+    the checkpoint code opened, fsync them, then SIGKILL this process: the kill lands inside the
+    library's own write (every other save is untouched)."""
+    real = torch.save
+
+    def save(obj, f, *args, **kwargs):
+        if not (isinstance(obj, dict) and obj.get("step") == step and obj.get("rank") == rank and "mesh" in obj):
+            return real(obj, f, *args, **kwargs)
+        buffer = io.BytesIO()
+        real(obj, buffer, *args, **kwargs)
+        data = buffer.getvalue()
+        with open(f, "wb") as handle:
+            handle.write(data[: len(data) // 2])
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    torch.save = save
+
+
 def main(out: str, steps: int, overrides: dict) -> None:
     torch.set_num_threads(1)
+    kill_during_save = os.environ.get("KILL_DURING_SAVE")
+    if kill_during_save and os.environ.get("MESHTUNE_RESTART", "0") == "0":
+        _die_while_saving(*(int(v) for v in kill_during_save.split(":")))
     if os.environ.get("GOVERNOR_SCRIPT"):
         _script_the_governor(json.loads(os.environ["GOVERNOR_SCRIPT"]))
     if int(os.environ.get("MESHTUNE_RESTART", "0")) > 0:
