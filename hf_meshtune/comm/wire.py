@@ -13,7 +13,7 @@ pipeline), what this process puts on its links, in two kinds that are never mixe
   test of the dense row (``tests/test_wan_netns.py``).
 
 Summed over all processes, ``sent + booked`` of the training circuits is the mesh's training traffic,
-the counterpart of the analytic ``ledger``; ``rollout`` is reported per generated token beside it.
+the counterpart of the analytic ``ledger``; ``rollout`` (generation's traffic) is counted apart from it.
 """
 
 from __future__ import annotations
