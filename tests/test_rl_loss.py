@@ -126,12 +126,10 @@ def _assert_grads_close(got: dict, want: dict) -> None:
         torch.testing.assert_close(got[name], grad, rtol=1e-4, atol=1e-7, msg=name)
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
-def test_the_policy_loss_is_trls_on_the_same_rollouts(tokenizer, tmp_path, case):
-    """Loss and every gradient as TRL's ``_compute_loss`` (float32: within 1e-4 relative), with the
-    rollouts left-aligned in one [B, 16] batch instead of TRL's left-padded prompts."""
+def _ours_against_trls(tokenizer, tmp_path, case: dict, rollouts: dict) -> tuple[float, PolicyLoss]:
+    """``PolicyLoss`` on the packed ``rollouts`` vs TRL's ``_compute_loss`` on them, one slice: the same
+    loss (1e-5 relative) and gradients (``_assert_grads_close``). Returns our loss and loss function."""
     trainer, settings = _trl(tokenizer, tmp_path, case)
-    rollouts = _rollouts(tokenizer.pad_token_id)
     want_loss, want = _trl_step(trainer, rollouts, [slice(0, B)])
     trainer.model.zero_grad()
     ids, target = _packed(rollouts, tokenizer.pad_token_id)
@@ -140,6 +138,14 @@ def test_the_policy_loss_is_trls_on_the_same_rollouts(tokenizer, tmp_path, case)
     loss.backward()
     assert float(loss) == pytest.approx(want_loss, rel=1e-5)
     _assert_grads_close({n: p.grad for n, p in trainer.model.named_parameters()}, want)
+    return float(loss.detach()), loss_fn
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_the_policy_loss_is_trls_on_the_same_rollouts(tokenizer, tmp_path, case):
+    """Loss and every gradient as TRL's ``_compute_loss`` (float32: within 1e-4 relative), with the
+    rollouts left-aligned in one [B, 16] batch instead of TRL's left-padded prompts."""
+    _, loss_fn = _ours_against_trls(tokenizer, tmp_path, case, _rollouts(tokenizer.pad_token_id))
     metrics = loss_fn.pop_metrics()
     assert metrics["clip_ratio/region_mean"] > 0  # the rollouts do reach the clipped region
     assert ("kl" in metrics) == (case.get("beta", 0.0) != 0.0) and loss_fn.pop_metrics() == {}
@@ -147,18 +153,11 @@ def test_the_policy_loss_is_trls_on_the_same_rollouts(tokenizer, tmp_path, case)
 
 def test_without_old_log_probs_the_ratio_is_one_and_the_loss_is_trls(tokenizer, tmp_path):
     """TRL's single-iteration case (no π_old: the detached current log-probabilities)."""
-    trainer, settings = _trl(tokenizer, tmp_path, dict(loss_type="grpo", importance_sampling_level="sequence"))
     rollouts = _rollouts(tokenizer.pad_token_id, old=False)
-    want_loss, want = _trl_step(trainer, rollouts, [slice(0, B)])
-    trainer.model.zero_grad()
-    ids, target = _packed(rollouts, tokenizer.pad_token_id)
-    loss_fn = PolicyLoss(settings)
-    loss = loss_fn(trainer.model(input_ids=ids).logits, target)
-    loss.backward()
-    assert float(loss) == pytest.approx(want_loss, rel=1e-5)
+    case = dict(loss_type="grpo", importance_sampling_level="sequence")
+    loss, loss_fn = _ours_against_trls(tokenizer, tmp_path, case, rollouts)
     # ratio 1: the loss is minus the mean advantage
-    assert float(loss) == pytest.approx(-float(rollouts["advantages"].mean()), rel=1e-5)
-    _assert_grads_close({n: p.grad for n, p in trainer.model.named_parameters()}, want)
+    assert loss == pytest.approx(-float(rollouts["advantages"].mean()), rel=1e-5)
     assert loss_fn.pop_metrics()["clip_ratio/region_mean"] == 0
 
 
