@@ -52,6 +52,8 @@ from hf_meshtune.config import QUALITY_CODEC
 from hf_meshtune.dp.baselines import GradientSync
 from hf_meshtune.ledger import format_table, settings_for_row
 from hf_meshtune.pipeline.generate import RolloutSettings
+from hf_meshtune.pipeline.layout import layer_cache_argument
+from hf_meshtune.rl import PolicyLoss, PolicyLossSettings
 from hf_meshtune.topology import MeshTopology
 from tests.tiny import make_tiny_causal_lm, pattern_dataset, tiny_llama
 
@@ -394,6 +396,26 @@ def rollouts_longer_than_seq_len() -> None:
 
     ones = torch.ones(2, 5, dtype=torch.long)
     pack_rollouts(ones, ones, torch.ones(2, 6, dtype=torch.long), torch.ones(2, 6), torch.zeros(2), 8, 0)
+
+
+def generate_with_wrong_stage_ranks() -> None:
+    """Stage 0 of a 2-stage split told its pipeline has 3 ranks (refused before any send)."""
+    from hf_meshtune.pipeline.generate import pipelined_generate
+    from hf_meshtune.pipeline.stage import build_stage
+
+    module = build_stage(tiny_llama(), 0, 2, MeshConfig(num_stages=2), masked=False)
+    ids = torch.ones(2, 4, dtype=torch.long)
+    pipelined_generate(module, Wire(), [0, 1, 2], RolloutSettings(max_new_tokens=4, pad_token_id=0), ids)
+
+
+def generate_with_mismatched_mask() -> None:
+    """Stage 0 given [2, 4] prompts and a [2, 3] padding mask (refused before any send)."""
+    from hf_meshtune.pipeline.generate import pipelined_generate
+    from hf_meshtune.pipeline.stage import build_stage
+
+    module = build_stage(tiny_llama(), 0, 2, MeshConfig(num_stages=2), masked=False)
+    ids, mask = torch.ones(2, 4, dtype=torch.long), torch.ones(2, 3, dtype=torch.long)
+    pipelined_generate(module, Wire(), [0, 1], RolloutSettings(max_new_tokens=4, pad_token_id=0), ids, mask)
 
 
 def mesh_trainer_in(world_size: int, mesh: str | None, **overrides: object) -> Callable[[Path], object]:
@@ -3553,6 +3575,95 @@ def _cases() -> list[Case]:
             rollouts_longer_than_seq_len,
             ValueError,
             "seq_len=8 is invalid: it must be >= the longest prompt + completion in the batch (11 tokens)",
+        ),
+        Case(
+            INTERNALS,
+            'RolloutSettings(max_new_tokens=0)',
+            '`RolloutSettings`',
+            lambda: RolloutSettings(max_new_tokens=0, pad_token_id=0),
+            ValueError,
+            'max_new_tokens=0 is invalid: it must be an int >= 1',
+        ),
+        Case(
+            INTERNALS,
+            'RolloutSettings(temperature=0)',
+            '`RolloutSettings`',
+            lambda: RolloutSettings(max_new_tokens=4, pad_token_id=0, temperature=0.0),
+            ValueError,
+            'temperature=0.0 is invalid: it must be > 0',
+        ),
+        Case(
+            INTERNALS,
+            'RolloutSettings(top_k=-1)',
+            '`RolloutSettings`',
+            lambda: RolloutSettings(max_new_tokens=4, pad_token_id=0, top_k=-1),
+            ValueError,
+            'top_k=-1 is invalid: it must be an int >= 0 (0: off)',
+        ),
+        Case(
+            INTERNALS,
+            'RolloutSettings(min_p=2)',
+            '`RolloutSettings`',
+            lambda: RolloutSettings(max_new_tokens=4, pad_token_id=0, min_p=2.0),
+            ValueError,
+            'min_p=2.0 is invalid: it must be None or lie in [0, 1]',
+        ),
+        Case(
+            INTERNALS,
+            'pipelined_generate with 3 stage ranks for a 2-stage split',
+            '`pipelined_generate`',
+            generate_with_wrong_stage_ranks,
+            ValueError,
+            "stage_ranks=[0, 1, 2] is invalid: it must name the 2 stages of this replica's pipeline (this is stage 0)",
+        ),
+        Case(
+            INTERNALS,
+            'pipelined_generate with a [2, 3] attention mask for [2, 4] prompts',
+            '`pipelined_generate`',
+            generate_with_mismatched_mask,
+            ValueError,
+            "attention_mask=(2, 3) is invalid: it must have the prompts' shape (2, 4)",
+        ),
+        Case(
+            INTERNALS,
+            "PolicyLossSettings(importance_sampling_level='batch')",
+            '`PolicyLossSettings`',
+            lambda: PolicyLossSettings(importance_sampling_level='batch'),
+            ValueError,
+            "importance_sampling_level='batch' is invalid: it must be 'token' or 'sequence'",
+        ),
+        Case(
+            INTERNALS,
+            'PolicyLossSettings(temperature=0)',
+            '`PolicyLossSettings`',
+            lambda: PolicyLossSettings(temperature=0.0),
+            ValueError,
+            'temperature=0.0 is invalid: it must be > 0',
+        ),
+        Case(
+            INTERNALS,
+            'PolicyLossSettings(max_completion_length=0)',
+            '`PolicyLossSettings`',
+            lambda: PolicyLossSettings(max_completion_length=0),
+            ValueError,
+            'max_completion_length=0 is invalid: it must be >= 1',
+        ),
+        Case(
+            INTERNALS,
+            'PolicyLoss(settings, microbatches=0)',
+            '`PolicyLoss`',
+            lambda: PolicyLoss(PolicyLossSettings(), microbatches=0),
+            ValueError,
+            'microbatches=0 is invalid: it must be >= 1',
+        ),
+        Case(
+            INTERNALS,
+            'layer_cache_argument of a layer whose forward takes no KV cache',
+            '`layer_cache_argument`',
+            lambda: layer_cache_argument(nn.Linear(2, 2)),
+            ValueError,
+            "decoder layer='Linear' is invalid: it must take a KV cache as one of ['cache', 'past_key_values', "
+            "'layer_past'] in its forward (generation through the pipeline)",
         ),
         Case(
             INTERNALS,
