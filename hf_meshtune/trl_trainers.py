@@ -17,6 +17,14 @@ run under ``no_grad`` and therefore see the dense model. Two consequences are en
 - The anchor's data in RL are rollouts, not prompts: each anchor round takes the dense gradient of
   the GRPO/GSPO loss on the rollouts the fast circuit is training on (the current generation batch).
 
+Launched on X·Y processes (``meshtune launch``, ``torchrun``, ``accelerate launch``), ``MeshGRPOTrainer.train()``
+runs the distributed mesh with the same script: every replica generates its own rollouts through its
+pipeline (``rl.rollouts``: dense, each stage with its own KV cache), its last stage scores them with the
+reward functions and trains on them through the compressed boundaries with TRL's loss (``rl.loss``);
+DiLoCo syncs the fast replicas and the anchor replica takes dense gradients on rollouts it samples itself.
+There π_old is the training forward's own detached log-probability (one iteration per generation batch) and
+β must be 0; ``MeshGRPOConfig`` refuses the rest on every rank before any rendezvous.
+
 GSPO (Zheng et al., 2025) is GRPO with sequence-level importance ratios:
 ``MeshGRPOConfig(importance_sampling_level="sequence", loss_type="grpo")``, i.e. ``MeshGSPOConfig``.
 """
@@ -24,14 +32,19 @@ GSPO (Zheng et al., 2025) is GRPO with sequence-level importance ratios:
 from __future__ import annotations
 
 import copy
-import os
 from dataclasses import dataclass, field
 
 import torch
+from transformers import GenerationConfig
 from trl import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
 
 from ._validation import require
+from .anchor.batches import AnchorBatches
 from .config import SPECTRAL_ADAMW, MeshArguments, composed_codec
+from .pipeline.generate import RolloutSettings
+from .rl.loss import PolicyLoss, PolicyLossSettings
+from .rl.rollouts import AdvantageSettings, MeshRollouts
+from .runtime.job import is_distributed_job
 from .trainer import MeshTrainerMixin
 
 __all__ = ["MeshGRPOConfig", "MeshGRPOTrainer", "MeshGSPOConfig", "MeshSFTConfig", "MeshSFTTrainer"]
@@ -79,16 +92,10 @@ class MeshGRPOConfig(MeshArguments, GRPOConfig):
     optim: str = field(default=SPECTRAL_ADAMW, metadata={"help": _OPTIM_HELP})
 
     def __post_init__(self) -> None:
-        world = os.environ.get("WORLD_SIZE", "1")
-        require(
-            world == "1",
-            "WORLD_SIZE",
-            world,
-            f"be 1 for {type(self).__name__}: GRPO/GSPO trains on one process (the distributed X×Y mesh runs "
-            "supervised objectives: MeshTrainer, MeshSFTTrainer)",
-        )
         _default_bf16(self)
         super().__post_init__()
+        if is_distributed_job():
+            self._check_mesh_rl()
         # both are set up from a tokenized training batch before the first step; RL has only prompts then
         require(
             self.mask_protect_dims == 0,
@@ -114,6 +121,62 @@ class MeshGRPOConfig(MeshArguments, GRPOConfig):
                 "(otherwise TRL computes π_old in a separate dense forward and the importance ratio "
                 "compares the dense model with the masked one)",
             )
+
+    def _check_mesh_rl(self) -> None:
+        """What GRPO/GSPO on the distributed mesh runs, checked on every rank before any collective: one
+        optimizer step per generation batch (a replica's step: its per_device_train_batch_size ·
+        gradient_accumulation_steps rows, whole groups), π_old from that step's own forward, no π_ref, and
+        only the loss terms ``rl.loss.PolicyLoss`` computes."""
+        require(
+            self.num_iterations == 1,
+            "num_iterations",
+            self.num_iterations,
+            "be 1 on the distributed mesh (each fast step trains once on rollouts it has just generated)",
+        )
+        require(
+            self.steps_per_generation == self.gradient_accumulation_steps,
+            "steps_per_generation",
+            self.steps_per_generation,
+            f"equal gradient_accumulation_steps = {self.gradient_accumulation_steps} on the distributed mesh (a "
+            "fast step is one generation batch, trained as that many microbatches)",
+        )
+        require(
+            self.beta == 0.0,
+            "beta",
+            self.beta,
+            "be 0.0 on the distributed mesh (the reference model's log-probabilities are not computed there yet)",
+        )
+        PolicyLossSettings.from_grpo_config(self)  # refuses, by name, a loss term the mesh does not compute
+        # refuses, by name, a sampling option the pipeline does not apply (the tokens are TRL's own, set later)
+        RolloutSettings.from_generation_config(GenerationConfig(**_generation_kwargs(self), pad_token_id=0))
+        rows = {"per_device_train_batch_size · gradient_accumulation_steps": self.gradient_accumulation_steps}
+        if self.anchor:
+            rows["per_device_train_batch_size · anchor_microbatches"] = (
+                self.anchor_microbatches or self.gradient_accumulation_steps
+            )
+        for what, microbatches in rows.items():
+            count = self.per_device_train_batch_size * microbatches
+            require(
+                count % self.num_generations == 0,
+                "num_generations",
+                self.num_generations,
+                f"divide {what} = {count} on the distributed mesh (each replica's step generates whole groups "
+                "of completions for its own prompts)",
+            )
+
+
+def _generation_kwargs(args) -> dict:
+    """What ``GRPOTrainer`` samples with, from its config (its ``generation_kwargs`` override the fields)."""
+    kwargs = {
+        "max_new_tokens": args.max_completion_length,
+        "do_sample": True,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "min_p": args.min_p,
+        "repetition_penalty": args.repetition_penalty,
+    }
+    return {**kwargs, **(args.generation_kwargs or {})}
 
 
 @dataclass
@@ -144,6 +207,25 @@ def _mesh_args(trainer_cls: type, config_cls: type, args, model, suffix: str):
         f"live there; TRL's own config does not accept optim='{SPECTRAL_ADAMW}')",
     )
     return args
+
+
+def _check_mesh_rewards(reward_funcs, kwargs: dict) -> None:
+    """Before TRL's set-up, on every rank of a launched job: the rewards and rollouts the mesh computes."""
+    funcs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+    for func in funcs:
+        require(
+            callable(func) and not isinstance(func, (str, torch.nn.Module)),
+            "reward_funcs",
+            func if isinstance(func, str) else type(func).__name__,
+            "hold only functions on the distributed mesh (a reward model is not run on the last stage yet)",
+        )
+    for name in ("tools", "environment_factory", "rollout_func"):
+        require(
+            not kwargs.get(name),
+            name,
+            type(kwargs.get(name)).__name__,
+            "be None on the distributed mesh (its rollouts are single-turn generations through the pipeline)",
+        )
 
 
 class _QuietAnchorLossMixin:
@@ -189,7 +271,7 @@ class MeshGRPOTrainer(_QuietAnchorLossMixin, MeshTrainerMixin, GRPOTrainer):
 
     Generation, the reference model and the rewards stay dense (see the module docstring); the
     anchor's dense gradient is taken on the rollouts being trained on. ``args`` must be a
-    ``MeshGRPOConfig``. One process per run: the distributed X·Y mesh runs supervised objectives.
+    ``MeshGRPOConfig``. Launched on X·Y processes, ``train()`` runs the distributed mesh (module docstring).
 
     Example:
         >>> from hf_meshtune import MeshGRPOConfig, MeshGRPOTrainer
@@ -200,13 +282,93 @@ class MeshGRPOTrainer(_QuietAnchorLossMixin, MeshTrainerMixin, GRPOTrainer):
         >>> trainer.train()                                                                # doctest: +SKIP
     """
 
-    _mesh_runs_distributed = False
-
     def __init__(self, model, reward_funcs=None, args: MeshGRPOConfig | None = None, *positional, **kwargs) -> None:
         args = _mesh_args(type(self), MeshGRPOConfig, args, model, "GRPO")
         self._validate_mesh_job_early(model, args)
+        if is_distributed_job():
+            _check_mesh_rewards(reward_funcs, kwargs)
         super().__init__(model, reward_funcs, args, *positional, **kwargs)
         self._setup_mesh()
+        if is_distributed_job():  # every rank, after the same set-up and before any collective of the mesh
+            tokenizer = self._tokenizer
+            for attribute in ("response_template", "response_schema"):
+                require(
+                    getattr(tokenizer, attribute, None) is None,
+                    f"processing_class.{attribute}",
+                    "set",
+                    "be None on the distributed mesh (completions are decoded as text, not parsed into tool calls)",
+                )
+
+    # --- the distributed mesh (``rl.rollouts``, ``rl.loss``) -----------------------------------
+
+    def _rollout_settings(self) -> RolloutSettings:
+        return RolloutSettings.from_generation_config(self.generation_config, self.args.max_completion_length)
+
+    def _mesh_sequence_length(self) -> int:
+        """T on the mesh: the longest tokenized training prompt plus ``max_completion_length``."""
+        if getattr(self, "_mesh_seq_len", None) is None:
+            dataset, longest = self.train_dataset, 0
+            for start in range(0, len(dataset), 256):
+                prompts = dataset[start : start + 256]["prompt"]
+                longest = max(longest, max(len(ids) for ids in self._tokenize_prompts(prompts)[0]))
+            self._mesh_seq_len = longest + self.args.max_completion_length
+        return self._mesh_seq_len
+
+    def _mesh_loss(self, model, microbatches: int) -> PolicyLoss:
+        """TRL's policy loss on the last stage, for a step of ``microbatches``."""
+        return PolicyLoss(PolicyLossSettings.from_grpo_config(self.args), microbatches)
+
+    def _mesh_data(self, topology, rank: int) -> tuple[MeshRollouts, MeshRollouts, int]:
+        """(fast replica's rollouts by step, the anchor's own rollouts by round, T): each replica, the anchor
+        included, generates from its own prompts with its own parameters (``rl.rollouts``)."""
+        args = self.args
+        seed = args.data_seed if args.data_seed is not None else args.seed
+        fast = topology.fast_replicas
+        replica, _ = topology.coords(rank)
+        g = args.num_generations
+        rows = args.per_device_train_batch_size * args.gradient_accumulation_steps
+        anchor_rows = args.per_device_train_batch_size * (args.anchor_microbatches or args.gradient_accumulation_steps)
+        fast_prompts = AnchorBatches(self.train_dataset, list, rows // g, 1, seed, tag=b"meshtune-data")
+        anchor_prompts = AnchorBatches(self.train_dataset, list, anchor_rows // g, 1, seed)
+        seq_len = self._mesh_sequence_length()
+        advantages = AdvantageSettings(
+            num_generations=g,
+            weights=tuple(float(w) for w in self.reward_weights.tolist()),
+            scale_rewards=str(args.scale_rewards),
+            multi_objective_aggregation=str(args.multi_objective_aggregation),
+        )
+
+        def rollouts(draw, count: int, tag: int) -> MeshRollouts:
+            return MeshRollouts(
+                prompts=draw,
+                tokenize=lambda prompts: self._tokenize_prompts(prompts)[0],
+                decode=self._decode_completions,
+                reward_funcs=self.reward_funcs,
+                reward_names=self.reward_func_names,
+                advantages=advantages,
+                rollout=self._rollout_settings(),
+                seq_len=seq_len,
+                rows=count,
+                seed=seed,
+                tag=tag,
+                mask_truncated_completions=bool(args.mask_truncated_completions),
+                reward_kwargs={"trainer_state": self.state},
+            )
+
+        replica_index = min(replica, len(fast) - 1)
+        fast_rollouts = rollouts(lambda step: fast_prompts(step * len(fast) + replica_index)[0], rows, 0)
+        anchor_rollouts = rollouts(lambda index: anchor_prompts(index)[0], anchor_rows, 1)
+        return fast_rollouts, anchor_rollouts, seq_len
+
+    def _decode_completions(self, completion_ids: list[list[int]]) -> list:
+        """As TRL decodes completions for the reward functions: text, or one assistant message where the
+        prompts are conversations."""
+        from trl.data_utils import is_conversational
+
+        texts = self.processing_class.batch_decode(completion_ids, skip_special_tokens=True)
+        if is_conversational({"prompt": self.train_dataset[0]["prompt"]}):
+            return [[{"role": "assistant", "content": text}] for text in texts]
+        return texts
 
     def _set_up_masks(self) -> None:
         """Before the first rollout exists: a composed codec's geometry is fitted on a dense forward of

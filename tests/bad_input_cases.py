@@ -55,7 +55,7 @@ from hf_meshtune.pipeline.generate import RolloutSettings
 from hf_meshtune.pipeline.layout import layer_cache_argument
 from hf_meshtune.rl import PolicyLoss, PolicyLossSettings
 from hf_meshtune.topology import MeshTopology
-from tests.tiny import make_tiny_causal_lm, pattern_dataset, tiny_llama
+from tests.tiny import make_tiny_causal_lm, pattern_dataset, tiny_llama, tiny_word_tokenizer
 
 # ---------------------------------------------------------------------------------------------------
 # The row type
@@ -252,19 +252,9 @@ def truncated_mesh_state(tmp: Path) -> None:
 @functools.cache
 def tiny_model_folder() -> Path:
     """A local model folder: the tiny Llama (max_position_embeddings 64) and a 100-word word-level tokenizer."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     folder = temporary_folder() / "tiny-llama"
     tiny_llama().save_pretrained(folder)
-    vocab = {"[UNK]": 0, "[BOS]": 1, "[EOS]": 2, **{f"w{i}": i for i in range(3, 100)}}
-    core = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    core.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=core, unk_token="[UNK]", bos_token="[BOS]", eos_token="[EOS]", pad_token="[UNK]"
-    )
-    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
-    tokenizer.save_pretrained(folder)
+    tiny_word_tokenizer().save_pretrained(folder)
     return folder
 
 
@@ -770,13 +760,13 @@ def mesh_config_of(name: str, **kwargs: object) -> Callable[[Path], object]:
     return lambda tmp: getattr(hf_meshtune, name)(output_dir=str(tmp / "out"), **kwargs)
 
 
-def grpo_config_on_mesh(name: str) -> Callable[[Path], object]:
-    """A trigger: a GRPO/GSPO config built in a process launched as one of 6."""
+def grpo_config_on_mesh(name: str, **kwargs: object) -> Callable[[Path], object]:
+    """A trigger: a GRPO/GSPO config built in a process launched as one of a 3x2 mesh's 6."""
     import hf_meshtune
 
     def trigger(tmp: Path) -> object:
-        with launched(6, None):
-            return getattr(hf_meshtune, name)(output_dir=str(tmp / "out"))
+        with launched(6, "3x2"):
+            return getattr(hf_meshtune, name)(output_dir=str(tmp / "out"), num_stages=2, **kwargs)
 
     return trigger
 
@@ -795,13 +785,20 @@ def grpo_trainer_with_trl_config(tmp: Path) -> None:
     MeshGRPOTrainer(model=tiny_llama(), reward_funcs=exact_answer_reward, args=config)
 
 
-def grpo_trainer_on_mesh(tmp: Path) -> None:
-    from hf_meshtune import MeshGRPOConfig, MeshGRPOTrainer
-    from hf_meshtune.apps.arithmetic import exact_answer_reward
+def grpo_trainer_on_mesh(reward_funcs: object = None, **kwargs: object) -> Callable[[Path], None]:
+    """A trigger: ``MeshGRPOTrainer`` built on a rank launched as one of a 3x2 mesh's 6 (``reward_funcs``
+    None: the arithmetic reward)."""
 
-    config = MeshGRPOConfig(output_dir=str(tmp / "out"))
-    with launched(6, None):
-        MeshGRPOTrainer(model=tiny_llama(), reward_funcs=exact_answer_reward, args=config)
+    def trigger(tmp: Path) -> None:
+        from hf_meshtune import MeshGRPOConfig, MeshGRPOTrainer
+        from hf_meshtune.apps.arithmetic import exact_answer_reward
+
+        with launched(6, "3x2"):
+            config = MeshGRPOConfig(output_dir=str(tmp / "out"), num_stages=2)
+            funcs = exact_answer_reward if reward_funcs is None else reward_funcs
+            MeshGRPOTrainer(model=tiny_llama(), reward_funcs=funcs, args=config, **kwargs)
+
+    return trigger
 
 
 def sft_trainer_on_mismatched_mesh(tmp: Path) -> None:
@@ -1105,8 +1102,9 @@ GROUP_NOTES: dict[str, str] = {
     CHECKPOINTS: "`trainer.train(resume_from_checkpoint=...)` continues bit-exactly only with the knobs it was saved "
     "with; `mesh_state.pt` must be there. A damaged `mesh_state.pt` is not validated by hf_meshtune: the rows record "
     "what torch or Python raise today.",
-    TRL: "TRL's trainers take only their Mesh config (TRL would silently convert any other); GRPO/GSPO run on one "
-    "process.",
+    TRL: "TRL's trainers take only their Mesh config (TRL would silently convert any other). GRPO/GSPO on the "
+    "distributed mesh checks what it runs on every rank before any rendezvous: at the config (batch shapes, β, "
+    "iterations, loss terms, sampling options) and before TRL's set-up in the trainer (reward functions, tools).",
     PEFT: "`peft_config=` works with `MeshTrainer`, `MeshSFTTrainer` and `MeshGRPOTrainer`; with "
     "`optim=\"spectral_adamw\"` the adapter must train weight matrices (LoRA).",
     ACCELERATE: "`MeshPlugin` validates like `MeshConfig`; a bad value that came from `MESHTUNE_<FIELD>` names the "
@@ -1163,9 +1161,6 @@ _PIPELINE = (
 _NO_DECODER = (
     "is invalid: it must contain an nn.ModuleList of decoder blocks declared in _no_split_modules "
     "(found no _no_split_modules)"
-)
-_GRPO_ONE_PROCESS = (
-    "GRPO/GSPO trains on one process (the distributed X×Y mesh runs supervised objectives: MeshTrainer, MeshSFTTrainer)"
 )
 _SPECTRAL_PEFT = (
     "with optim='spectral_adamw' (the spectral filter acts on weight matrices such as lora_A [r, in] and "
@@ -2321,28 +2316,83 @@ def _cases() -> list[Case]:
         ),
         Case(
             TRL,
-            "MeshGRPOConfig(...) in a launched job (WORLD_SIZE=6)",
-            "`MeshGRPOConfig(...)`",
-            grpo_config_on_mesh("MeshGRPOConfig"),
+            "MeshGRPOConfig(anchor_microbatches=1, num_generations=8) on a launched 3x2 mesh",
+            "`MeshGRPOConfig(...)` on a launched rank",
+            grpo_config_on_mesh(
+                "MeshGRPOConfig",
+                anchor=True,
+                per_device_train_batch_size=4,
+                gradient_accumulation_steps=2,
+                anchor_microbatches=1,
+                num_generations=8,
+            ),
             ValueError,
-            f"WORLD_SIZE='6' is invalid: it must be 1 for MeshGRPOConfig: {_GRPO_ONE_PROCESS}",
+            "num_generations=8 is invalid: it must divide per_device_train_batch_size · anchor_microbatches = 4 on the "
+            "distributed mesh (each replica's step generates whole groups of completions for its own prompts)",
+            note="the fast replicas' rows (per_device_train_batch_size · gradient_accumulation_steps) are checked the "
+            "same way; on one process TRL's own check of the generation batch refuses them first",
         ),
         Case(
             TRL,
-            "MeshGSPOConfig(...) in a launched job (WORLD_SIZE=6)",
-            "`MeshGSPOConfig(...)`",
-            grpo_config_on_mesh("MeshGSPOConfig"),
+            "MeshGRPOConfig(beta=0.04) on a launched 3x2 mesh",
+            "`MeshGRPOConfig(...)` on a launched rank",
+            grpo_config_on_mesh("MeshGRPOConfig", beta=0.04),
             ValueError,
-            f"WORLD_SIZE='6' is invalid: it must be 1 for MeshGSPOConfig: {_GRPO_ONE_PROCESS}",
+            "beta=0.04 is invalid: it must be 0.0 on the distributed mesh (the reference model's log-probabilities "
+            "are not computed there yet)",
         ),
         Case(
             TRL,
-            "MeshGRPOTrainer(...) in a launched job (WORLD_SIZE=6)",
-            "`MeshGRPOTrainer(...)`",
-            grpo_trainer_on_mesh,
+            "MeshGSPOConfig(num_iterations=2) on a launched 3x2 mesh",
+            "`MeshGSPOConfig(...)` on a launched rank",
+            grpo_config_on_mesh("MeshGSPOConfig", num_iterations=2),
             ValueError,
-            "WORLD_SIZE='6' is invalid: it must be 1 for MeshGRPOTrainer: it trains on one process (the "
-            "distributed X×Y mesh runs supervised objectives: MeshTrainer, MeshSFTTrainer)",
+            "num_iterations=2 is invalid: it must be 1 on the distributed mesh (each fast step trains once on "
+            "rollouts it has just generated)",
+        ),
+        Case(
+            TRL,
+            "MeshGRPOConfig(steps_per_generation=4, gradient_accumulation_steps=2) on a launched 3x2 mesh",
+            "`MeshGRPOConfig(...)` on a launched rank",
+            grpo_config_on_mesh("MeshGRPOConfig", steps_per_generation=4, gradient_accumulation_steps=2),
+            ValueError,
+            "steps_per_generation=4 is invalid: it must equal gradient_accumulation_steps = 2 on the distributed mesh "
+            "(a fast step is one generation batch, trained as that many microbatches)",
+        ),
+        Case(
+            TRL,
+            "MeshGRPOConfig(top_entropy_quantile=0.2) on a launched 3x2 mesh",
+            "`MeshGRPOConfig(...)` on a launched rank",
+            grpo_config_on_mesh("MeshGRPOConfig", top_entropy_quantile=0.2),
+            ValueError,
+            "top_entropy_quantile=0.2 is invalid: it must be 1.0 on the mesh (the entropy mask is not applied there)",
+        ),
+        Case(
+            TRL,
+            "MeshGSPOConfig(repetition_penalty=1.2) on a launched 3x2 mesh",
+            "`MeshGSPOConfig(...)` on a launched rank",
+            grpo_config_on_mesh("MeshGSPOConfig", repetition_penalty=1.2),
+            ValueError,
+            "generation_config.repetition_penalty=1.2 is invalid: it must be 1.0 for generation through the pipeline "
+            "(it samples with temperature, top_k, top_p and min_p only)",
+        ),
+        Case(
+            TRL,
+            "MeshGRPOTrainer(reward_funcs='a/reward-model') on a launched 3x2 mesh",
+            "`MeshGRPOTrainer(...)` on a launched rank",
+            grpo_trainer_on_mesh(reward_funcs="a/reward-model"),
+            ValueError,
+            "reward_funcs='a/reward-model' is invalid: it must hold only functions on the distributed mesh (a reward "
+            "model is not run on the last stage yet)",
+        ),
+        Case(
+            TRL,
+            "MeshGRPOTrainer(tools=[...]) on a launched 3x2 mesh",
+            "`MeshGRPOTrainer(...)` on a launched rank",
+            grpo_trainer_on_mesh(tools=[len]),
+            ValueError,
+            "tools='list' is invalid: it must be None on the distributed mesh (its rollouts are single-turn "
+            "generations through the pipeline)",
         ),
         Case(
             TRL,

@@ -116,3 +116,19 @@ def pattern_dataset(n: int = 64, length: int = 16, vocab: int = TINY_VOCAB) -> d
         ids = [(start + t) % (vocab - 3) + 3 for t in range(length)]
         rows.append({"input_ids": ids, "attention_mask": [1] * length, "labels": ids})
     return datasets.Dataset.from_list(rows)
+
+
+def tiny_word_tokenizer():
+    """The tiny models' tokenizer: 100 whitespace-separated words (``[UNK]`` 0, also the pad; ``[BOS]`` 1,
+    ``[EOS]`` 2, ``w3`` … ``w99``), the ids of the tiny Llama's defaults, and a plain chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[UNK]": 0, "[BOS]": 1, "[EOS]": 2, **{f"w{i}": i for i in range(3, TINY_VOCAB)}}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core, unk_token="[UNK]", bos_token="[BOS]", eos_token="[EOS]", pad_token="[UNK]"
+    )
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    return tokenizer

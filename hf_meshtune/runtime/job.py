@@ -182,8 +182,11 @@ def train_on_mesh(trainer, resume_from_checkpoint: bool | str | None = None):
     rank = _join(trainer, topology)
     groups = topology.build_groups(timeout_s=args.ddp_timeout)  # bounds every pipeline and anchor-link transfer
     lighthouse, server = _lighthouse(rank, topology)
-    batches, anchor_batches, seq_len = _mesh_data(trainer, topology, rank)
+    # a trainer may make its own batches and loss (MeshGRPOTrainer: rollouts and TRL's policy loss)
+    mesh_data = getattr(trainer, "_mesh_data", None) or (lambda t, r: _mesh_data(trainer, t, r))
+    batches, anchor_batches, seq_len = mesh_data(topology, rank)
     settings = _run_settings(args, topology, seq_len, lighthouse, checkpoint_every, resume_from)
+    settings.loss = getattr(trainer, "_mesh_loss", None)
     if args.gradient_checkpointing:  # as Trainer.train() does; the stages call the checkpointed layers
         model.gradient_checkpointing_enable(
             gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs or {"use_reentrant": False}
@@ -204,7 +207,9 @@ def _require_memory_budget(trainer, topology: MeshTopology) -> None:
     budget = trainer.args.mesh_config.max_memory_per_stage
     if budget is None:
         return
-    for row in predicted_memory(trainer, topology, _fixed_length(_train_rows(trainer))):
+    length = getattr(trainer, "_mesh_sequence_length", None)
+    seq_len = length() if length is not None else _fixed_length(_train_rows(trainer))
+    for row in predicted_memory(trainer, topology, seq_len):
         parts = ", ".join(f"{k} {row[k]:.3g}" for k in MEMORY_PARTS if row[k] > 0)
         require(
             row["total"] <= budget,

@@ -16,7 +16,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from ..comm.wire import CIRCUITS
+from ..comm.wire import CIRCUITS, ROLLOUT
 from ..ledger import LedgerSettings, compute_ledger, param_shapes_of, settings_from_knobs
 from ..memory_ledger import MemorySettings, predict_memory
 from ..topology import MESH_ENV, MeshTopology
@@ -56,6 +56,9 @@ class MeshResult:
     levels: list[tuple] = field(default_factory=list)
     fidelity: list[dict] = field(default_factory=list)
     memory: dict = field(default_factory=dict)  # bytes by part (``runtime.memory``), counted and measured
+    # last stages of fast replicas: per step, what the batches and the loss logged besides the loss (RL's
+    # rewards, completion lengths, clip ratios) and the step's time split (``time/*_s``)
+    step_metrics: list[dict] = field(default_factory=list)
 
 
 def gather_results(
@@ -89,6 +92,7 @@ def log_history(results: list[MeshResult], summary: dict) -> list[dict]:
     history = [
         {"step": first + i + 1, "loss": statistics.fmean(losses[i] for losses in per_replica)} for i in range(steps)
     ]
+    _step_metric_entries(results, history)
     _governor_entries(results, history, first)
     if history:
         for kind in ("measured", "booked", "wire"):
@@ -97,6 +101,17 @@ def log_history(results: list[MeshResult], summary: dict) -> list[dict]:
         for name, value in summary.get("memory_max_gib", {}).items():  # the largest process's, by part
             history[-1][f"memory/{name}(GiB)"] = value
     return history
+
+
+def _step_metric_entries(results: list[MeshResult], history: list[dict]) -> None:
+    """Each step's other metrics (RL's rewards, lengths, clip ratios, time split), the mean over the fast
+    replicas that logged them, on that step's line under the names TRL logs them by."""
+    per_replica = [r.step_metrics for r in results if r.role == "fast" and r.step_metrics]
+    for i, line in enumerate(history[: min((len(m) for m in per_replica), default=0)]):
+        names = {name for metrics in per_replica for name in metrics[i]}
+        for name in sorted(names):
+            values = [metrics[i][name] for metrics in per_replica if name in metrics[i]]
+            line[name] = statistics.fmean(values)
 
 
 def _governor_entries(results: list[MeshResult], history: list[dict], first: int) -> None:
@@ -204,6 +219,33 @@ def summarize(results: list[MeshResult], topology: MeshTopology, trainer, seq_le
         "memory_gib": memory,  # per process: counted parts, the kernel's peak RSS (runtime.memory)
         "memory_predicted_gib": predicted_memory(trainer, topology, seq_len),  # memory_ledger, per (role, stage)
         "memory_max_gib": {k: max(row[k] for row in memory) for k in _MEMORY_KEYS} if memory else {},
+        **_rollout_summary(results),
+    }
+
+
+def _rollout_summary(results: list[MeshResult]) -> dict:
+    """RL: the ``rollout`` circuit (generation through the pipelines, sent bytes counted from the tensors)
+    per decoded position of the fast replicas (rows × decoding steps), and the fast steps' mean time split."""
+    fast = [r for r in results if r.role == "fast"]
+    metrics = [m for r in fast for m in r.step_metrics]
+    sent = {role: sum(r.wire["sent"].get(ROLLOUT, 0) for r in results if r.role == role) for role in ("fast", "anchor")}
+    if not sent["fast"] and not sent["anchor"]:
+        return {}
+    decoded = sum(m.get("rollout/decoded_tokens", 0.0) for m in metrics)
+
+    def mean(name: str) -> float | None:
+        values = [m[name] for m in metrics if name in m]
+        return statistics.fmean(values) if values else None
+
+    return {
+        "rollout_bytes": sent,  # every process's sends on the rollout circuit, by role
+        "rollout_decoded_tokens": decoded,
+        "rollout_bytes_per_decoded_token": sent["fast"] / decoded if decoded else None,
+        "step_time_split_s": {
+            "rollout": mean("time/rollout_s"),
+            "pipeline": mean("time/pipeline_s"),
+            "update_and_sync": mean("time/update_s"),
+        },
     }
 
 

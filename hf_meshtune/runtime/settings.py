@@ -18,6 +18,9 @@ from ..dp.baselines import DP_MODES
 
 __all__ = ["Batches", "RunSettings", "StageCallback", "StageView"]
 
+# step → (input ids, target) of a replica's step. Every stage of the replica calls it at the same point of
+# the step, so it may itself talk to the other stages (RL's rollouts do); one with ``bind(worker)`` is given
+# the stage's worker first, and one with ``pop_metrics()`` adds its metrics to the last stage's step log
 Batches = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -85,6 +88,9 @@ class RunSettings:
     checkpoint_every: int | None = None
     checkpoint_keep: int | None = None
     resume_from: str | None = None
+    # the last stage's loss of a step of ``microbatches``: (model, microbatches) → loss(output, target);
+    # None = the causal LM loss on labels. RL gives ``rl.loss.PolicyLoss`` (its target is the packed rollouts)
+    loss: Callable[[object, int], Callable] | None = None
 
     def __post_init__(self) -> None:
         for name in ("microbatch_size", "microbatches", "seq_len", "max_steps", "log_every"):

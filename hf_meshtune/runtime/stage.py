@@ -47,6 +47,9 @@ class StageWorker:
         first = next(self.module.parameters())
         self.device, self.dtype = first.device, first.dtype
         self.microbatches = microbatches
+        self.loss_fn = settings.loss(model, microbatches) if settings.loss is not None else causal_lm_loss(model)
+        if hasattr(batches, "bind"):  # batches made through this replica's stages (RL's rollouts)
+            batches.bind(self)
         self.build_pipe()
         self.fragments = stage_fragments(self.module, settings.config.dp_fragments)
         self.matrices = anchor_matrices(model, self.module)
@@ -70,7 +73,7 @@ class StageWorker:
             wire=self.wire,
             anchor=self.role == "anchor",
         )
-        self.schedule = build_schedule(self.pipe, self.microbatches, causal_lm_loss(self.model))
+        self.schedule = build_schedule(self.pipe, self.microbatches, self.loss_fn)
 
     def _hold_only_this_stage(self) -> None:
         """Give back every tensor of the model this process's stage does not hold (a model loaded per

@@ -68,6 +68,7 @@ class FastWorker(StageWorker):
         self.geometry = self._setup_geometry_link()
         self.levels = self._setup_level_link()
         self._step = 0
+        self._step_metrics: dict = {}
         self._healed_to: int | None = None
         self._dp_bytes_at_last_sync = 0.0
         if settings.resume_from is not None:
@@ -332,8 +333,11 @@ class FastWorker(StageWorker):
 
     def _train_step(self, step: int) -> tuple[int, float | None]:
         self.module.step = step
+        start = time.perf_counter()
         ids, labels = (t.to(self.device) for t in self.batches(step))
+        batched = time.perf_counter()
         loss = self.pipeline_step(ids, labels)
+        trained = time.perf_counter()
         if self.gradient_sync is not None:
             self.gradient_sync.sync()
             self._count_dp_sync()
@@ -346,7 +350,21 @@ class FastWorker(StageWorker):
         if self.scheduler is not None:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self._step_metrics = self._collect_metrics(batched - start, trained - batched, time.perf_counter() - trained)
         return step, loss
+
+    def _collect_metrics(self, batches_s: float, pipeline_s: float, update_s: float) -> dict:
+        """What the batches and the loss logged this step (RL: rewards, lengths, clip ratios; emptied on every
+        stage), kept on the last stage with the step's time split: making the batches (RL: the rollouts),
+        the pipeline's forward/backward, and the update (clipping, the anchor's gradients, the optimizer
+        step with DiLoCo's sync in its hook)."""
+        sources = [source for source in (self.batches, self.loss_fn) if hasattr(source, "pop_metrics")]
+        metrics = {}
+        for source in sources:
+            metrics.update(source.pop_metrics())
+        if not sources or self.stage != self.topology.stages - 1:
+            return {}
+        return {**metrics, "time/batches_s": batches_s, "time/pipeline_s": pipeline_s, "time/update_s": update_s}
 
     def run(self) -> MeshResult:
         s, cfg = self.settings, self.settings.config
@@ -383,10 +401,11 @@ class FastWorker(StageWorker):
         if loss is None:
             return
         self.result.losses.append(loss)
+        if self._step_metrics:
+            self.result.step_metrics.append(self._step_metrics)
         if logging and s.log is not None and self._step % s.log_every == 0:
-            s.log(
-                {"step": self._step, "loss": loss, "lr": self.optimizer.param_groups[0]["lr"], "step_seconds": seconds}
-            )
+            lr = self.optimizer.param_groups[0]["lr"]
+            s.log({"step": self._step, "loss": loss, "lr": lr, "step_seconds": seconds, **self._step_metrics})
 
     def _finish_fast(self) -> MeshResult:
         if self.anchor is not None:

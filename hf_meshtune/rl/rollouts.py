@@ -1,0 +1,306 @@
+"""A replica's RL batches on the mesh: prompts → rollouts through its pipeline → rewards → advantages.
+
+On the mesh a replica's step reads ``batches(step)`` on every stage at once, so for GRPO/GSPO that call
+is where the step's rollouts are made (``MeshRollouts``), as TRL's ``_generate_and_score_completions``
+makes them on one process:
+
+1. every stage draws the step's prompts itself (a pure function of seed, replica and step, so no stage
+   waits for another to learn them), repeats each ``num_generations`` times in a row (TRL's
+   ``RepeatSampler``) and tokenizes them with TRL's own ``_tokenize_prompts`` (chat template for
+   conversational prompts), left-padded;
+2. the completions come from ``pipeline.generate.pipelined_generate``: dense, each stage with the KV
+   cache of its own layers, the last stage sampling with TRL's settings from a generator seeded by
+   (seed, replica, step); the mask keeps each row up to and including its first EOS, as TRL's does;
+3. the last stage (which holds the tokenizer and every column of the prompts' rows) decodes them and
+   calls TRL's reward functions with TRL's arguments, weights them and turns them into group advantages
+   (``group_advantages``: TRL's formula, ``scale_rewards`` and ``multi_objective_aggregation``);
+4. every stage packs the batch as ``rl.loss.pack_rollouts`` does: stage 0 feeds the ids, the last stage
+   the loss target. Middle stages need neither; packing is cheap, so all run the same code.
+
+π_old is the training forward's own detached log-probability (one iteration per generation), so the
+importance ratio is 1 at the point of the step and its gradient is the policy's; the codec sits in the
+same forward that is differentiated, not between π_old and π_θ. π_ref (β > 0) is not computed here.
+
+The step's outcome is cached, so a second call for the same step (the codecs' calibration reads step 0
+before training step 0) returns it without generating again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from trl.trainer.utils import nanstd
+
+from .._validation import require
+from ..boundary.masking import stable_seed
+from ..pipeline.generate import RolloutSettings, pipelined_generate
+from .loss import pack_rollouts
+
+__all__ = ["AdvantageSettings", "MeshRollouts", "completion_mask", "group_advantages"]
+
+
+@dataclass(frozen=True)
+class AdvantageSettings:
+    """How TRL turns rewards into advantages (``GRPOConfig`` names them the same way)."""
+
+    num_generations: int
+    weights: tuple[float, ...]
+    scale_rewards: str = "group"
+    multi_objective_aggregation: str = "sum_then_normalize"
+
+    def __post_init__(self) -> None:
+        require(self.num_generations >= 2, "num_generations", self.num_generations, "be >= 2 (a group needs peers)")
+        require(
+            self.scale_rewards in ("group", "batch", "none"),
+            "scale_rewards",
+            self.scale_rewards,
+            "be one of ['group', 'batch', 'none']",
+        )
+        require(
+            self.multi_objective_aggregation in ("sum_then_normalize", "normalize_then_sum"),
+            "multi_objective_aggregation",
+            self.multi_objective_aggregation,
+            "be 'sum_then_normalize' or 'normalize_then_sum'",
+        )
+
+
+def group_advantages(rewards_per_func: torch.Tensor, settings: AdvantageSettings) -> tuple[torch.Tensor, torch.Tensor]:
+    """TRL's advantages of a batch whose rows come in groups of ``num_generations`` (one prompt each):
+    ``rewards_per_func`` [B, F] (NaN where a function returned None) → (advantages [B], the weighted reward
+    [B] as TRL logs it, NaN for a row no function scored). A transcription of
+    ``GRPOTrainer._generate_and_score_completions``."""
+    weights = torch.tensor(settings.weights, dtype=torch.float32)
+    g = settings.num_generations
+    unscorable = torch.isnan(rewards_per_func).all(dim=1)
+    if settings.multi_objective_aggregation == "sum_then_normalize":
+        rewards = (rewards_per_func * weights.unsqueeze(0)).nansum(dim=1)
+        rewards[unscorable] = torch.nan
+        mean = torch.nanmean(rewards.view(-1, g), dim=1).repeat_interleave(g, dim=0)
+        if settings.scale_rewards == "batch":
+            std = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
+        else:
+            std = nanstd(rewards.view(-1, g), dim=1).repeat_interleave(g, dim=0)
+        advantages = rewards - mean
+        if settings.scale_rewards != "none":
+            advantages = advantages / (std + 1e-4)
+    else:
+        grouped = rewards_per_func.view(-1, g, rewards_per_func.shape[1])
+        scaled = (grouped - torch.nanmean(grouped, dim=1, keepdim=True)) / (nanstd(grouped, dim=1, keepdim=True) + 1e-4)
+        rewards = (scaled.view(-1, rewards_per_func.shape[1]) * weights.unsqueeze(0)).nansum(dim=1)
+        rewards[unscorable] = torch.nan
+        std = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
+        advantages = (rewards - torch.nanmean(rewards)) / (std + 1e-4)
+    logged = (rewards_per_func * weights.unsqueeze(0)).nansum(dim=1)
+    logged[unscorable] = torch.nan
+    return torch.nan_to_num(advantages, nan=0.0), logged
+
+
+def completion_mask(completion_ids: torch.Tensor, eos_token_ids: Sequence[int]) -> torch.Tensor:
+    """1 up to and including each row's first end-of-sequence token, 0 after it (TRL's rule)."""
+    is_eos = torch.isin(completion_ids, torch.tensor(list(eos_token_ids), dtype=torch.long))
+    first = torch.full((is_eos.size(0),), is_eos.size(1), dtype=torch.long)
+    ended = is_eos.any(dim=1)
+    first[ended] = is_eos.int().argmax(dim=1)[ended]
+    return (torch.arange(is_eos.size(1)).expand_as(is_eos) <= first.unsqueeze(1)).long()
+
+
+class MeshRollouts:
+    """``batches(step)`` of a GRPO/GSPO replica on the mesh (module docstring): ``(ids [B, T], target [B, T, 6])``.
+
+    Args:
+        prompts: step → the step's dataset rows (dicts with a ``prompt``), ``B / num_generations`` of them.
+        tokenize: prompts → their token ids (lists), as TRL tokenizes them for generation.
+        decode: completion token lists → what the reward functions receive as ``completions``.
+        reward_funcs, reward_names: TRL's reward functions (callables, sync or async) and their log names.
+        advantages: how rewards become advantages.
+        rollout: what to sample (``pipeline.generate.RolloutSettings``).
+        seq_len: T, the longest prompt plus ``max_new_tokens``.
+        rows: B, the rows of a step.
+        seed, tag: with the replica and the step, the seed of the last stage's draws.
+        mask_truncated_completions: TRL's option: a row that never ended counts nothing in the loss.
+        reward_kwargs: extra keyword arguments every reward function receives (TRL's ``trainer_state``).
+    """
+
+    def __init__(
+        self,
+        *,
+        prompts: Callable[[int], list[dict]],
+        tokenize: Callable[[list], list[list[int]]],
+        decode: Callable[[list[list[int]]], list],
+        reward_funcs: Sequence[Callable],
+        reward_names: Sequence[str],
+        advantages: AdvantageSettings,
+        rollout: RolloutSettings,
+        seq_len: int,
+        rows: int,
+        seed: int,
+        tag: int,
+        mask_truncated_completions: bool = False,
+        reward_kwargs: dict | None = None,
+    ) -> None:
+        g = advantages.num_generations
+        require(
+            rows % g == 0,
+            "num_generations",
+            g,
+            f"divide the rows a replica trains on per step ({rows} = per_device_train_batch_size · "
+            "gradient_accumulation_steps; the anchor: · anchor_microbatches): every prompt's group lies in one replica",
+        )
+        names = list(reward_names)
+        require(len(reward_funcs) == len(names), "reward_names", names, "name every reward function")
+        require(
+            len(advantages.weights) == len(reward_funcs),
+            "reward_weights",
+            list(advantages.weights),
+            f"hold one weight per reward function ({len(reward_funcs)})",
+        )
+        self.prompts, self.tokenize, self.decode = prompts, tokenize, decode
+        self.reward_funcs, self.reward_names = list(reward_funcs), list(reward_names)
+        self.advantages, self.rollout = advantages, rollout
+        self.seq_len, self.rows, self.seed, self.tag = seq_len, rows, seed, tag
+        self.mask_truncated_completions = mask_truncated_completions
+        self.reward_kwargs = dict(reward_kwargs or {})
+        self.metrics: dict[str, list[float]] = defaultdict(list)
+        self._cached: tuple[int, tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.module = self.wire = self.group = None
+        self.stage_ranks: list[int] = []
+        self.replica = 0
+
+    def bind(self, worker) -> None:
+        """Generate through ``worker``'s stage: its module, Wire and replica's pipeline group."""
+        topology, replica = worker.topology, worker.replica
+        self.module, self.wire, self.group, self.replica = worker.module, worker.wire, worker.groups.pp_group, replica
+        self.stage_ranks = [topology.process_rank(topology.rank(replica, s)) for s in range(topology.stages)]
+
+    def __call__(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._cached is None or self._cached[0] != step:
+            self._cached = (step, self._make(step))
+        return self._cached[1]
+
+    def pop_metrics(self) -> dict[str, float]:
+        """The means of what the steps since the last call logged (TRL's names), then clears them."""
+        out = {name: sum(values) / len(values) for name, values in self.metrics.items() if values}
+        self.metrics.clear()
+        return out
+
+    # --- one step ---------------------------------------------------------------------------------
+    def _make(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        require(self.module is not None, "MeshRollouts", None, "be bound to a stage (bind(worker)) before use")
+        rows = self._rows(step)
+        prompt_ids, prompt_mask = self._prompt_tensors([row["prompt"] for row in rows])
+        start = time.perf_counter()
+        completions = self._generate(step, prompt_ids, prompt_mask)
+        self.metrics["time/rollout_s"].append(time.perf_counter() - start)
+        full = completion_mask(completions, self.rollout.eos_token_ids)
+        # TRL's "ended": the row's last kept token is an end-of-sequence or the pad token
+        last = completions.gather(1, (full.sum(1) - 1).unsqueeze(1)).squeeze(1)
+        ended = torch.isin(last, torch.tensor([*self.rollout.eos_token_ids, self.rollout.pad_token_id]))
+        mask = full * ended.long().unsqueeze(1) if self.mask_truncated_completions else full
+        advantages = torch.zeros(len(rows))
+        if self.module.stage == self.module.num_stages - 1:
+            advantages = self._score(rows, completions, full, mask, ended)
+        return pack_rollouts(
+            prompt_ids, prompt_mask, completions, mask, advantages, self.seq_len, self.rollout.pad_token_id
+        )
+
+    def _generate(self, step: int, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:
+        """The step's completions [B, n] on every stage, sampled by the last from a per-(replica, step) seed."""
+        generator = None
+        if self.rollout.do_sample:
+            generator = torch.Generator(device=next(self.module.parameters()).device)
+            generator.manual_seed(stable_seed(b"meshtune-rollout", self.seed, self.tag, self.replica, step))
+        first = self.module.stage == 0
+        completions = pipelined_generate(
+            self.module,
+            self.wire,
+            self.stage_ranks,
+            self.rollout,
+            prompt_ids if first else None,
+            prompt_mask if first else None,
+            group=self.group,
+            generator=generator,
+        )
+        return completions.cpu()
+
+    def _rows(self, step: int) -> list[dict]:
+        prompts = self.prompts(step)
+        g = self.advantages.num_generations
+        require(
+            len(prompts) * g == self.rows,
+            "prompts per step",
+            len(prompts),
+            f"be rows / num_generations = {self.rows // g}",
+        )
+        return [dict(row) for row in prompts for _ in range(g)]
+
+    def _prompt_tensors(self, prompts: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """Left-padded prompt ids and their mask, as TRL pads them for generation."""
+        ids = self.tokenize(prompts)
+        longest = max(len(row) for row in ids)
+        out = torch.full((len(ids), longest), self.rollout.pad_token_id, dtype=torch.long)
+        mask = torch.zeros(len(ids), longest, dtype=torch.long)
+        for i, row in enumerate(ids):
+            if row:
+                out[i, longest - len(row) :] = torch.tensor(row, dtype=torch.long)
+                mask[i, longest - len(row) :] = 1
+        return out, mask
+
+    def _score(self, rows: list[dict], completions, full, mask, ended) -> torch.Tensor:
+        """The last stage: TRL's reward calls, weights and advantages; the step's reward and length metrics."""
+        kept = [ids[m.bool()].tolist() for ids, m in zip(completions, full)]
+        texts = self.decode(kept)
+        prompts = [row["prompt"] for row in rows]
+        columns = {key: [row[key] for row in rows] for key in rows[0] if key not in ("prompt", "completion")}
+        kwargs = {**columns, **self.reward_kwargs, "log_metric": self._log_metric, "log_extra": _ignore}
+        per_func = torch.zeros(len(rows), len(self.reward_funcs))
+        for i, (func, name) in enumerate(zip(self.reward_funcs, self.reward_names)):
+            out = func(prompts=prompts, completions=texts, completion_ids=kept, **kwargs)
+            if inspect.isawaitable(out):
+                out = asyncio.run(_awaited(out))
+            out = [torch.nan if value is None else value for value in out]
+            require(
+                len(out) == len(rows),
+                f"reward function {name!r}",
+                f"{len(out)} rewards",
+                f"return one reward per completion ({len(rows)})",
+            )
+            per_func[:, i] = torch.tensor(out, dtype=torch.float32)
+        advantages, rewards = group_advantages(per_func, self.advantages)
+        self._record(per_func, rewards, mask, ended, torch.tensor([len(k) for k in kept], dtype=torch.float32))
+        return advantages
+
+    def _log_metric(self, name: str, value: float) -> None:
+        self.metrics[name].append(float(value))
+
+    def _record(self, per_func, rewards, mask, ended, lengths) -> None:
+        g = self.advantages.num_generations
+        for i, name in enumerate(self.reward_names):
+            self.metrics[f"rewards/{name}/mean"].append(float(torch.nanmean(per_func[:, i])))
+            self.metrics[f"rewards/{name}/std"].append(float(nanstd(per_func[:, i])))
+        self.metrics["reward"].append(float(torch.nanmean(rewards)))
+        self.metrics["reward_std"].append(float(nanstd(rewards)))
+        group_std = nanstd(rewards.view(-1, g), dim=1)
+        self.metrics["frac_reward_zero_std"].append(float(torch.isclose(group_std, torch.zeros(())).float().mean()))
+        self.metrics["completions/mean_length"].append(float(lengths.mean()))
+        self.metrics["completions/min_length"].append(float(lengths.min()))
+        self.metrics["completions/max_length"].append(float(lengths.max()))
+        self.metrics["completions/clipped_ratio"].append(float((~ended).float().mean()))
+        terminated = lengths[ended]
+        if terminated.numel():
+            self.metrics["completions/mean_terminated_length"].append(float(terminated.mean()))
+        self.metrics["num_tokens"].append(float(mask.sum()))
+        self.metrics["rollout/decoded_tokens"].append(float(mask.shape[0] * mask.shape[1]))
+
+
+async def _awaited(value):
+    return await value
+
+
+def _ignore(*args, **kwargs) -> None:
+    """TRL's ``log_extra`` (extra columns of the completions table): the mesh keeps no such table."""

@@ -1,0 +1,194 @@
+"""GRPO/GSPO on the distributed mesh (``rl.rollouts``, ``MeshGRPOTrainer`` launched on X·Y processes).
+
+The pieces have their own equivalence tests: generation through the stages against ``generate()``
+(``test_generate``), the policy loss against TRL's (``test_rl_loss``). Here: the advantages against TRL's
+own computation, one mesh step against single-process TRL on the same completions, and a 3×2 run with the
+anchor whose reward rises.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+from trl import GRPOTrainer
+
+from hf_meshtune import MeshGRPOTrainer, MeshGSPOConfig
+from hf_meshtune.rl.rollouts import AdvantageSettings, completion_mask, group_advantages
+from tests.distributed import mesh_launch
+from tests.scripts.mesh_grpo import MAX_COMPLETION, fixed_completion, low_ids_reward, prompts
+from tests.tiny import make_tiny_causal_lm, tiny_word_tokenizer
+
+pytestmark = pytest.mark.usefixtures("single_thread_torch")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "tests", "scripts", "mesh_grpo.py")
+STEP = dict(
+    per_device_train_batch_size=4,
+    gradient_accumulation_steps=2,
+    num_generations=4,
+    max_completion_length=MAX_COMPLETION,
+    logging_steps=1,
+    report_to="none",
+    use_cpu=True,
+    save_strategy="no",
+    seed=0,
+)
+
+
+def _flags(values: dict) -> list[str]:
+    return [part for name, value in values.items() for part in (f"--{name}", str(value))]
+
+
+def _fixed_generation(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+    """TRL's ``_generate_single_turn`` replaced: the completions the mesh test script gives its stages."""
+    return [fixed_completion(list(p), i % self.num_generations) for i, p in enumerate(prompt_ids)], None
+
+
+# --- advantages -------------------------------------------------------------------------------------
+def _trl_advantages(tmp_path, rewards: list[list[float | None]], **knobs) -> torch.Tensor:
+    """TRL's ``_generate_and_score_completions`` on 2 prompts × 4 known completions, the reward functions
+    returning ``rewards`` (one column per function); its advantages."""
+    columns = list(zip(*rewards))
+    funcs = [lambda completions, _c=c, **kw: list(_c) for c in columns]
+    for i, func in enumerate(funcs):
+        func.__name__ = f"r{i}"
+    args = MeshGSPOConfig(str(tmp_path / "trl"), anchor=False, mask_ratio=0.0, optim="adamw_torch", **STEP, **knobs)
+    trainer = MeshGRPOTrainer(
+        model=make_tiny_causal_lm("llama"),
+        reward_funcs=funcs,
+        args=args,
+        train_dataset=prompts(2),
+        processing_class=tiny_word_tokenizer(),
+    )
+    inputs = [dict(row) for row in prompts(2) for _ in range(4)]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(GRPOTrainer, "_generate_single_turn", _fixed_generation)
+        trainer.model.eval()
+        return trainer._generate_and_score_completions(inputs)["advantages"].float()
+
+
+ADVANTAGE_CASES = [
+    dict(),
+    dict(scale_rewards="batch"),
+    dict(scale_rewards="none"),
+    dict(multi_objective_aggregation="normalize_then_sum", reward_weights=[1.0, 0.5]),
+    dict(reward_weights=[2.0, -1.0]),
+]
+
+
+@pytest.mark.parametrize(
+    "knobs", ADVANTAGE_CASES, ids=lambda k: ",".join(f"{a}={b}" for a, b in k.items()) or "default"
+)
+def test_group_advantages_are_trls(tmp_path, knobs):
+    """Two reward functions over two groups of four, one row unscored by both and one by one of them."""
+    rewards = [[1.0, 0.2], [0.0, None], [0.5, 0.7], [None, None], [2.0, 1.0], [2.0, 1.0], [2.0, 1.0], [0.0, 3.0]]
+    want = _trl_advantages(tmp_path, rewards, **knobs)
+    per_func = torch.tensor([[torch.nan if v is None else v for v in row] for row in rewards])
+    settings = AdvantageSettings(
+        num_generations=4,
+        weights=tuple(knobs.get("reward_weights", [1.0, 1.0])),
+        scale_rewards=knobs.get("scale_rewards", "group"),
+        multi_objective_aggregation=knobs.get("multi_objective_aggregation", "sum_then_normalize"),
+    )
+    got, _ = group_advantages(per_func, settings)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    assert got.abs().max() > 0.1
+
+
+def test_the_completion_mask_keeps_each_row_to_its_first_eos():
+    ids = torch.tensor([[5, 2, 7, 2], [5, 6, 7, 8], [2, 0, 0, 0]])
+    assert completion_mask(ids, [2]).tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]]
+    assert completion_mask(ids, [7, 2]).tolist() == [[1, 1, 0, 0], [1, 1, 1, 0], [1, 0, 0, 0]]
+
+
+# --- one step: the mesh against single-process TRL ------------------------------------------------------
+def _single_process_step(tmp_path, knobs: dict) -> tuple[torch.nn.Module, dict]:
+    args = MeshGSPOConfig(str(tmp_path / "single"), **{**STEP, **knobs})
+    model = make_tiny_causal_lm("llama", hidden=32, layers=4)
+    trainer = MeshGRPOTrainer(
+        model=model,
+        reward_funcs=low_ids_reward,
+        args=args,
+        train_dataset=prompts(2),
+        processing_class=tiny_word_tokenizer(),
+    )
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(GRPOTrainer, "_generate_single_turn", _fixed_generation)
+        trainer.train()
+    return trainer.model, next(e for e in trainer.state.log_history if "reward" in e)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_one_gspo_step_on_a_two_stage_mesh_is_single_process_trls_on_the_same_rollouts(tmp_path, loss_type):
+    """Y = 2, one fast replica, codec off, the same known completions on both sides: the mesh's reward,
+    loss and updated parameters equal single-process MeshGRPOTrainer's (TRL's loop). Adam's ε = 1 makes
+    the first update ≈ lr·g (not lr·sign(g)), so equal parameters mean equal gradients; tolerance 1e-7
+    on parameters moved by up to ~1e-3."""
+    knobs = dict(
+        max_steps=1,
+        learning_rate=1e-2,
+        adam_epsilon=1.0,
+        max_grad_norm=0.0,
+        weight_decay=0.0,
+        lr_scheduler_type="constant",
+        anchor=False,
+        mask_ratio=0.0,
+        optim="adamw_torch",
+        num_stages=2,
+        loss_type=loss_type,
+    )
+    out = tmp_path / "mesh"
+    env = {**os.environ, "PYTHONPATH": ROOT, "RUST_LOG": "warn", "MESHTUNE_TEST_FIXED_COMPLETIONS": "1"}
+    command = [*mesh_launch("1x2"), SCRIPT, "--output_dir", str(out), *_flags({**STEP, **knobs})]
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=400, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    mesh = AutoModelForCausalLM.from_pretrained(out)
+    mesh_log = json.loads((out / "trainer_state.json").read_text())["log_history"][0]
+
+    single, single_log = _single_process_step(tmp_path, knobs)
+    start = make_tiny_causal_lm("llama", hidden=32, layers=4).state_dict()
+    moved = 0.0
+    for name, param in single.state_dict().items():
+        torch.testing.assert_close(mesh.state_dict()[name], param, rtol=0, atol=1e-7, msg=name)
+        moved = max(moved, float((param - start[name]).abs().max()))
+    assert moved > 1e-4  # the step did move the parameters
+    assert mesh_log["reward"] == pytest.approx(single_log["reward"], abs=1e-6)
+    assert mesh_log["rewards/low_ids_reward/mean"] == pytest.approx(single_log["rewards/low_ids_reward/mean"], abs=1e-6)
+    assert mesh_log["loss"] == pytest.approx(single_log["loss"], abs=1e-5)
+    assert mesh_log["completions/mean_length"] == pytest.approx(single_log["completions/mean_length"])
+
+
+# --- a real run -------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_a_3x2_gspo_run_with_the_anchor_raises_its_reward(tmp_path):
+    """Two fast replicas (the default codec, DiLoCo) and the anchor replica, 30 steps on the low-ids task:
+    each replica samples its own rollouts through its pipeline, the anchor samples its own, and the logged
+    reward rises from about one half."""
+    out = tmp_path / "gspo"
+    knobs = dict(
+        max_steps=30,
+        learning_rate=1e-2,
+        lr_scheduler_type="constant",
+        num_stages=2,
+        anchor=True,
+    )
+    env = {**os.environ, "PYTHONPATH": ROOT, "RUST_LOG": "warn"}
+    command = [*mesh_launch("3x2"), SCRIPT, "--output_dir", str(out), *_flags({**STEP, **knobs})]
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rewards = json.loads((out / "rewards.json").read_text())
+    assert len(rewards) == 30
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    assert first < 0.65 and last > first + 0.15, rewards
+    summary = json.loads((out / "mesh_summary.json").read_text())
+    assert summary["anchor_rounds"] >= 1 and summary["anchor_arrivals"] >= 1
+    assert summary["rollout_bytes"]["fast"] > 0 and summary["rollout_bytes"]["anchor"] > 0
+    # per decoded position and boundary: the new token's hidden state (H = 32 fp32) at least
+    assert summary["rollout_bytes_per_decoded_token"] >= 32 * 4
+    assert set(summary["step_time_split_s"]) == {"rollout", "pipeline", "update_and_sync"}
