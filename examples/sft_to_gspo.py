@@ -1,12 +1,16 @@
 """From SFT into RL: MeshSFTTrainer (LoRA optional) → save → GSPO with MeshGRPOTrainer → save.
 
     python examples/sft_to_gspo.py --output_dir runs/chain --use_peft --sft_steps 60 --gspo_steps 30 -- --num_stages 4
+    python examples/sft_to_gspo.py --output_dir runs/chain-mesh --use_peft --mesh 3x2 -- --anchor true
 
 Step 1 runs `recipes/sft.py --dataset arithmetic` (answers "The answer is N."), step 2 runs
 `recipes/gspo.py` from what step 1 saved (a LoRA adapter is merged into its base first) with the
 exact-answer reward. Flags after `--` go to both recipes (mesh knobs, TrainingArguments: `--mask_ratio`,
 `--num_stages`, `--report_to`, ...). Prints greedy exact-match accuracy on 64 held-out problems for
 the base model, after SFT and after GSPO, and writes them to OUTPUT_DIR/chain.json.
+
+With `--mesh XxY` both recipes run on a launched X×Y mesh (`meshtune launch`, one launch each, `--cpu`
+where no GPU is present, `--num_stages Y` added): SFT, then GSPO from what SFT saved, on the same mesh.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import argparse
 import importlib.util
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -40,14 +45,19 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--gspo_lr", type=float, default=2e-5)
     parser.add_argument("--num_generations", type=int, default=8)
     parser.add_argument("--eval_items", type=int, default=64)
+    parser.add_argument("--mesh", default=None, help="XxY: run both recipes on a launched X×Y mesh")
     argv = sys.argv[1:] if argv is None else argv
     split = argv.index("--") if "--" in argv else len(argv)
     args, shared = parser.parse_args(argv[:split]), argv[split + 1 :]
     model = ["--model_name_or_path", args.model_name_or_path] if args.model_name_or_path else []
     peft = ["--use_peft", "--lora_target_modules", "all-linear"] if args.use_peft else []
     sft_dir, gspo_dir = os.path.join(args.output_dir, "sft"), os.path.join(args.output_dir, "gspo")
+    if args.mesh and "--num_stages" not in shared:
+        shared = [*shared, "--num_stages", args.mesh.lower().split("x")[1]]
 
-    sft_metrics = _recipe("sft").main(
+    sft_metrics = _run(
+        "sft",
+        args.mesh,
         [
             "--output_dir",
             sft_dir,
@@ -66,9 +76,11 @@ def main(argv: list[str] | None = None) -> dict:
             *model,
             *peft,
             *shared,
-        ]
+        ],
     )
-    gspo_metrics = _recipe("gspo").main(
+    gspo_metrics = _run(
+        "gspo",
+        args.mesh,
         [
             "--output_dir",
             gspo_dir,
@@ -90,7 +102,7 @@ def main(argv: list[str] | None = None) -> dict:
             "no",
             *peft,
             *shared,
-        ]
+        ],
     )
     base = _base_accuracy(args.model_name_or_path, args.eval_items)
     result = {
@@ -105,6 +117,23 @@ def main(argv: list[str] | None = None) -> dict:
     with open(os.path.join(args.output_dir, "chain.json"), "w") as handle:
         json.dump({**result, "argv": argv}, handle, indent=2)
     return result
+
+
+def _run(name: str, mesh: str | None, argv: list[str]) -> dict:
+    """Recipe ``name``'s metrics: run here, or on a launched mesh and read back from what its first
+    process wrote (SFT: the eval loss in trainer_state.json; GSPO: gspo_results.json)."""
+    if mesh is None:
+        return _recipe(name).main(argv)
+    import torch
+
+    cpu = [] if torch.cuda.is_available() else ["--cpu"]
+    launch = [sys.executable, "-m", "hf_meshtune.cli", "launch", "--mesh", mesh, *cpu, "--"]
+    subprocess.run([*launch, str(ROOT / "recipes" / f"{name}.py"), *argv], check=True)
+    out = Path(argv[argv.index("--output_dir") + 1])
+    if name == "gspo":
+        return json.loads((out / "gspo_results.json").read_text())
+    history = json.loads((out / "trainer_state.json").read_text())["log_history"]
+    return {"eval_loss": next(e["eval_loss"] for e in reversed(history) if "eval_loss" in e)}
 
 
 def _base_accuracy(path: str | None, count: int) -> float:

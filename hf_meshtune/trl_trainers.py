@@ -23,7 +23,8 @@ pipeline (``rl.rollouts``: dense, each stage with its own KV cache), its last st
 reward functions and trains on them through the compressed boundaries with TRL's loss (``rl.loss``);
 DiLoCo syncs the fast replicas and the anchor replica takes dense gradients on rollouts it samples itself.
 There π_old is the training forward's own detached log-probability (one iteration per generation batch) and
-β must be 0; ``MeshGRPOConfig`` refuses the rest on every rank before any rendezvous.
+π_ref (β > 0) one dense no-grad pass through the stages with the reference weights; ``MeshGRPOConfig``
+refuses what the mesh does not run on every rank before any rendezvous.
 
 GSPO (Zheng et al., 2025) is GRPO with sequence-level importance ratios:
 ``MeshGRPOConfig(importance_sampling_level="sequence", loss_type="grpo")``, i.e. ``MeshGSPOConfig``.
@@ -43,7 +44,7 @@ from .anchor.batches import AnchorBatches
 from .config import SPECTRAL_ADAMW, MeshArguments, composed_codec
 from .pipeline.generate import RolloutSettings
 from .rl.loss import PolicyLoss, PolicyLossSettings
-from .rl.rollouts import AdvantageSettings, MeshRollouts
+from .rl.rollouts import REFERENCE_ADAPTER, AdvantageSettings, MeshRollouts
 from .runtime.job import is_distributed_job
 from .trainer import MeshTrainerMixin
 
@@ -141,10 +142,10 @@ class MeshGRPOConfig(MeshArguments, GRPOConfig):
             "fast step is one generation batch, trained as that many microbatches)",
         )
         require(
-            self.beta == 0.0,
-            "beta",
-            self.beta,
-            "be 0.0 on the distributed mesh (the reference model's log-probabilities are not computed there yet)",
+            not self.sync_ref_model,
+            "sync_ref_model",
+            self.sync_ref_model,
+            "be False on the distributed mesh (each stage keeps its own layers of the reference model, never synced)",
         )
         PolicyLossSettings.from_grpo_config(self)  # refuses, by name, a loss term the mesh does not compute
         # refuses, by name, a sampling option the pipeline does not apply (the tokens are TRL's own, set later)
@@ -331,6 +332,10 @@ class MeshGRPOTrainer(_QuietAnchorLossMixin, MeshTrainerMixin, GRPOTrainer):
         fast_prompts = AnchorBatches(self.train_dataset, list, rows // g, 1, seed, tag=b"meshtune-data")
         anchor_prompts = AnchorBatches(self.train_dataset, list, anchor_rows // g, 1, seed)
         seq_len = self._mesh_sequence_length()
+        reference = None  # π_ref (β > 0): TRL's reference model, or the PEFT policy's adapter switched as TRL does
+        if self.beta != 0.0:
+            ref = self.ref_model
+            reference = self.accelerator.unwrap_model(ref) if ref is not None else REFERENCE_ADAPTER
         advantages = AdvantageSettings(
             num_generations=g,
             weights=tuple(float(w) for w in self.reward_weights.tolist()),
@@ -353,6 +358,9 @@ class MeshGRPOTrainer(_QuietAnchorLossMixin, MeshTrainerMixin, GRPOTrainer):
                 tag=tag,
                 mask_truncated_completions=bool(args.mask_truncated_completions),
                 reward_kwargs={"trainer_state": self.state},
+                reference=reference,
+                temperature=float(args.temperature),
+                score_rows=args.per_device_train_batch_size,
             )
 
         replica_index = min(replica, len(fast) - 1)

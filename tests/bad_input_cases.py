@@ -1103,8 +1103,9 @@ GROUP_NOTES: dict[str, str] = {
     "with; `mesh_state.pt` must be there. A damaged `mesh_state.pt` is not validated by hf_meshtune: the rows record "
     "what torch or Python raise today.",
     TRL: "TRL's trainers take only their Mesh config (TRL would silently convert any other). GRPO/GSPO on the "
-    "distributed mesh checks what it runs on every rank before any rendezvous: at the config (batch shapes, β, "
-    "iterations, loss terms, sampling options) and before TRL's set-up in the trainer (reward functions, tools).",
+    "distributed mesh checks what it runs on every rank before any rendezvous: at the config (batch shapes, "
+    "iterations, reference syncing, loss terms, sampling options) and before TRL's set-up in the trainer (reward "
+    "functions, tools).",
     PEFT: "`peft_config=` works with `MeshTrainer`, `MeshSFTTrainer` and `MeshGRPOTrainer`; with "
     "`optim=\"spectral_adamw\"` the adapter must train weight matrices (LoRA).",
     ACCELERATE: "`MeshPlugin` validates like `MeshConfig`; a bad value that came from `MESHTUNE_<FIELD>` names the "
@@ -2334,12 +2335,12 @@ def _cases() -> list[Case]:
         ),
         Case(
             TRL,
-            "MeshGRPOConfig(beta=0.04) on a launched 3x2 mesh",
+            "MeshGRPOConfig(beta=0.04, sync_ref_model=True) on a launched 3x2 mesh",
             "`MeshGRPOConfig(...)` on a launched rank",
-            grpo_config_on_mesh("MeshGRPOConfig", beta=0.04),
+            grpo_config_on_mesh("MeshGRPOConfig", beta=0.04, sync_ref_model=True),
             ValueError,
-            "beta=0.04 is invalid: it must be 0.0 on the distributed mesh (the reference model's log-probabilities "
-            "are not computed there yet)",
+            "sync_ref_model=True is invalid: it must be False on the distributed mesh (each stage keeps its own "
+            "layers of the reference model, never synced)",
         ),
         Case(
             TRL,

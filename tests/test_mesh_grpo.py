@@ -20,7 +20,7 @@ from trl import GRPOTrainer
 from hf_meshtune import MeshGRPOTrainer, MeshGSPOConfig
 from hf_meshtune.rl.rollouts import AdvantageSettings, completion_mask, group_advantages
 from tests.distributed import mesh_launch
-from tests.scripts.mesh_grpo import MAX_COMPLETION, fixed_completion, low_ids_reward, prompts
+from tests.scripts.mesh_grpo import LORA, MAX_COMPLETION, fixed_completion, low_ids_reward, prompts
 from tests.tiny import make_tiny_causal_lm, tiny_word_tokenizer
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
@@ -107,31 +107,53 @@ def test_the_completion_mask_keeps_each_row_to_its_first_eos():
 
 
 # --- one step: the mesh against single-process TRL ------------------------------------------------------
-def _single_process_step(tmp_path, knobs: dict) -> tuple[torch.nn.Module, dict]:
+def _single_process_step(tmp_path, model_dir, knobs: dict, lora: bool) -> tuple[torch.nn.Module, dict]:
+    from peft import LoraConfig
+
     args = MeshGSPOConfig(str(tmp_path / "single"), **{**STEP, **knobs})
-    model = make_tiny_causal_lm("llama", hidden=32, layers=4)
     trainer = MeshGRPOTrainer(
-        model=model,
+        model=AutoModelForCausalLM.from_pretrained(model_dir),
         reward_funcs=low_ids_reward,
         args=args,
         train_dataset=prompts(2),
         processing_class=tiny_word_tokenizer(),
+        peft_config=LoraConfig(**LORA) if lora else None,
     )
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(GRPOTrainer, "_generate_single_turn", _fixed_generation)
         trainer.train()
-    return trainer.model, next(e for e in trainer.state.log_history if "reward" in e)
+    return trainer.model, [e for e in trainer.state.log_history if "reward" in e]
+
+
+def _trained(out, model_dir, lora: bool) -> dict[str, torch.Tensor]:
+    """What the mesh saved, by the names the single-process model has (a LoRA adapter on its base)."""
+    if not lora:
+        return AutoModelForCausalLM.from_pretrained(out).state_dict()
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), out).state_dict()
+
+
+STEP_CASES = [
+    pytest.param("grpo", 0.0, False, id="gspo"),
+    pytest.param("dapo", 0.0, False, id="dapo-token"),
+    pytest.param("grpo", 0.1, False, id="gspo-kl-reference-model"),
+    pytest.param("grpo", 0.1, True, id="gspo-kl-lora-adapter-off"),
+]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
-def test_one_gspo_step_on_a_two_stage_mesh_is_single_process_trls_on_the_same_rollouts(tmp_path, loss_type):
-    """Y = 2, one fast replica, codec off, the same known completions on both sides: the mesh's reward,
-    loss and updated parameters equal single-process MeshGRPOTrainer's (TRL's loop). Adam's ε = 1 makes
-    the first update ≈ lr·g (not lr·sign(g)), so equal parameters mean equal gradients; tolerance 1e-7
-    on parameters moved by up to ~1e-3."""
+@pytest.mark.parametrize(("loss_type", "beta", "lora"), STEP_CASES)
+def test_one_step_on_a_two_stage_mesh_is_single_process_trls_on_the_same_rollouts(tmp_path, loss_type, beta, lora):
+    """Y = 2, one fast replica, codec off, the same known completions on both sides: the mesh's rewards,
+    losses and updated parameters equal single-process MeshGRPOTrainer's (TRL's loop) over two steps, for
+    GSPO and token-level DAPO, and with β > 0 for π_ref from TRL's reference model (each stage holding its
+    own layers of it) and from the LoRA policy with its adapter off (at the second step the policy has left
+    π_ref, so the KL term and its gradient are not zero). Adam's ε = 1 makes each update ≈ lr·m̂/√v̂ smooth in
+    the gradients (not lr·sign(g)), so equal parameters mean equal gradients; tolerance 1e-7 on parameters
+    moved by up to ~1e-3."""
     knobs = dict(
-        max_steps=1,
+        max_steps=2,
         learning_rate=1e-2,
         adam_epsilon=1.0,
         max_grad_norm=0.0,
@@ -142,26 +164,37 @@ def test_one_gspo_step_on_a_two_stage_mesh_is_single_process_trls_on_the_same_ro
         optim="adamw_torch",
         num_stages=2,
         loss_type=loss_type,
+        importance_sampling_level="sequence" if loss_type == "grpo" else "token",
+        beta=beta,
     )
+    model_dir = tmp_path / "policy"
+    make_tiny_causal_lm("llama", hidden=32, layers=4).save_pretrained(model_dir)
     out = tmp_path / "mesh"
     env = {**os.environ, "PYTHONPATH": ROOT, "RUST_LOG": "warn", "MESHTUNE_TEST_FIXED_COMPLETIONS": "1"}
+    env.update({"MESHTUNE_TEST_MODEL": str(model_dir), **({"MESHTUNE_TEST_LORA": "1"} if lora else {})})
     command = [*mesh_launch("1x2"), SCRIPT, "--output_dir", str(out), *_flags({**STEP, **knobs})]
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=400, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    mesh = AutoModelForCausalLM.from_pretrained(out)
-    mesh_log = json.loads((out / "trainer_state.json").read_text())["log_history"][0]
+    mesh = _trained(out, model_dir, lora)
+    mesh_logs = [e for e in json.loads((out / "trainer_state.json").read_text())["log_history"] if "reward" in e]
 
-    single, single_log = _single_process_step(tmp_path, knobs)
-    start = make_tiny_causal_lm("llama", hidden=32, layers=4).state_dict()
+    single, single_logs = _single_process_step(tmp_path, model_dir, knobs, lora)
+    start = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
     moved = 0.0
     for name, param in single.state_dict().items():
-        torch.testing.assert_close(mesh.state_dict()[name], param, rtol=0, atol=1e-7, msg=name)
-        moved = max(moved, float((param - start[name]).abs().max()))
+        torch.testing.assert_close(mesh[name], param, rtol=0, atol=1e-7, msg=name)
+        base = start.get(name.replace("base_model.model.", "").replace(".base_layer", ""))
+        moved = max(moved, float((param - (base if base is not None else 0)).abs().max()))
     assert moved > 1e-4  # the step did move the parameters
-    assert mesh_log["reward"] == pytest.approx(single_log["reward"], abs=1e-6)
-    assert mesh_log["rewards/low_ids_reward/mean"] == pytest.approx(single_log["rewards/low_ids_reward/mean"], abs=1e-6)
-    assert mesh_log["loss"] == pytest.approx(single_log["loss"], abs=1e-5)
-    assert mesh_log["completions/mean_length"] == pytest.approx(single_log["completions/mean_length"])
+    assert len(mesh_logs) == len(single_logs) == 2
+    for mesh_log, single_log in zip(mesh_logs, single_logs):
+        assert mesh_log["reward"] == pytest.approx(single_log["reward"], abs=1e-6)
+        assert mesh_log["loss"] == pytest.approx(single_log["loss"], abs=1e-5)
+        assert mesh_log["completions/mean_length"] == pytest.approx(single_log["completions/mean_length"])
+        if beta:  # a mean of per-slice means, and TRL shuffles the rows into its slices: close, not equal
+            assert mesh_log["kl"] == pytest.approx(single_log["kl"], rel=0.2, abs=1e-9)
+    if beta:
+        assert mesh_logs[1]["kl"] > 1e-6  # the second step's policy is not π_ref
 
 
 # --- a real run -------------------------------------------------------------------------------------

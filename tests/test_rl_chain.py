@@ -144,3 +144,50 @@ def test_sft_then_gspo_with_lora_continues_from_the_saved_adapter(tiny_dir, tmp_
 
     merged = AutoPeftModelForCausalLM.from_pretrained(out / "sft").merge_and_unload()
     PeftModel.from_pretrained(merged, out / "gspo")
+
+
+@pytest.mark.slow
+def test_sft_then_gspo_with_lora_on_a_launched_3x2_mesh(tiny_dir, tmp_path):
+    """The chain with ``--mesh 3x2``: SFT on the mesh → its adapter merged → GSPO on the same mesh, the anchor
+    on; both recipes write what a single-process run writes, GSPO's rollouts through the pipelines."""
+    from peft import AutoPeftModelForCausalLM, PeftModel
+
+    out = tmp_path / "chain"
+    result = load_script("examples/sft_to_gspo.py").main(
+        [
+            "--output_dir",
+            str(out),
+            "--model_name_or_path",
+            str(tiny_dir),
+            "--use_peft",
+            "--sft_steps",
+            "3",
+            "--gspo_steps",
+            "3",
+            "--num_generations",
+            "4",
+            "--eval_items",
+            "4",
+            "--mesh",
+            "3x2",
+            "--",
+            "--use_cpu",
+            "--report_to",
+            "none",
+            "--anchor",
+            "true",
+            "--logging_steps",
+            "1",
+        ]
+    )
+    assert all(isinstance(result[k], float) for k in ("exact_match_after_sft", "exact_match_after_gspo"))
+    assert math.isfinite(result["sft_eval_loss"]) and result["gspo_reward_last"] is not None
+    for phase in ("sft", "gspo"):
+        summary = json.loads((out / phase / "mesh_summary.json").read_text())
+        assert summary["mesh"] == "3x2" and summary["steps"] == 3 and summary["anchor_rounds"] >= 1
+    gspo = json.loads((out / "gspo" / "mesh_summary.json").read_text())
+    assert gspo["rollout_bytes"]["fast"] > 0 and gspo["rollout_bytes"]["anchor"] > 0
+    history = json.loads((out / "gspo" / "trainer_state.json").read_text())["log_history"]
+    assert [e["step"] for e in history if "reward" in e] == [1, 2, 3]
+    merged = AutoPeftModelForCausalLM.from_pretrained(out / "sft").merge_and_unload()
+    PeftModel.from_pretrained(merged, out / "gspo")  # GSPO's adapter sits on the SFT-merged base

@@ -15,11 +15,15 @@ makes them on one process:
    calls TRL's reward functions with TRL's arguments, weights them and turns them into group advantages
    (``group_advantages``: TRL's formula, ``scale_rewards`` and ``multi_objective_aggregation``);
 4. every stage packs the batch as ``rl.loss.pack_rollouts`` does: stage 0 feeds the ids, the last stage
-   the loss target. Middle stages need neither; packing is cheap, so all run the same code.
+   the loss target. Middle stages need neither; packing is cheap, so all run the same code;
+5. with β > 0, π_ref's log-probabilities: one dense no-grad forward of the packed ids through the
+   replica's stages with the reference weights (TRL's reference model, each stage holding only its own
+   layers of it, or with a PEFT policy the same stage with its adapters disabled); the last stage writes
+   them into the target. Left-aligned rows need no padding mask (``rl.loss``).
 
 π_old is the training forward's own detached log-probability (one iteration per generation), so the
 importance ratio is 1 at the point of the step and its gradient is the policy's; the codec sits in the
-same forward that is differentiated, not between π_old and π_θ. π_ref (β > 0) is not computed here.
+same forward that is differentiated, not between π_old and π_θ.
 
 The step's outcome is cached, so a second call for the same step (the codecs' calibration reads step 0
 before training step 0) returns it without generating again.
@@ -28,6 +32,7 @@ before training step 0) returns it without generating again.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import time
 from collections import defaultdict
@@ -35,14 +40,27 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-from trl.trainer.utils import nanstd
+from trl.trainer.utils import nanstd, use_adapter
 
 from .._validation import require
 from ..boundary.masking import stable_seed
+from ..comm.wire import ROLLOUT
 from ..pipeline.generate import RolloutSettings, pipelined_generate
-from .loss import pack_rollouts
+from ..pipeline.placement import release_unowned
+from ..pipeline.stage import StageModule
+from .loss import TARGET_FIELDS, pack_rollouts
 
-__all__ = ["AdvantageSettings", "MeshRollouts", "completion_mask", "group_advantages"]
+__all__ = [
+    "REFERENCE_ADAPTER",
+    "REFERENCE_TAG",
+    "AdvantageSettings",
+    "MeshRollouts",
+    "completion_mask",
+    "group_advantages",
+]
+
+REFERENCE_TAG = 8005  # π_ref's scoring pass between pipeline neighbours
+REFERENCE_ADAPTER = "disabled-adapter"  # π_ref is the PEFT policy with its adapters disabled
 
 
 @dataclass(frozen=True)
@@ -125,6 +143,11 @@ class MeshRollouts:
         seed, tag: with the replica and the step, the seed of the last stage's draws.
         mask_truncated_completions: TRL's option: a row that never ended counts nothing in the loss.
         reward_kwargs: extra keyword arguments every reward function receives (TRL's ``trainer_state``).
+        reference: None (β = 0), TRL's reference model (every process holds it whole until bound), or
+            ``REFERENCE_ADAPTER`` (a PEFT policy: its "ref" adapter where it has one, else adapters disabled,
+            as TRL does).
+        temperature: what π_ref's logits are divided by (TRL's ``temperature``).
+        score_rows: rows per chunk of π_ref's scoring pass (None: the whole step at once).
     """
 
     def __init__(
@@ -143,6 +166,9 @@ class MeshRollouts:
         tag: int,
         mask_truncated_completions: bool = False,
         reward_kwargs: dict | None = None,
+        reference: torch.nn.Module | str | None = None,
+        temperature: float = 1.0,
+        score_rows: int | None = None,
     ) -> None:
         g = advantages.num_generations
         require(
@@ -166,6 +192,9 @@ class MeshRollouts:
         self.seq_len, self.rows, self.seed, self.tag = seq_len, rows, seed, tag
         self.mask_truncated_completions = mask_truncated_completions
         self.reward_kwargs = dict(reward_kwargs or {})
+        self.reference, self.temperature, self.score_rows = reference, temperature, score_rows
+        self.reference_module: StageModule | None = None
+        self._reference_context: Callable = contextlib.nullcontext
         self.metrics: dict[str, list[float]] = defaultdict(list)
         self._cached: tuple[int, tuple[torch.Tensor, torch.Tensor]] | None = None
         self.module = self.wire = self.group = None
@@ -177,6 +206,15 @@ class MeshRollouts:
         topology, replica = worker.topology, worker.replica
         self.module, self.wire, self.group, self.replica = worker.module, worker.wire, worker.groups.pp_group, replica
         self.stage_ranks = [topology.process_rank(topology.rank(replica, s)) for s in range(topology.stages)]
+        if self.reference == REFERENCE_ADAPTER:  # as TRL: its "ref" adapter where it has one, else none
+            model = worker.model
+            adapter = "ref" if "ref" in model.peft_config else None
+            self.reference_module = worker.module
+            self._reference_context = lambda: use_adapter(model, adapter_name=adapter)
+        elif self.reference is not None:  # TRL's reference model: this stage's layers of it, the rest given back
+            stage, stages = worker.stage, topology.stages
+            self.reference_module = StageModule(self.reference, stage, stages, None, None)
+            release_unowned(self.reference, self.reference_module, stage, stages)
 
     def __call__(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self._cached is None or self._cached[0] != step:
@@ -205,9 +243,41 @@ class MeshRollouts:
         advantages = torch.zeros(len(rows))
         if self.module.stage == self.module.num_stages - 1:
             advantages = self._score(rows, completions, full, mask, ended)
-        return pack_rollouts(
+        ids, target = pack_rollouts(
             prompt_ids, prompt_mask, completions, mask, advantages, self.seq_len, self.rollout.pad_token_id
         )
+        if self.reference_module is not None:
+            start = time.perf_counter()
+            self._score_reference(ids, target)
+            self.metrics["time/reference_s"].append(time.perf_counter() - start)
+        return ids, target
+
+    @torch.no_grad()
+    def _score_reference(self, ids: torch.Tensor, target: torch.Tensor) -> None:
+        """π_ref's per-token log-probabilities into ``target`` (last stage): a dense forward of ``ids``
+        through the replica's stages with the reference weights, ``score_rows`` rows at a time."""
+        module, stage = self.reference_module, self.module.stage
+        first, last = stage == 0, stage == self.module.num_stages - 1
+        param = next(module.parameters())
+        rows = self.score_rows or ids.shape[0]
+        next_id, mask, ref = (TARGET_FIELDS.index(name) for name in ("next_id", "mask", "ref_logp"))
+        with self._reference_context(), _dense(module):
+            for start in range(0, ids.shape[0], rows):
+                chunk = slice(start, start + rows)
+                if first:
+                    x = ids[chunk].to(param.device)
+                else:
+                    x = torch.empty(ids[chunk].shape[0], ids.shape[1], module.hidden_size, dtype=param.dtype)
+                    self.wire.recv(ROLLOUT, x, self.stage_ranks[stage - 1], group=self.group, tag=REFERENCE_TAG)
+                    x = x.to(param.device)
+                out = module(x)
+                if not last:
+                    dst = self.stage_ranks[stage + 1]
+                    self.wire.send(ROLLOUT, out.contiguous().cpu(), dst, group=self.group, tag=REFERENCE_TAG)
+                    continue
+                logps = torch.log_softmax(out.float() / self.temperature, dim=-1)
+                picked = logps.gather(-1, target[chunk, :, next_id].long().unsqueeze(-1).to(logps.device))
+                target[chunk, :, ref] = picked.squeeze(-1).cpu() * (target[chunk, :, mask] > 0)
 
     def _generate(self, step: int, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:
         """The step's completions [B, n] on every stage, sampled by the last from a per-(replica, step) seed."""
@@ -296,6 +366,21 @@ class MeshRollouts:
             self.metrics["completions/mean_terminated_length"].append(float(terminated.mean()))
         self.metrics["num_tokens"].append(float(mask.sum()))
         self.metrics["rollout/decoded_tokens"].append(float(mask.shape[0] * mask.shape[1]))
+
+
+@contextlib.contextmanager
+def _dense(module: StageModule):
+    """``module`` run dense for a pass that is not training: no codec or mask on its sides, nothing recorded
+    for a geometry refit and no fidelity probe (every stage of the replica runs the same pass so)."""
+    names = ("dense", "mask_in", "mask_out", "record", "probe")
+    saved = [getattr(module, name) for name in names]
+    for name, value in zip(names, (True, None, None, None, None)):
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for name, value in zip(names, saved):
+            setattr(module, name, value)
 
 
 async def _awaited(value):

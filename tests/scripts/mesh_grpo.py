@@ -8,7 +8,9 @@ from the first step, and a policy that learns it moves the reward towards 1. Ran
 rewards to ``OUT/rewards.json``.
 
 With ``$MESHTUNE_TEST_FIXED_COMPLETIONS`` set, the mesh's generation is replaced by ``fixed_completion``
-(the equivalence test gives single-process TRL the same ones) and the dataset holds exactly one step's prompts.
+(the equivalence test gives single-process TRL the same ones) and the dataset holds exactly one step's prompts;
+``$MESHTUNE_TEST_MODEL`` loads the policy from that folder (TRL builds a reference model from the policy's path)
+and ``$MESHTUNE_TEST_LORA`` trains ``LORA`` on it.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import sys
 
 import datasets
 import torch
-from transformers import HfArgumentParser
+from transformers import AutoModelForCausalLM, HfArgumentParser
 
 from hf_meshtune import MeshGRPOTrainer, MeshGSPOConfig
 from tests.tiny import make_tiny_causal_lm, tiny_word_tokenizer
@@ -51,6 +53,9 @@ def _fixed_generation(self, step, prompt_ids, prompt_mask):
     return out
 
 
+LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+
+
 def prompts(count: int) -> datasets.Dataset:
     return datasets.Dataset.from_dict(
         {"prompt": [f"w{3 + i % 97} w{3 + (7 * i) % 97} w{3 + (13 * i) % 97}" for i in range(count)]}
@@ -64,7 +69,13 @@ def main(argv: list[str]) -> None:
         from hf_meshtune.rl.rollouts import MeshRollouts
 
         MeshRollouts._generate = _fixed_generation
-    model = make_tiny_causal_lm("llama", hidden=32, layers=4)
+    path = os.environ.get("MESHTUNE_TEST_MODEL")
+    model = AutoModelForCausalLM.from_pretrained(path) if path else make_tiny_causal_lm("llama", hidden=32, layers=4)
+    peft_config = None
+    if os.environ.get("MESHTUNE_TEST_LORA"):
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(**LORA)
     one_step = args.per_device_train_batch_size * args.gradient_accumulation_steps // args.num_generations
     trainer = MeshGRPOTrainer(
         model=model,
@@ -72,6 +83,7 @@ def main(argv: list[str]) -> None:
         args=args,
         train_dataset=prompts(one_step if fixed else 64),
         processing_class=tiny_word_tokenizer(),
+        peft_config=peft_config,
     )
     trainer.train()
     trainer.save_model()
