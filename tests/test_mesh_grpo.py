@@ -200,9 +200,10 @@ def test_one_step_on_a_two_stage_mesh_is_single_process_trls_on_the_same_rollout
 # --- a real run -------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_a_3x2_gspo_run_with_the_anchor_raises_its_reward(tmp_path):
-    """Two fast replicas (the default codec, DiLoCo) and the anchor replica, 30 steps on the low-ids task:
-    each replica samples its own rollouts through its pipeline, the anchor samples its own, and the logged
-    reward rises from about one half."""
+    """Two fast replicas (the default codec, DiLoCo) and the anchor replica, 30 steps on the low-ids task
+    with a small KL to a reference model: each replica samples its own rollouts through its pipeline and
+    scores π_ref through its stages, the anchor does the same with its own, and the logged reward rises
+    from about one half."""
     out = tmp_path / "gspo"
     knobs = dict(
         max_steps=30,
@@ -210,8 +211,11 @@ def test_a_3x2_gspo_run_with_the_anchor_raises_its_reward(tmp_path):
         lr_scheduler_type="constant",
         num_stages=2,
         anchor=True,
+        beta=0.01,
     )
-    env = {**os.environ, "PYTHONPATH": ROOT, "RUST_LOG": "warn"}
+    model_dir = tmp_path / "policy"
+    make_tiny_causal_lm("llama", hidden=32, layers=4).save_pretrained(model_dir)
+    env = {**os.environ, "PYTHONPATH": ROOT, "RUST_LOG": "warn", "MESHTUNE_TEST_MODEL": str(model_dir)}
     command = [*mesh_launch("3x2"), SCRIPT, "--output_dir", str(out), *_flags({**STEP, **knobs})]
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -225,3 +229,37 @@ def test_a_3x2_gspo_run_with_the_anchor_raises_its_reward(tmp_path):
     # per decoded position and boundary: the new token's hidden state (H = 32 fp32) at least
     assert summary["rollout_bytes_per_decoded_token"] >= 32 * 4
     assert set(summary["step_time_split_s"]) == {"rollout", "pipeline", "update_and_sync"}
+    history = json.loads((out / "trainer_state.json").read_text())["log_history"]
+    assert all(e["kl"] >= 0 for e in history if "reward" in e) and history[-2]["kl"] > 0
+
+
+@pytest.mark.slow
+def test_a_gspo_mesh_resumes_from_a_checkpoint_exactly(tmp_path):
+    """2×2, DiLoCo syncing every 2 steps, sampled rollouts: a run resumed from checkpoint-4 logs the
+    uninterrupted run's rewards and losses at steps 5–8, bit for bit, and ends with its parameters (the
+    prompts and the draws are functions of seed, replica and step)."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    knobs = dict(
+        max_steps=8,
+        learning_rate=1e-2,
+        num_stages=2,
+        anchor=False,
+        dp_sync_every=2,
+        save_strategy="steps",
+        save_steps=4,
+    )
+    env = {**os.environ, "PYTHONPATH": ROOT, "RUST_LOG": "warn"}
+    flags = _flags({**STEP, **knobs})
+    for out, extra in ((first, []), (second, ["--resume_from_checkpoint", str(first / "checkpoint-4")])):
+        command = [*mesh_launch("2x2"), SCRIPT, "--output_dir", str(out), *flags, *extra]
+        proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=400, cwd=ROOT)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    logs = [json.loads((out / "trainer_state.json").read_text())["log_history"] for out in (first, second)]
+    uninterrupted = {e["step"]: e for e in logs[0] if "reward" in e}
+    resumed = {e["step"]: e for e in logs[1] if "reward" in e}
+    assert sorted(resumed) == [5, 6, 7, 8]
+    for step, entry in resumed.items():
+        assert (entry["reward"], entry["loss"]) == (uninterrupted[step]["reward"], uninterrupted[step]["loss"])
+    assert len({e["reward"] for e in resumed.values()}) > 1  # the steps drew different rollouts
+    a, b = (AutoModelForCausalLM.from_pretrained(out).state_dict() for out in (first, second))
+    assert all(torch.equal(a[k], b[k]) for k in a)

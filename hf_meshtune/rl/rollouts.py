@@ -222,7 +222,7 @@ class MeshRollouts:
         return self._cached[1]
 
     def pop_metrics(self) -> dict[str, float]:
-        """The means of what the steps since the last call logged (TRL's names), then clears them."""
+        """The means of what the last step made logged (TRL's names), then clears them."""
         out = {name: sum(values) / len(values) for name, values in self.metrics.items() if values}
         self.metrics.clear()
         return out
@@ -230,6 +230,8 @@ class MeshRollouts:
     # --- one step ---------------------------------------------------------------------------------
     def _make(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         require(self.module is not None, "MeshRollouts", None, "be bound to a stage (bind(worker)) before use")
+        # the metrics are this step's alone: a resumed run's codec calibration made step 0's, never trained on
+        self.metrics.clear()
         rows = self._rows(step)
         prompt_ids, prompt_mask = self._prompt_tensors([row["prompt"] for row in rows])
         start = time.perf_counter()

@@ -85,7 +85,7 @@ def main(argv: list[str]) -> None:
         processing_class=tiny_word_tokenizer(),
         peft_config=peft_config,
     )
-    trainer.train()
+    trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     trainer.save_model()
     trainer.save_state()
     if trainer.is_world_process_zero():
