@@ -25,7 +25,7 @@ from .._validation import require
 from ..boundary.compose.codec import ComposedCodec, geometry_digest, geometry_from_flat, geometry_to_flat
 from ..comm.errors import is_link_error
 from ..comm.mailbox import Receiver
-from ..comm.messages import DATA, GEOMETRY
+from ..comm.messages import DATA, GEOMETRY, HeaderRules, MalformedHeader
 from ..comm.wire import Wire
 from .link import first_lockstep_snapshot
 
@@ -65,6 +65,22 @@ def agree_min(wire: Wire, pp_group, stages: int, proposals: list[int], device: t
     return [int(v) for v in agreed.tolist()]
 
 
+def _geometry_rules(codecs: list[ComposedCodec], max_step: int) -> HeaderRules:
+    """A geometry message for this side: its boundary, and the size of one of its codecs' geometries (a
+    governed ladder sends every level's in turn)."""
+    sizes = {codec.spec.geometry_numel(codec.hidden_size) for codec in codecs}
+
+    def numel(header) -> int:
+        if header.numel not in sizes:
+            raise MalformedHeader(
+                f"geometry header numel={header.numel} is invalid: it must be one of {sorted(sizes)} (this side's "
+                "codec geometries)"
+            )
+        return header.numel
+
+    return HeaderRules(max_step, numel, fields={"boundary": [codecs[0].boundary]})
+
+
 class FastGeometryLink:
     """A fast stage's end: the geometry of its incoming (``codec_in``) and outgoing (``codec_out``)
     boundaries from the anchor stages that fit them, and the switch its replica agrees on. ``sources``:
@@ -87,12 +103,15 @@ class FastGeometryLink:
         *,
         lockstep: tuple[int, int, int] | None,
         device: torch.device | None = None,
+        max_step: int,
     ) -> None:
         self.wire, self.pp_group, self.stages, self.lockstep = wire, pp_group, stages, lockstep
         self.device = device
         self.sides = [side for side, _, _ in sources]  # "in" / "out"
         self.codecs = [codec for _, codec, _ in sources]
-        self.inboxes = [Receiver(wire, link_group, src, GEOMETRY, lambda header: header.numel) for *_, src in sources]
+        self.inboxes = [
+            Receiver(wire, link_group, src, GEOMETRY, _geometry_rules(codecs, max_step)) for _, codecs, src in sources
+        ]
         self.held: list[dict[int, torch.Tensor]] = [{} for _ in sources]  # per side: snapshot → geometry payload
         self.ended = [False for _ in sources]  # that side's inbox ended (STOP, or the anchor was lost)
         self.current = -1

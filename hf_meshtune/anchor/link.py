@@ -24,7 +24,7 @@ from torch import nn
 from .._validation import require
 from ..comm.errors import is_link_error
 from ..comm.mailbox import Receiver, Sender
-from ..comm.messages import DATA, GRADIENTS, STOP, TICK, UPDATES, flatten, unflatten
+from ..comm.messages import DATA, GRADIENTS, STOP, TICK, UPDATES, HeaderRules, flatten, unflatten
 from ..comm.wire import Wire
 from ..dp.outer import OuterUpdate
 from ..optim.spectral import factor_shapes
@@ -67,6 +67,7 @@ class FastAnchorLink:
         max_staleness: int | None,
         lockstep: tuple[int, int] | None = None,
         factor_rank: int | None = None,
+        max_step: int,
     ) -> None:
         self.factor_rank = factor_rank
         self.shapes = [
@@ -76,7 +77,7 @@ class FastAnchorLink:
         ]
         numel = sum(math.prod(shape) for shape in self.shapes)
         self.matrices, self.anchor_rank, self.who, self.max_staleness = matrices, anchor_rank, who, max_staleness
-        self.inbox = Receiver(wire, group, anchor_rank, GRADIENTS, lambda header: numel)
+        self.inbox = Receiver(wire, group, anchor_rank, GRADIENTS, HeaderRules(max_step, lambda header: numel))
         self.outbox = Sender(wire, group, "anchor") if forwards else None
         self.arrivals: list[tuple[int, int]] = []
         self.lost_at: int | None = None

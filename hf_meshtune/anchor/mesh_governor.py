@@ -36,7 +36,7 @@ from .._validation import require
 from ..boundary.compose.codec import ComposedCodec
 from ..comm.errors import is_link_error
 from ..comm.mailbox import Receiver
-from ..comm.messages import DATA, LEVELS
+from ..comm.messages import DATA, LEVELS, HeaderRules
 from ..comm.wire import Wire
 from .governor import FidelityGovernor, candidate_levels
 from .link import first_lockstep_snapshot
@@ -227,9 +227,10 @@ class FastLevelLink:
         lockstep: tuple[int, int] | None,
         start: int = 0,
         first: bool = True,
+        max_step: int,
     ) -> None:
         self.boundaries, self.switch, self.lockstep = boundaries, switch, lockstep
-        self.inbox = Receiver(wire, link_group, source, LEVELS, lambda header: header.numel)
+        self.inbox = Receiver(wire, link_group, source, LEVELS, HeaderRules(max_step, lambda header: boundaries))
         self.held: dict[int, tuple[int, list[int]]] = {}  # snapshot → (counts_after, levels)
         self.ended = False
         self.levels = list(levels)

@@ -16,6 +16,8 @@ folds each round's gradient into it and sends its top-r factors instead of the g
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -23,7 +25,20 @@ from .._validation import require
 from ..boundary.compose.codec import ComposedCodec
 from ..boundary.masking import private_rng
 from ..comm.mailbox import Receiver
-from ..comm.messages import DATA, GEOMETRY, GRADIENTS, LEVELS, ROUNDS, STOP, TICK, UPDATES, flatten, unflatten
+from ..comm.messages import (
+    DATA,
+    GEOMETRY,
+    GRADIENTS,
+    LEVELS,
+    ROUNDS,
+    STOP,
+    TICK,
+    UPDATES,
+    HeaderRules,
+    MalformedHeader,
+    flatten,
+    unflatten,
+)
 from ..config import codec_ladder, codec_refit_every, composed_codec, is_governed, require_saved_knobs
 from ..dp.outer import OuterUpdate
 from ..optim.spectral import anchor_momentum
@@ -53,7 +68,8 @@ class AnchorWorker(StageWorker):
         self.fragment_shapes = [[p.shape for p in f.parameters()] for f in self.fragments]
         self.follower = OuterFollower(self.fragments, outer_lr=cfg.dp_outer_lr, outer_momentum=cfg.dp_outer_momentum)
         self.source = self.topology.rank(0, self.stage)  # fast replica 0 forwards the outer updates
-        self.inbox = Receiver(self.wire, groups.link_group, self.source, UPDATES, lambda header: header.numel)
+        rules = HeaderRules(settings.max_steps, self._update_numel)
+        self.inbox = Receiver(self.wire, groups.link_group, self.source, UPDATES, rules)
         self.applied_step = 0  # fast steps reflected in this stage's parameters
         self.ticked = 0  # lockstep: θ_global is complete up to this fast step (the last TICK)
         self.first_round = 0
@@ -92,6 +108,18 @@ class AnchorWorker(StageWorker):
         if self.governor is not None and levels is not None:  # the newest decision the fast side holds
             self.governor.decided = list(levels["decided"])
         self.first_round = self.applied_step // self.settings.config.anchor_every
+
+    def _update_numel(self, header) -> int:
+        """What an admitted UPDATES header carries: nothing for a TICK; for fragment f, the values of its
+        outer update (PowerSGD's factors or the dense deltas) as this stage's shapes give them."""
+        if header.kind == TICK:
+            return 0
+        if not 0 <= header.fragment < len(self.fragment_shapes):
+            raise MalformedHeader(
+                f"updates header fragment={header.fragment} is invalid: it must lie in [0, {len(self.fragment_shapes)})"
+            )
+        shapes = update_shapes(self.fragment_shapes[header.fragment], self.settings.config.dp_powersgd_rank)
+        return sum(math.prod(shape) for shape in shapes)
 
     def _apply(self, message) -> None:
         header, payload = message

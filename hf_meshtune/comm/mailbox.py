@@ -9,12 +9,12 @@ queue that the owner polls without waiting (``ready``) or waits on (``next``). g
 from __future__ import annotations
 
 import queue
+import sys
 import threading
-from collections.abc import Callable
 
 import torch
 
-from .messages import STOP, Channel
+from .messages import STOP, Channel, HeaderRules, MalformedHeader, admit
 from .wire import Wire
 
 __all__ = ["Receiver", "Sender"]
@@ -56,8 +56,10 @@ class Sender:
 class Receiver:
     """Receives ``channel``'s messages from ``src`` on a background thread, until a STOP header.
 
-    ``payload_numel(header)`` says how many float32 values follow a DATA header (0 = none). The
-    queue holds ``(header, payload)`` per message and None after a STOP (or a failure: ``error``).
+    Every header is admitted by ``rules`` (``messages.admit``: kinds, steps, indices and the payload's
+    exact size) before its payload is allocated and received; one that is not is logged, kept in
+    ``rejected`` as (header, reason) and skipped, and the receiver goes on. The queue holds
+    ``(header, payload)`` per message and None after a STOP (or a failure: ``error``).
     """
 
     def __init__(
@@ -66,11 +68,12 @@ class Receiver:
         group,
         src: int,
         channel: Channel,
-        payload_numel: Callable[[tuple], int],
+        rules: HeaderRules,
         circuit: str = "anchor",
     ) -> None:
         self.wire, self.group, self.src, self.channel = wire, group, src, channel
-        self.payload_numel, self.circuit = payload_numel, circuit
+        self.rules, self.circuit = rules, circuit
+        self.rejected: list[tuple[tuple, str]] = []
         self.queue: queue.Queue = queue.Queue()
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._loop, daemon=True, name="mesh-receiver")
@@ -82,16 +85,25 @@ class Receiver:
                 buffer = self.channel.empty()
                 self.wire.recv(self.circuit, buffer, self.src, group=self.group, tag=self.channel.header_tag)
                 header = self.channel.decode(buffer)
+                try:
+                    numel = admit(self.channel, header, self.rules)
+                except MalformedHeader as reason:
+                    self._reject(header, str(reason))
+                    continue
                 if header.kind == STOP:
                     self.queue.put(None)
                     return
-                payload = torch.empty(self.payload_numel(header), dtype=torch.float32)
+                payload = torch.empty(numel, dtype=torch.float32)
                 if payload.numel():
                     self.wire.recv(self.circuit, payload, self.src, group=self.group, tag=self.channel.payload_tag)
                 self.queue.put((header, payload))
         except BaseException as error:  # noqa: BLE001 - surfaced to the main thread
             self.error = error
             self.queue.put(None)
+
+    def _reject(self, header: tuple, reason: str) -> None:
+        self.rejected.append((tuple(header), reason))
+        print(f"hf_meshtune: rejected a message from rank {self.src} on the anchor link: {reason}", file=sys.stderr)
 
     def ready(self) -> list:
         """Every message that has arrived, without waiting (a STOP shows as None)."""

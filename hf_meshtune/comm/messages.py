@@ -22,13 +22,18 @@ float32 payload on the channel's payload tag. Five channels cross the anchor lin
 
 A STOP header ends a channel. Tensors travel as float32 on the CPU (the link is a gloo group,
 whatever the pipeline's backend).
+
+A receiver trusts no header: ``admit`` checks every field against the channel's kinds and the receiver's
+``HeaderRules`` (steps within the run, indices within the model, the payload size exactly what the model's
+shapes give) before anything is allocated for the payload, and a header that breaks one is rejected
+(``MalformedHeader``, naming the field, value and rule) while the receiver keeps running.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -47,9 +52,12 @@ __all__ = [
     "Channel",
     "GeometryHeader",
     "GradientHeader",
+    "HeaderRules",
     "LevelsHeader",
+    "MalformedHeader",
     "RoundHeader",
     "UpdateHeader",
+    "admit",
     "flatten",
     "unflatten",
 ]
@@ -95,6 +103,7 @@ class Channel:
     header: type
     header_tag: int
     payload_tag: int | None
+    kinds: tuple[int, ...] = (STOP, DATA)  # the kinds a sender may put in the header's ``kind`` field
 
     @property
     def header_len(self) -> int:
@@ -113,11 +122,59 @@ class Channel:
         return self.header(*tensor.tolist())
 
 
-UPDATES = Channel("updates", UpdateHeader, header_tag=101, payload_tag=102)
+UPDATES = Channel("updates", UpdateHeader, header_tag=101, payload_tag=102, kinds=(STOP, DATA, TICK))
 GRADIENTS = Channel("gradients", GradientHeader, header_tag=201, payload_tag=202)
 ROUNDS = Channel("rounds", RoundHeader, header_tag=301, payload_tag=None)
 GEOMETRY = Channel("geometry", GeometryHeader, header_tag=401, payload_tag=402)
 LEVELS = Channel("levels", LevelsHeader, header_tag=501, payload_tag=502)
+
+
+class MalformedHeader(ValueError):
+    """A received header that breaks its channel's rules: rejected before anything is allocated for it."""
+
+
+@dataclass(frozen=True)
+class HeaderRules:
+    """What one receiver accepts, besides its channel's kinds.
+
+    ``max_step``: a header's ``step`` / ``snapshot`` / ``counts_after`` lie in [0, max_step] (the run's
+    steps); ``numel(header)``: the exact payload size the model's shapes give for an accepted DATA (or
+    TICK) header, raising ``MalformedHeader`` for a header it cannot serve (a fragment or boundary this
+    receiver does not have); ``fields``: other integer fields and the values they may take.
+    """
+
+    max_step: int
+    numel: Callable[[tuple], int]
+    fields: Mapping[str, Sequence[int]] = field(default_factory=dict)
+
+
+_STEP_FIELDS = ("step", "snapshot", "counts_after")
+
+
+def admit(channel: Channel, header: tuple, rules: HeaderRules) -> int:
+    """The payload size (float32 values) that follows ``header``, once every field is within ``rules``;
+    ``MalformedHeader`` naming the field, value and rule otherwise. A STOP header is admitted as it is."""
+
+    def reject(name: str, value: object, rule: str) -> None:
+        raise MalformedHeader(f"{channel.name} header {name}={value!r} is invalid: it must {rule}")
+
+    kind = getattr(header, "kind", DATA)
+    if kind not in channel.kinds:
+        reject("kind", kind, f"be one of {list(channel.kinds)}")
+    if kind == STOP:
+        return 0
+    for name in _STEP_FIELDS:
+        value = getattr(header, name, None)
+        if value is not None and not 0 <= value <= rules.max_step:
+            reject(name, value, f"lie in [0, {rules.max_step}] (the run's steps)")
+    for name, allowed in rules.fields.items():
+        if getattr(header, name) not in allowed:
+            reject(name, getattr(header, name), f"be one of {list(allowed)}")
+    expected = rules.numel(header)
+    announced = getattr(header, "numel", expected)
+    if announced != expected:
+        reject("numel", announced, f"equal {expected}, the payload the model's shapes give")
+    return expected
 
 
 def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:

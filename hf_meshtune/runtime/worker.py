@@ -149,6 +149,7 @@ class FastWorker(StageWorker):
             max_staleness=cfg.anchor_max_staleness,
             lockstep=(cfg.anchor_every, cfg.anchor_delay) if cfg.anchor_lockstep else None,
             factor_rank=cfg.spectral_rank if cfg.anchor_payload == "factors" else None,
+            max_step=self.settings.max_steps,
         )
 
     def _setup_geometry_link(self) -> FastGeometryLink | None:
@@ -171,6 +172,7 @@ class FastWorker(StageWorker):
             sources,
             lockstep=(cfg.anchor_every, cfg.anchor_delay, refit) if cfg.anchor_lockstep else None,
             device=self.device,
+            max_step=self.settings.max_steps,
         )
 
     def _setup_level_link(self) -> FastLevelLink | None:
@@ -186,6 +188,7 @@ class FastWorker(StageWorker):
             [richest] * (topology.stages - 1),
             self._switch_levels,
             lockstep=(cfg.anchor_every, cfg.anchor_delay) if cfg.anchor_lockstep else None,
+            max_step=self.settings.max_steps + cfg.anchor_delay,  # a decision counts from snapshot + delay on
         )
 
     def _switch_levels(self, levels: list[int]) -> None:
