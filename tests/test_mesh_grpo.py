@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -263,3 +264,21 @@ def test_a_gspo_mesh_resumes_from_a_checkpoint_exactly(tmp_path):
     assert len({e["reward"] for e in resumed.values()}) > 1  # the steps drew different rollouts
     a, b = (AutoModelForCausalLM.from_pretrained(out).state_dict() for out in (first, second))
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+def test_the_same_gspo_script_runs_under_torchrun(tmp_path):
+    """torchrun on 4 CPU processes, no MESHTUNE_MESH or TORCHFT_LIGHTHOUSE: Y from --num_stages, X = 2 from
+    WORLD_SIZE, rank 0 starts the lighthouse; both replicas generate, score and train."""
+    out = tmp_path / "torchrun"
+    env = {key: value for key, value in os.environ.items() if key not in ("TORCHFT_LIGHTHOUSE", "MESHTUNE_MESH")}
+    env.update({"PYTHONPATH": ROOT, "RUST_LOG": "warn", "ACCELERATE_USE_CPU": "true"})
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    knobs = dict(max_steps=3, num_stages=2, anchor=False)
+    command = [torchrun, "--nproc-per-node", "4", SCRIPT, "--output_dir", str(out), *_flags({**STEP, **knobs})]
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=400, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((out / "mesh_summary.json").read_text())
+    assert summary["mesh"] == "2x2" and summary["mesh_env"] is None and summary["steps"] == 3
+    assert summary["rollout_bytes"]["fast"] > 0
+    assert len(json.loads((out / "rewards.json").read_text())) == 3
