@@ -52,6 +52,16 @@ def test_a_checkpoint_is_complete_only_with_every_fast_rank(tmp_path):
         resolve_resume(str(tmp_path / "checkpoint-8"), str(tmp_path), MESH)
     state = read_rank_state(str(tmp_path / "checkpoint-4"), 2, MESH)
     assert state["step"] == 4 and state["mesh"] == "3x2" and torch.equal(state["value"], torch.tensor([4, 2]))
+    # the resumed run reaches step 8 again: rank 2's complete file replaces the killed writer's torn one
+    (tmp_path / "checkpoint-8" / "mesh" / "rank1.pt.tmp-456").write_bytes(b"another rank's")
+    _save_all(tmp_path, 8, ranks=(2,))
+    assert sorted(p.name for p in (tmp_path / "checkpoint-8" / "mesh").iterdir()) == [
+        "rank0.pt",
+        "rank1.pt",
+        "rank1.pt.tmp-456",  # rank 1's own to clear, at its next save of step 8
+        "rank2.pt",
+        "rank3.pt",
+    ]
 
 
 def test_rotation_keeps_the_newest_complete_checkpoints_and_never_the_only_one(tmp_path):

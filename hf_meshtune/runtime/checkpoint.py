@@ -18,6 +18,7 @@ sync is in flight in the saved state.
 
 from __future__ import annotations
 
+import glob
 import os
 import re
 import shutil
@@ -108,6 +109,10 @@ def save_rank_state(
         },
         path,
     )
+    # a torn file of this rank's that a killed writer left here (its PID in the name): the only live
+    # writer of rank `rank` is this process, and the complete file is now in place
+    for stale in glob.glob(f"{glob.escape(path)}.tmp-*"):
+        os.remove(stale)
     if keep:
         complete = complete_checkpoints(output_dir, topology)
         if len(complete) >= keep:
