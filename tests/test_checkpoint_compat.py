@@ -20,9 +20,15 @@ processor (tests/fixtures/v0_resume.py says why: MKL's and ATen's fast paths dif
 between processors and even between process states, by 0.4 % of the parameters after two steps), and
 expected.json's losses and sha were recorded under the same pinning.
 
+The pinning gives the same losses on every processor seen so far, but not always the same last bits of
+the parameters: the v0 code itself gives another sha on an AMD EPYC with AVX-512 than where the fixture
+was recorded. Each such sha, produced by the recording code on that processor, is listed in expected.json
+(``final_params_sha256_on_other_processors``); the current code must give the losses exactly and one of
+the recorded shas.
+
 Re-record the expected figures with the code that wrote the checkpoint, keeping the checkpoint (when
-the libraries change the last bits), or regenerate the whole fixture (only when the format is meant to
-change, then say so in the commit):
+the libraries change the last bits; on a new processor, add its sha to that list instead), or regenerate
+the whole fixture (only when the format is meant to change, then say so in the commit):
 
     cd /work/main && git worktree add /tmp/v0 <commit>   # expected.json's "git_commit" to re-record
     cp tests/fixtures/make_v0_checkpoint.py tests/fixtures/v0_resume.py /tmp/v0/tests/fixtures/
@@ -79,7 +85,9 @@ def test_v0_checkpoint_resumes_bit_exactly(tmp_path):
     # Exact equality: pinned kernels, same seeds, one thread. (A torch/transformers upgrade may
     # legitimately change the last bits: then re-record with the old package code and the new libraries.)
     assert resumed["losses"] == expected["losses"], (resumed["losses"], expected["losses"], expected["versions"])
-    assert resumed["final_params_sha256"] == expected["final_params_sha256"]
+    recorded = [expected["final_params_sha256"]]
+    recorded += [other["final_params_sha256"] for other in expected.get("final_params_sha256_on_other_processors", [])]
+    assert resumed["final_params_sha256"] in recorded, (resumed["final_params_sha256"], recorded)
 
 
 def test_a_knob_the_checkpoint_predates_counts_at_its_default():
