@@ -25,7 +25,7 @@ from .._validation import require
 from ..boundary.compose.codec import ComposedCodec, geometry_digest, geometry_from_flat, geometry_to_flat
 from ..comm.errors import is_link_error
 from ..comm.mailbox import Receiver
-from ..comm.messages import DATA, GEOMETRY, HeaderRules, MalformedHeader
+from ..comm.messages import DATA, GEOMETRY, HeaderRules
 from ..comm.wire import Wire
 from .link import first_lockstep_snapshot
 
@@ -66,19 +66,10 @@ def agree_min(wire: Wire, pp_group, stages: int, proposals: list[int], device: t
 
 
 def _geometry_rules(codecs: list[ComposedCodec], max_step: int) -> HeaderRules:
-    """A geometry message for this side: its boundary, and the size of one of its codecs' geometries (a
-    governed ladder sends every level's in turn)."""
-    sizes = {codec.spec.geometry_numel(codec.hidden_size) for codec in codecs}
-
-    def numel(header) -> int:
-        if header.numel not in sizes:
-            raise MalformedHeader(
-                f"geometry header numel={header.numel} is invalid: it must be one of {sorted(sizes)} (this side's "
-                "codec geometries)"
-            )
-        return header.numel
-
-    return HeaderRules(max_step, numel, fields={"boundary": [codecs[0].boundary]})
+    """A geometry message for this side: its boundary, and the values of every one of its codecs'
+    geometries (``refit_message``: one codec, or governed every level of the ladder, concatenated)."""
+    total = sum(codec.spec.geometry_numel(codec.hidden_size) for codec in codecs)
+    return HeaderRules(max_step, lambda header: total, fields={"boundary": [codecs[0].boundary]})
 
 
 class FastGeometryLink:
