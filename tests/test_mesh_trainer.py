@@ -161,9 +161,11 @@ def test_trl_sft_script_runs_unchanged_on_a_launched_mesh(tmp_path):
 @pytest.mark.slow
 def test_meshtrainer_runs_with_every_replica_a_job_of_its_own(tmp_path):
     """``--max-restarts``: three gloo worlds of two processes meet only through torchft; the summary
-    still covers the whole mesh (results travel through the launcher's store) and only replica 0 saves."""
+    still covers the whole mesh (results travel through the launcher's store) and only replica 0 saves.
+    A fitted codec (its calibration pass between the stages of every replica's own world) runs too."""
     out = tmp_path / "jobs"
-    proc = _launch("3x2", str(out), "--anchor", "false", launcher=("--max-restarts", "1"))
+    codec = ("--mask_ratio", "0", "--boundary_codec", "outliers2+int8")
+    proc = _launch("3x2", str(out), "--anchor", "false", *codec, launcher=("--max-restarts", "1"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "one job per replica, up to 1 restart(s) each" in proc.stderr
     summary = json.loads((out / "mesh_summary.json").read_text())

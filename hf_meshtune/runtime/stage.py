@@ -109,7 +109,7 @@ class StageWorker:
         group, replica, topology = self.groups.pp_group, self.replica, self.topology
         with self.naming_link_failure("the codec calibration pass with", self._neighbours()):
             if codecs_in:
-                src = topology.rank(replica, self.stage - 1)
+                src = topology.process_rank(topology.rank(replica, self.stage - 1))  # torch's rank (replica jobs)
                 x = torch.empty(*ids.shape, module.hidden_size, dtype=dtype, device=self.device)
                 self.wire.recv("pp_fwd", x, src, group=group, tag=CALIBRATION_TAG)
                 for codec in codecs_in:
@@ -128,7 +128,7 @@ class StageWorker:
                     hidden = module(x)
             finally:
                 module.dense = False
-            dst = topology.rank(replica, self.stage + 1)
+            dst = topology.process_rank(topology.rank(replica, self.stage + 1))
             self.wire.send("pp_fwd", hidden.contiguous(), dst, group=group, tag=CALIBRATION_TAG)
             for codec in codecs_out:
                 codec.fit(hidden)
