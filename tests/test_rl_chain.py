@@ -112,29 +112,19 @@ def test_gspo_recipe_trains_scores_and_saves_a_plain_checkpoint(tiny_dir, tmp_pa
     assert "| first reward | last reward |" in (out / "report.md").read_text()
 
 
+def _lora_chain(tiny_dir, out, steps: int, *flags: str) -> dict:
+    """``examples/sft_to_gspo.py`` with LoRA on the tiny model: ``steps`` SFT and GSPO steps, 4 generations,
+    4 held-out problems; ``flags`` are the example's own, then ``--`` and the recipes'."""
+    common = ["--output_dir", str(out), "--model_name_or_path", str(tiny_dir), "--use_peft"]
+    common += ["--sft_steps", str(steps), "--gspo_steps", str(steps), "--num_generations", "4", "--eval_items", "4"]
+    return load_script("examples/sft_to_gspo.py").main([*common, *flags])
+
+
 def test_sft_then_gspo_with_lora_continues_from_the_saved_adapter(tiny_dir, tmp_path):
     from peft import PeftModel
 
     out = tmp_path / "chain"
-    result = load_script("examples/sft_to_gspo.py").main(
-        [
-            "--output_dir",
-            str(out),
-            "--model_name_or_path",
-            str(tiny_dir),
-            "--use_peft",
-            "--sft_steps",
-            "2",
-            "--gspo_steps",
-            "2",
-            "--num_generations",
-            "4",
-            "--eval_items",
-            "4",
-            "--",
-            *MESH,
-        ]
-    )
+    result = _lora_chain(tiny_dir, out, 2, "--", *MESH)
     assert set(result) >= {"exact_match_base", "exact_match_after_sft", "exact_match_after_gspo", "gspo_reward_last"}
     assert math.isfinite(result["sft_eval_loss"])
     assert json.loads((out / "chain.json").read_text())["exact_match_after_gspo"] == result["exact_match_after_gspo"]
@@ -153,33 +143,8 @@ def test_sft_then_gspo_with_lora_on_a_launched_3x2_mesh(tiny_dir, tmp_path):
     from peft import AutoPeftModelForCausalLM, PeftModel
 
     out = tmp_path / "chain"
-    result = load_script("examples/sft_to_gspo.py").main(
-        [
-            "--output_dir",
-            str(out),
-            "--model_name_or_path",
-            str(tiny_dir),
-            "--use_peft",
-            "--sft_steps",
-            "3",
-            "--gspo_steps",
-            "3",
-            "--num_generations",
-            "4",
-            "--eval_items",
-            "4",
-            "--mesh",
-            "3x2",
-            "--",
-            "--use_cpu",
-            "--report_to",
-            "none",
-            "--anchor",
-            "true",
-            "--logging_steps",
-            "1",
-        ]
-    )
+    flags = ("--use_cpu", "--report_to", "none", "--anchor", "true", "--logging_steps", "1")
+    result = _lora_chain(tiny_dir, out, 3, "--mesh", "3x2", "--", *flags)
     assert all(isinstance(result[k], float) for k in ("exact_match_after_sft", "exact_match_after_gspo"))
     assert math.isfinite(result["sft_eval_loss"]) and result["gspo_reward_last"] is not None
     for phase in ("sft", "gspo"):
