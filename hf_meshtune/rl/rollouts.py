@@ -40,7 +40,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-from trl.trainer.utils import nanstd, use_adapter
+from trl.trainer.utils import nanstd, pad, use_adapter
 
 from .._validation import require
 from ..boundary.masking import stable_seed
@@ -233,7 +233,9 @@ class MeshRollouts:
         # the metrics are this step's alone: a resumed run's codec calibration made step 0's, never trained on
         self.metrics.clear()
         rows = self._rows(step)
-        prompt_ids, prompt_mask = self._prompt_tensors([row["prompt"] for row in rows])
+        prompt_ids, prompt_mask = self._prompt_tensors(
+            [row["prompt"] for row in rows[:: self.advantages.num_generations]]
+        )
         start = time.perf_counter()
         completions = self._generate(step, prompt_ids, prompt_mask)
         self.metrics["time/rollout_s"].append(time.perf_counter() - start)
@@ -312,16 +314,13 @@ class MeshRollouts:
         return [dict(row) for row in prompts for _ in range(g)]
 
     def _prompt_tensors(self, prompts: list) -> tuple[torch.Tensor, torch.Tensor]:
-        """Left-padded prompt ids and their mask, as TRL pads them for generation."""
-        ids = self.tokenize(prompts)
-        longest = max(len(row) for row in ids)
-        out = torch.full((len(ids), longest), self.rollout.pad_token_id, dtype=torch.long)
-        mask = torch.zeros(len(ids), longest, dtype=torch.long)
-        for i, row in enumerate(ids):
-            if row:
-                out[i, longest - len(row) :] = torch.tensor(row, dtype=torch.long)
-                mask[i, longest - len(row) :] = 1
-        return out, mask
+        """The step's distinct prompts tokenized once, left-padded with TRL's ``pad`` as TRL pads them for
+        generation, each row then repeated for its group: (ids, mask) [B, P]."""
+        ids = [torch.tensor(row, dtype=torch.long) for row in self.tokenize(prompts)]
+        padded = pad(ids, padding_value=self.rollout.pad_token_id, padding_side="left")
+        mask = pad([torch.ones_like(row) for row in ids], padding_value=0, padding_side="left")
+        g = self.advantages.num_generations
+        return padded.repeat_interleave(g, dim=0), mask.repeat_interleave(g, dim=0)
 
     def _score(self, rows: list[dict], completions, full, mask, ended) -> torch.Tensor:
         """The last stage: TRL's reward calls, weights and advantages; the step's reward and length metrics."""
