@@ -19,7 +19,8 @@ from transformers import AutoModelForCausalLM
 from trl import GRPOTrainer
 
 from hf_meshtune import MeshGRPOTrainer, MeshGSPOConfig
-from hf_meshtune.rl.rollouts import AdvantageSettings, completion_mask, group_advantages
+from hf_meshtune.pipeline.generate import RolloutSettings
+from hf_meshtune.rl.rollouts import AdvantageSettings, MeshRollouts, completion_mask, group_advantages
 from tests.distributed import mesh_launch
 from tests.scripts.mesh_grpo import LORA, MAX_COMPLETION, fixed_completion, low_ids_reward, prompts
 from tests.tiny import make_tiny_causal_lm, tiny_word_tokenizer
@@ -282,3 +283,34 @@ def test_the_same_gspo_script_runs_under_torchrun(tmp_path):
     assert summary["mesh"] == "2x2" and summary["mesh_env"] is None and summary["steps"] == 3
     assert summary["rollout_bytes"]["fast"] > 0
     assert len(json.loads((out / "rewards.json").read_text())) == 3
+
+
+def _rollouts(reward_funcs, rows: int = 4) -> MeshRollouts:
+    return MeshRollouts(
+        prompts=lambda step: [],
+        tokenize=lambda prompts: [],
+        decode=lambda ids: [" ".join(map(str, row)) for row in ids],
+        reward_funcs=reward_funcs,
+        reward_names=[f.__name__ for f in reward_funcs],
+        advantages=AdvantageSettings(num_generations=2, weights=(1.0,) * len(reward_funcs)),
+        rollout=RolloutSettings(max_new_tokens=3, pad_token_id=0, eos_token_ids=(2,)),
+        seq_len=8,
+        rows=rows,
+        seed=0,
+        tag=0,
+    )
+
+
+def test_a_reward_function_that_miscounts_and_a_group_split_across_steps_are_refused():
+    def one_reward(completions, **kwargs):
+        return [1.0]
+
+    with pytest.raises(ValueError, match="num_generations=2 is invalid: it must divide the rows a replica trains"):
+        _rollouts([one_reward], rows=3)
+    rollouts = _rollouts([one_reward])
+    completions = torch.tensor([[5, 2, 0], [6, 7, 8], [5, 5, 2], [9, 2, 0]])
+    full = completion_mask(completions, [2])
+    ended = torch.tensor([True, False, True, True])
+    rows = [{"prompt": "w3"}] * 4
+    with pytest.raises(ValueError, match=r"reward function 'one_reward'='1 rewards' is invalid: it must return one "):
+        rollouts._score(rows, completions, full, full, ended)
