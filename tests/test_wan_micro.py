@@ -4,6 +4,8 @@ reports read, agree with ``meshtune ledger --json``, and the GPU check refuses t
 from __future__ import annotations
 
 import json
+import os
+import shutil
 
 import pytest
 import torch
@@ -108,3 +110,16 @@ def test_gpu_check_refuses_without_cuda(tmp_path, capsys, monkeypatch):
 def test_gpu_check_shares_micro_timing_code():
     for name in ("time_masking_work", "time_masked_step", "compare_optimizers", "decoder_layer_shapes", "machine_info"):
         assert getattr(gpu_check, name) is getattr(micro, name)
+
+
+def test_gpu_check_renders_the_committed_h200_run(tmp_path):
+    # the committed JSON is a real run on the lent H200; re-rendering it must give the committed table
+    committed = os.path.join(micro.RESULTS, "gpu_check.json")
+    copy = tmp_path / "gpu_check.json"
+    shutil.copy(committed, copy)
+    assert gpu_check.main(["--render", str(copy)]) == 0
+    md = (tmp_path / "gpu_check.md").read_text()
+    with open(os.path.join(micro.RESULTS, "gpu_check.md")) as fh:
+        assert md == fh.read()
+    assert "NVIDIA H200" in md and "| rank8 factors, trainer path |" not in md  # no profile rows for trainer paths
+    assert "SpectralAdamW rank8 factors, trainer path | 2.2 |" in md

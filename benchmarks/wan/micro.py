@@ -635,9 +635,9 @@ def _masking_lines(m: Mapping[str, Any]) -> list[str]:
     return lines
 
 
-def _optimizer_lines(o: Mapping[str, Any]) -> list[str]:
+def _optimizer_lines(o: Mapping[str, Any], where: str = "fp32 on CPU") -> list[str]:
     lines = [
-        f"fp32 on CPU; amortised = (SVD step + {o['anchor_every'] - 1} cached steps) / {o['anchor_every']}. "
+        f"{where}; amortised = (SVD step + {o['anchor_every'] - 1} cached steps) / {o['anchor_every']}. "
         "Ratios are medians of per-repetition ratios to an AdamW step timed right beside (see `paired_ratio`).",
         "",
         "| shapes | params | optimizer | step, cached basis (ms) | SVD step (ms) | cached / AdamW | SVD step / AdamW | "
