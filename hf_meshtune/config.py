@@ -10,6 +10,7 @@ also accepts ``optim="spectral_adamw"``). TRL configs reuse the same mixin: mixe
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -262,6 +263,7 @@ class MeshArguments:
     def __post_init__(self) -> None:
         parent = getattr(super(), "__post_init__", None)
         if isinstance(self, TrainingArguments):  # also TRL's configs: accept our optimizer name
+            _require_gloo_backend(self)
             _post_init_with_spectral_optim(self, parent)
         elif parent is not None:
             parent()
@@ -648,6 +650,22 @@ def _post_init_with_spectral_optim(args: TrainingArguments, parent_post_init) ->
         parent_post_init()
     finally:
         args.optim = SPECTRAL_ADAMW
+
+
+def _require_gloo_backend(args) -> None:
+    """The mesh's process group is gloo's, on GPUs too: in a launched process (LOCAL_RANK set, where
+    accelerate would create an NCCL group on a GPU machine) ``ddp_backend`` unset becomes ``"gloo"``;
+    any other backend is refused. Gloo runs over any TCP link, across the internet, and the mesh stages
+    GPU tensors through CPU memory for its point-to-point sends."""
+    if args.ddp_backend is None and int(os.environ.get("LOCAL_RANK", "-1")) != -1:
+        args.ddp_backend = "gloo"
+    require(
+        args.ddp_backend in (None, "gloo"),
+        "ddp_backend",
+        args.ddp_backend,
+        "be 'gloo' or unset: every link of the mesh (pipeline boundaries, DiLoCo syncs, the anchor) runs on "
+        "gloo, over any TCP link, with GPU tensors staged through CPU memory; NCCL needs one fabric",
+    )
 
 
 @dataclass

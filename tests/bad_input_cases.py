@@ -1273,6 +1273,16 @@ def _cases() -> list[Case]:
         ),
         Case(
             KNOBS,
+            "ddp_backend='nccl'",
+            "`MeshTrainingArguments(...)`",
+            lambda tmp: mesh_args(tmp, ddp_backend="nccl"),
+            ValueError,
+            "ddp_backend='nccl' is invalid: it must be 'gloo' or unset: every link of the mesh (pipeline "
+            "boundaries, DiLoCo syncs, the anchor) runs on gloo, over any TCP link, with GPU tensors staged "
+            "through CPU memory; NCCL needs one fabric",
+        ),
+        Case(
+            KNOBS,
             "optim='lamb'",
             "`MeshTrainingArguments(...)`",
             lambda tmp: mesh_args(tmp, optim="lamb"),

@@ -57,14 +57,14 @@ MICROBATCHES, BATCH, SEQ_LEN = 4, 1, 2048
 NUM_BOUNDARIES = 3  # Y = 4 stages
 
 
-def require_cuda() -> torch.device:
+def require_cuda(what: str = "gpu_check times bf16 kernels") -> torch.device:
     """The CUDA device, or ``ValueError`` naming the rule (no CPU fallback: the CPU numbers are micro.py's)."""
     available = torch.cuda.is_available()
     require(
         available,
         "torch.cuda.is_available()",
         available,
-        f"be True: gpu_check times bf16 kernels on a CUDA device and never falls back to the CPU "
+        f"be True: {what} on a CUDA device and never falls back to the CPU "
         f"(torch {torch.__version__}); run `python -m benchmarks.wan.micro` for the CPU numbers",
     )
     return torch.device("cuda", torch.cuda.current_device())

@@ -14,6 +14,10 @@ pipeline), what this process puts on its links, in two kinds that are never mixe
 
 Summed over all processes, ``sent + booked`` of the training circuits is the mesh's training traffic,
 the counterpart of the analytic ``ledger``; ``rollout`` (generation's traffic) is counted apart from it.
+
+The mesh's links are gloo's, whose point-to-point calls take CPU tensors only: ``send_tensor``,
+``isend_tensor`` and ``recv_tensor`` (which the Wire calls) stage a GPU tensor through a CPU copy.
+Gloo's all-reduces and broadcasts take GPU tensors themselves.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import torch.distributed as dist
 
 from .._validation import require
 
-__all__ = ["CIRCUITS", "ROLLOUT", "WIRE_CIRCUITS", "Wire", "nbytes"]
+__all__ = ["CIRCUITS", "ROLLOUT", "WIRE_CIRCUITS", "Wire", "isend_tensor", "nbytes", "recv_tensor", "send_tensor"]
 
 CIRCUITS = ("pp_fwd", "pp_bwd", "dp", "anchor")  # the training circuits (the ledger's)
 ROLLOUT = "rollout"  # generation through the pipeline (pipeline.generate)
@@ -38,6 +42,30 @@ WIRE_CIRCUITS = (*CIRCUITS, ROLLOUT)
 def nbytes(tensor: torch.Tensor) -> int:
     """Bytes of a tensor's elements (what a backend sends for it)."""
     return tensor.numel() * tensor.element_size()
+
+
+def _on_cpu(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor if tensor.device.type == "cpu" else tensor.cpu()
+
+
+def send_tensor(tensor: torch.Tensor, dst: int, group=None, tag: int = 0) -> None:
+    """``dist.send`` of ``tensor``, through a CPU copy when it lives on a GPU (gloo sends CPU memory)."""
+    dist.send(_on_cpu(tensor), dst, group=group, tag=tag)
+
+
+def isend_tensor(tensor: torch.Tensor, dst: int, group=None, tag: int = 0):
+    """``dist.isend`` of ``tensor`` (a GPU tensor through a CPU copy, which the returned work keeps alive)."""
+    return dist.isend(_on_cpu(tensor), dst, group=group, tag=tag)
+
+
+def recv_tensor(tensor: torch.Tensor, src: int, group=None, tag: int = 0) -> None:
+    """``dist.recv`` into ``tensor``; a GPU tensor receives into a CPU buffer first, then copies it."""
+    if tensor.device.type == "cpu":
+        dist.recv(tensor, src, group=group, tag=tag)
+        return
+    buffer = torch.empty(tensor.shape, dtype=tensor.dtype)
+    dist.recv(buffer, src, group=group, tag=tag)
+    tensor.copy_(buffer)
 
 
 def _zeros() -> dict[str, float]:
@@ -88,16 +116,16 @@ class Wire:
 
     def send(self, circuit: str, tensor: torch.Tensor, dst: int, group=None, tag: int = 0) -> None:
         self.record_send(circuit, tensor)
-        dist.send(tensor, dst, group=group, tag=tag)
+        send_tensor(tensor, dst, group=group, tag=tag)
 
     def isend(self, circuit: str, tensor: torch.Tensor, dst: int, group=None, tag: int = 0):
         """Book, then post a non-blocking send; returns the backend's work (``.wait()`` on it)."""
         self.record_send(circuit, tensor)
-        return dist.isend(tensor, dst, group=group, tag=tag)
+        return isend_tensor(tensor, dst, group=group, tag=tag)
 
     def recv(self, circuit: str, tensor: torch.Tensor, src: int, group=None, tag: int = 0) -> None:
         self.record_recv(circuit, tensor)
-        dist.recv(tensor, src, group=group, tag=tag)
+        recv_tensor(tensor, src, group=group, tag=tag)
 
     def all_reduce(
         self, circuit: str, tensor: torch.Tensor, participants: int, reduce: Callable[[torch.Tensor], Any]

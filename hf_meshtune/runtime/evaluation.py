@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader
 from transformers.trainer_utils import speed_metrics
 
 from .._validation import require
+from ..comm.wire import recv_tensor, send_tensor
 from ..pipeline.stage import StageModule, causal_lm_loss
 
 __all__ = ["EVAL_TAG", "evaluate_on_mesh"]
@@ -98,13 +99,13 @@ def _run_pipeline(trainer, model, groups, eval_dataset) -> torch.Tensor:
                     shape = torch.zeros(2, dtype=torch.int64)
                     dist.recv(shape, src=prev, group=groups.pp_group, tag=EVAL_TAG)
                     x = torch.empty(*shape.tolist(), module.hidden_size, dtype=dtype, device=device)
-                    dist.recv(x, src=prev, group=groups.pp_group, tag=EVAL_TAG)
+                    recv_tensor(x, prev, group=groups.pp_group, tag=EVAL_TAG)
                 out = module(x)
                 if nxt is not None:
                     dist.send(
                         torch.tensor(out.shape[:2], dtype=torch.int64), dst=nxt, group=groups.pp_group, tag=EVAL_TAG
                     )
-                    dist.send(out.contiguous(), dst=nxt, group=groups.pp_group, tag=EVAL_TAG)
+                    send_tensor(out.contiguous(), nxt, group=groups.pp_group, tag=EVAL_TAG)
                     continue
                 loss = loss_fn(out, labels.to(out.device))
                 totals += torch.tensor([float(loss) * ids.shape[0], ids.shape[0], 1], dtype=torch.float64)
