@@ -286,7 +286,7 @@ def _add_launch_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "launch",
         help="start a local X×Y mesh of processes running one script",
-        usage="meshtune launch --mesh XxY [--cpu] [--master-port P] [--lighthouse ADDR] "
+        usage="meshtune launch --mesh XxY [--cpu] [--host ADDR] [--master-port P] [--lighthouse ADDR] "
         "[--log-dir DIR] [--max-restarts N] [--optional-replica R] -- SCRIPT [ARGS...]",
         description="Start X·Y processes `python SCRIPT ARGS` (or `python -m MOD ARGS`) with the torchrun "
         "environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), "
@@ -302,6 +302,12 @@ def _add_launch_parser(subparsers: argparse._SubParsersAction) -> None:
         help="CPU only: ACCELERATE_USE_CPU=true, no CUDA device, cores split over processes",
     )
     p.add_argument("--master-port", type=int, default=None, help="torch.distributed port (default: a free one)")
+    p.add_argument(
+        "--host",
+        default=None,
+        help="the address the launcher's lighthouse and store listen on and the processes' servers bind to "
+        "(exported to them as MESHTUNE_HOST; default $MESHTUNE_HOST, else 127.0.0.1); never every interface",
+    )
     p.add_argument(
         "--lighthouse", default=None, help="host:port of a running torchft lighthouse (default: start one on loopback)"
     )
@@ -334,6 +340,8 @@ def _add_launch_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run_launch(args: argparse.Namespace) -> int:
     """Handler of ``meshtune launch``: the exit code of the mesh (see ``hf_meshtune.launch``)."""
+    from .comm.listen import HOST_ENV
+
     command = args.script[1:] if args.script[:1] == ["--"] else args.script  # `args.command` is "launch"
     return launch_mesh(
         _parse_mesh(args.mesh),
@@ -344,6 +352,8 @@ def run_launch(args: argparse.Namespace) -> int:
         log_dir=args.log_dir,
         max_restarts=args.max_restarts,
         optional_replicas=args.optional_replicas,
+        host=args.host or os.environ.get(HOST_ENV) or "127.0.0.1",
+        env={HOST_ENV: args.host} if args.host else None,
     )
 
 

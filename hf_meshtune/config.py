@@ -264,6 +264,7 @@ class MeshArguments:
         parent = getattr(super(), "__post_init__", None)
         if isinstance(self, TrainingArguments):  # also TRL's configs: accept our optimizer name
             _require_gloo_backend(self)
+            _bind_mesh_servers()
             _post_init_with_spectral_optim(self, parent)
         elif parent is not None:
             parent()
@@ -666,6 +667,17 @@ def _require_gloo_backend(args) -> None:
         "be 'gloo' or unset: every link of the mesh (pipeline boundaries, DiLoCo syncs, the anchor) runs on "
         "gloo, over any TCP link, with GPU tensors staged through CPU memory; NCCL needs one fabric",
     )
+
+
+def _bind_mesh_servers() -> None:
+    """In a launched process, before accelerate creates its process group: gloo on ``$MESHTUNE_HOST``'s
+    interface, and rank 0's rendezvous store on MASTER_ADDR only (``comm.listen``)."""
+    if int(os.environ.get("LOCAL_RANK", "-1")) == -1:
+        return
+    from .comm.listen import gloo_interface, serve_rendezvous_store
+
+    gloo_interface()
+    serve_rendezvous_store()
 
 
 @dataclass

@@ -344,11 +344,12 @@ class _ReplicaJobs:
     """Restart bookkeeping of a mesh launched as one job per replica, and the store of its first start."""
 
     def __init__(self, mesh: tuple[int, int], max_restarts: int, host: str) -> None:
-        import torch.distributed as dist  # lazy: the launcher imports no torch for a plain launch
 
         self.max_restarts = max_restarts
         self.restarts = [0] * mesh[0]
-        self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        from .comm.listen import bound_store, listen_address
+
+        self.store = bound_store(listen_address(host))  # on ``host`` only, not every interface
         self.address = f"{host}:{self.store.port}"
 
     def close(self) -> None:

@@ -522,6 +522,13 @@ def _job_store_without_port() -> None:
         job_store(1.0)
 
 
+def _unresolvable_host() -> None:
+    from hf_meshtune.comm.listen import listen_address
+
+    with environ(MESHTUNE_HOST="no-such-host.invalid"):
+        listen_address()
+
+
 def _mesh_checkpoint(tmp: Path, step: int, ranks=(0, 1, 2, 3), **state) -> str:
     """A 3x2 (anchor on) mesh checkpoint of fake states under ``tmp``; returns its folder."""
     from hf_meshtune.runtime.checkpoint import save_rank_state
@@ -1757,6 +1764,15 @@ def _cases() -> list[Case]:
             _job_store_without_port,
             ValueError,
             "MESHTUNE_JOB_STORE='nowhere' is invalid: it must be host:port of the launcher's TCPStore",
+        ),
+        Case(
+            RANKS,
+            "MESHTUNE_HOST=no-such-host.invalid",
+            "`comm.listen.listen_address` (every server a mesh process or the launcher starts)",
+            _unresolvable_host,
+            ValueError,
+            "MESHTUNE_HOST='no-such-host.invalid' is invalid: it must resolve to an address of this machine for the "
+            "mesh's servers to listen on",
         ),
         # --- model types ---------------------------------------------------------------------------------
         Case(

@@ -367,7 +367,8 @@ def test_other_entry_points_reject_bad_input():
 
 
 def test_the_advertised_host_is_meshtune_host_when_set(monkeypatch):
-    """Peers in other network namespaces or machines reach the lighthouse and stores at MESHTUNE_HOST."""
+    """Peers in other network namespaces or machines reach the lighthouse and stores at MESHTUNE_HOST
+    (an address of this machine, which the servers listen on: 127.0.0.2, loopback but not the hostname's)."""
     import socket
 
     from hf_meshtune.dp.ft import advertised_host, start_lighthouse
@@ -376,15 +377,15 @@ def test_the_advertised_host_is_meshtune_host_when_set(monkeypatch):
     assert advertised_host() == socket.gethostname()
     server, plain = start_lighthouse(min_replicas=1)
     server.shutdown()
-    monkeypatch.setenv("MESHTUNE_HOST", "10.77.0.13")
-    assert advertised_host() == "10.77.0.13"
+    monkeypatch.setenv("MESHTUNE_HOST", "127.0.0.2")
+    assert advertised_host() == "127.0.0.2"
     server, address = start_lighthouse(min_replicas=1)
     try:
         port = address.rsplit(":", 1)[1]
         assert (
-            address == f"http://10.77.0.13:{port}"
+            address == f"http://127.0.0.2:{port}"
             and port.isdigit()
-            and plain.split("://")[1].split(":")[0] != "10.77.0.13"
+            and plain.split("://")[1].split(":")[0] != "127.0.0.2"
         )
     finally:
         server.shutdown()
@@ -398,10 +399,10 @@ def test_the_checkpoint_server_a_restarted_replica_heals_from_is_named_by_meshtu
     from hf_meshtune.dp.diloco import AdvertisedHTTPTransport
 
     timeout = timedelta(seconds=10)
-    elsewhere = AdvertisedHTTPTransport("10.77.0.13", timeout=timeout, num_chunks=0)
+    elsewhere = AdvertisedHTTPTransport("127.0.0.2", timeout=timeout, num_chunks=0)
     served = AdvertisedHTTPTransport("127.0.0.1", timeout=timeout, num_chunks=0)
     try:
-        assert elsewhere.metadata().startswith("http://10.77.0.13:") and elsewhere.metadata().endswith("/checkpoint/")
+        assert elsewhere.metadata().startswith("http://127.0.0.2:") and elsewhere.metadata().endswith("/checkpoint/")
         state = {"mesh_stage": {"step": 7, "w": torch.arange(6.0)}}
         served.send_checkpoint(dst_ranks=[1], step=3, state_dict=state, timeout=timeout)
         fetched = served.recv_checkpoint(src_rank=0, metadata=served.metadata(), step=3, timeout=timeout)

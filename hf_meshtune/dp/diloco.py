@@ -16,7 +16,9 @@ so its bytes are counted, and the checkpoint server is named by the address peer
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Callable
+from http.server import ThreadingHTTPServer
 from importlib.metadata import version
 from types import TracebackType
 from typing import Any
@@ -25,10 +27,12 @@ import torch
 from torch import nn
 from torchft import Manager
 from torchft import local_sgd as torchft_local_sgd
+from torchft.checkpointing import http_transport as torchft_http_transport
 from torchft.checkpointing.http_transport import HTTPTransport
 from torchft.local_sgd import DiLoCo, _StreamingDiLoCoFragment
 
 from .._validation import require
+from ..comm.listen import listen_address
 from ..comm.wire import Wire
 from ..runtime.memory import tensor_bytes
 from .outer import OuterUpdate, check_outer, outer_optimizer
@@ -352,15 +356,37 @@ def _validate(
     require(rank is None or is_int(rank, 1), "powersgd_rank", rank, "be None or an integer >= 1")
 
 
+def _http_server_at(address: str) -> type[ThreadingHTTPServer]:
+    """torchft's checkpoint HTTP server class (daemon threads, a deep backlog), listening on ``address``
+    whatever address torchft asks for (it asks for every interface)."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+
+    class BoundHTTPServer(ThreadingHTTPServer):
+        address_family = family
+        daemon_threads = True
+        request_queue_size = 1024
+
+        def __init__(self, server_address, handler) -> None:
+            super().__init__((address, server_address[1]), handler)
+
+    return BoundHTTPServer
+
+
 class AdvertisedHTTPTransport(HTTPTransport):
     """torchft's checkpoint server (how a restarted replica fetches a peer's state), named by the
     address peers reach it at: torchft's own names the hostname, which from another machine or
     network namespace may resolve to an interface the server is not reachable on (the heal then
-    fails with "Connection refused"). The server itself listens on every interface."""
+    fails with "Connection refused"). torchft's server would listen on every interface; this one
+    listens on ``listen_address(host)`` only (``comm.listen``)."""
 
     def __init__(self, host: str | None, **kwargs: Any) -> None:
         self._advertised = host
-        super().__init__(**kwargs)
+        original = torchft_http_transport._IPv6HTTPServer
+        torchft_http_transport._IPv6HTTPServer = _http_server_at(listen_address(host))
+        try:
+            super().__init__(**kwargs)
+        finally:
+            torchft_http_transport._IPv6HTTPServer = original
 
     def address(self) -> str:
         if self._advertised is None:

@@ -9,7 +9,6 @@ internals is in ``dp.diloco``.
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -19,6 +18,7 @@ from torchft.coordination import LighthouseServer
 from torchft.process_group import ProcessGroupGloo
 
 from .._validation import require
+from ..comm.listen import HOST_ENV, advertised_host, bind_spec, bound_store, listen_address, manager_server_bound_to
 from .diloco import AdvertisedHTTPTransport
 from .powersgd import is_int
 
@@ -38,19 +38,6 @@ without the stragglers (torchft's default is much shorter, so a replica a few st
 others would be left out of syncs it is healthy enough to join)."""
 
 
-HOST_ENV = "MESHTUNE_HOST"
-
-
-def advertised_host() -> str:
-    """The address other machines reach this process at: ``$MESHTUNE_HOST``, else the hostname.
-
-    torchft's servers and the replica stores advertise the hostname, which on a multi-homed machine
-    (or inside a network namespace) may name an interface the peers cannot reach; set MESHTUNE_HOST
-    to the address of the interface the mesh runs on (as GLOO_SOCKET_IFNAME picks gloo's).
-    """
-    return os.environ.get(HOST_ENV) or socket.gethostname()
-
-
 def start_lighthouse(
     min_replicas: int = 1,
     host: str | None = None,
@@ -60,15 +47,15 @@ def start_lighthouse(
 ) -> tuple[LighthouseServer, str]:
     """Start a torchft lighthouse on a free port; returns ``(server, "http://HOST:PORT")`` to give managers.
 
-    ``min_replicas``: fast replicas a quorum needs. ``host``: the one interface to listen on, which
-    is then also the address handed out (``meshtune launch``: loopback by default); None listens on
-    every interface and hands out ``advertised_host()`` ($MESHTUNE_HOST, else the hostname), since
-    torchft's own address names the hostname, which other machines or namespaces may not reach.
+    ``min_replicas``: fast replicas a quorum needs. ``host``: the address to listen on and hand out
+    (``meshtune launch``: loopback by default); None: ``advertised_host()`` ($MESHTUNE_HOST, else the
+    hostname), which it listens on (resolved, ``comm.listen``) and hands out, since torchft's own
+    address names the hostname, which other machines or namespaces may not reach.
     Call ``server.shutdown()`` when done.
     """
     require(is_int(min_replicas, 1), "min_replicas", min_replicas, "be an integer >= 1")
     server = LighthouseServer(
-        bind=f"{host}:0" if host else "[::]:0",
+        bind=bind_spec(listen_address(host)),
         min_replicas=min_replicas,
         join_timeout_ms=join_timeout_ms,
         quorum_tick_ms=quorum_tick_ms,
@@ -104,7 +91,7 @@ def host_replica_store(
         rendezvous = dist.distributed_c10d._get_default_store()
     if stage == 0:
         host = host or advertised_host()
-        server = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
+        server = bound_store(listen_address(host), timeout_s=timeout_s)  # not on every interface
         rendezvous.set(key, f"{host}:{server.port}")
         return ReplicaStore(host, server.port, server)
     addr, _, port = rendezvous.get(key).decode().rpartition(":")
@@ -146,22 +133,24 @@ def make_manager(
     timeout = timedelta(seconds=timeout_s)
     hostname = hostname if hostname is not None else os.environ.get(HOST_ENV)
     kwargs = {"hostname": hostname} if hostname is not None else {}
-    return Manager(
-        pg=ProcessGroupGloo(timeout=timeout),
-        load_state_dict=None,
-        state_dict=None,
-        checkpoint_transport=AdvertisedHTTPTransport(hostname, timeout=timeout, num_chunks=0),
-        min_replica_size=min_replica_size,
-        use_async_quorum=False,
-        timeout=timeout,
-        quorum_timeout=timedelta(seconds=quorum_timeout_s or timeout_s),
-        connect_timeout=timeout,
-        rank=stage,
-        world_size=num_stages,
-        store_addr=store_addr,
-        store_port=store_port,
-        lighthouse_addr=lighthouse_addr,
-        replica_id=f"mesh_replica_{replica}",
-        init_sync=init_sync,
-        **kwargs,
-    )
+    address = listen_address(hostname)  # its servers listen there only (comm.listen)
+    with manager_server_bound_to(address):
+        return Manager(
+            pg=ProcessGroupGloo(timeout=timeout),
+            load_state_dict=None,
+            state_dict=None,
+            checkpoint_transport=AdvertisedHTTPTransport(hostname, timeout=timeout, num_chunks=0),
+            min_replica_size=min_replica_size,
+            use_async_quorum=False,
+            timeout=timeout,
+            quorum_timeout=timedelta(seconds=quorum_timeout_s or timeout_s),
+            connect_timeout=timeout,
+            rank=stage,
+            world_size=num_stages,
+            store_addr=store_addr,
+            store_port=store_port,
+            lighthouse_addr=lighthouse_addr,
+            replica_id=f"mesh_replica_{replica}",
+            init_sync=init_sync,
+            **kwargs,
+        )
