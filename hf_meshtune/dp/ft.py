@@ -24,6 +24,7 @@ from .powersgd import is_int
 
 __all__ = [
     "HOST_ENV",
+    "HEARTBEAT_TIMEOUT_MS",
     "JOIN_TIMEOUT_MS",
     "ReplicaStore",
     "advertised_host",
@@ -38,12 +39,19 @@ without the stragglers (torchft's default is much shorter, so a replica a few st
 others would be left out of syncs it is healthy enough to join)."""
 
 
+HEARTBEAT_TIMEOUT_MS = 2_000
+"""How long a lighthouse hears no heartbeat from a replica (its manager beats every 100 ms) before the
+next quorum leaves it out. When a replica dies, the survivors' next sync waits this long for the
+quorum that drops it: torchft's default, 5 s, was the whole of a survivor's pause after a kill."""
+
+
 def start_lighthouse(
     min_replicas: int = 1,
     host: str | None = None,
     *,
     join_timeout_ms: int | None = JOIN_TIMEOUT_MS,
     quorum_tick_ms: int | None = None,
+    heartbeat_timeout_ms: int = HEARTBEAT_TIMEOUT_MS,
 ) -> tuple[LighthouseServer, str]:
     """Start a torchft lighthouse on a free port; returns ``(server, "http://HOST:PORT")`` to give managers.
 
@@ -59,6 +67,7 @@ def start_lighthouse(
         min_replicas=min_replicas,
         join_timeout_ms=join_timeout_ms,
         quorum_tick_ms=quorum_tick_ms,
+        heartbeat_timeout_ms=heartbeat_timeout_ms,
     )
     port = server.address().rstrip("/").rsplit(":", 1)[1]
     return server, f"http://{host or advertised_host()}:{port}"

@@ -156,6 +156,8 @@ def main(out: str, steps: int, overrides: dict) -> None:
             with open(f"{path}.tmp", "w") as handle:
                 handle.write(f"{os.getpid()} {view.step}")
             os.replace(f"{path}.tmp", path)
+            with open(os.path.join(out, "progress", f"t{rank}.g{restart}"), "a") as handle:  # the timeline
+                handle.write(f"{view.step} {time.time():.3f}\n")
             if pace:
                 time.sleep(pace)
             if hold_at and view.step == hold_at and restart == "0":
