@@ -9,6 +9,7 @@ internals is in ``dp.diloco``.
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -71,6 +72,28 @@ def start_lighthouse(
     )
     port = server.address().rstrip("/").rsplit(":", 1)[1]
     return server, f"http://{host or advertised_host()}:{port}"
+
+
+class AbortingProcessGroupGloo(ProcessGroupGloo):
+    """torchft's gloo group, aborted as soon as one of its all-reduces fails.
+
+    When a peer dies in the middle of a ring all-reduce, only its ring neighbours see the broken
+    connection; a survivor waiting for data from one of those neighbours would wait out the whole
+    collective timeout (30 s in the soak). Aborting the failed group closes its connections, so the
+    survivors waiting on it fail at once and every replica goes on to the next quorum, which leaves
+    the dead replica out (``HEARTBEAT_TIMEOUT_MS``). torchft reconfigures a fresh group there anyway."""
+
+    def allreduce(self, tensors, opts):
+        work = super().allreduce(tensors, opts)
+
+        def abort_on_error(future) -> None:
+            try:
+                future.value()
+            except Exception:  # noqa: BLE001 - any failure of the collective: the group is broken
+                threading.Thread(target=self.abort, daemon=True, name="abort-dp-group").start()
+
+        work.get_future().add_done_callback(abort_on_error)
+        return work
 
 
 @dataclass
@@ -145,7 +168,7 @@ def make_manager(
     address = listen_address(hostname)  # its servers listen there only (comm.listen)
     with manager_server_bound_to(address):
         return Manager(
-            pg=ProcessGroupGloo(timeout=timeout),
+            pg=AbortingProcessGroupGloo(timeout=timeout),
             load_state_dict=None,
             state_dict=None,
             checkpoint_transport=AdvertisedHTTPTransport(hostname, timeout=timeout, num_chunks=0),

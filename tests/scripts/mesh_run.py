@@ -124,8 +124,32 @@ def _die_while_saving(step: int, rank: int) -> None:
     torch.save = save
 
 
+def _die_in_sync(rank: int, sync: int) -> None:
+    """SIGKILL this process as it enters its ``sync``-th DiLoCo all-reduce (counting from 1) when its
+    mesh rank is ``rank``: its peers are already inside theirs, so it dies mid-sync."""
+    import torchft.manager
+
+    real, calls = torchft.manager.Manager.allreduce, [0]
+
+    def allreduce(self, *args, **kwargs):
+        calls[0] += 1
+        if _mesh_rank() == rank and calls[0] >= sync:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(self, *args, **kwargs)
+
+    torchft.manager.Manager.allreduce = allreduce
+
+
+def _mesh_rank() -> int:
+    stages = int(os.environ["MESHTUNE_MESH"].lower().split("x")[1])
+    return int(os.environ.get("MESHTUNE_REPLICA", "0")) * stages + int(os.environ["RANK"])
+
+
 def main(out: str, steps: int, overrides: dict) -> None:
     torch.set_num_threads(1)
+    kill_in_sync = os.environ.get("KILL_IN_SYNC")
+    if kill_in_sync and os.environ.get("MESHTUNE_RESTART", "0") == "0":
+        _die_in_sync(*(int(v) for v in kill_in_sync.split(":")))
     kill_during_save = os.environ.get("KILL_DURING_SAVE")
     if kill_during_save and os.environ.get("MESHTUNE_RESTART", "0") == "0":
         _die_while_saving(*(int(v) for v in kill_during_save.split(":")))
