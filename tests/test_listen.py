@@ -70,6 +70,11 @@ def test_a_bound_store_listens_on_its_address_only():
     assert any(p == plain.port and a in WILDCARDS for _, a, p in listening({os.getpid()}))
 
 
+def test_a_store_on_an_address_this_machine_lacks_names_the_rule():
+    with pytest.raises(OSError, match=r"cannot listen on 192\.0\.2\.1:0 \(.*\): MESHTUNE_HOST .* must be addresses"):
+        bound_store("192.0.2.1")  # TEST-NET-1: never an address of this machine
+
+
 def test_the_checkpoint_server_listens_on_the_named_address(monkeypatch):
     from datetime import timedelta
 
