@@ -316,8 +316,9 @@ def _add_launch_parser(subparsers: argparse._SubParsersAction) -> None:
         "--max-restarts",
         type=int,
         default=0,
-        help="restarts per replica; > 0 runs every replica as its own job (needs --no-anchor) so a "
-        "failed one is restarted and heals from the others (default 0: the first failure stops the mesh)",
+        help="restarts per replica; > 0 runs every replica as its own job so a failed one is restarted and "
+        "heals from the others, the anchor's included: it rejoins and re-syncs θ_global from fast replica 0 "
+        "(default 0: the first failure stops the mesh)",
     )
     p.add_argument(
         "--optional-replica",

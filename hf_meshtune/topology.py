@@ -11,9 +11,10 @@ the fast masked circuit; without it all X replicas are fast. Groups:
 Replica jobs (``MESHTUNE_REPLICA=r``, what ``meshtune launch --max-restarts`` starts): each replica is
 a job of its own, its Y processes one torch.distributed world (process rank = stage), so a replica that
 dies can be restarted and rejoin without the others noticing more than a missed DiLoCo sync. Replicas
-then meet only through torchft (the lighthouse and its cross-replica groups), hence without the anchor,
-whose link is a static group over the whole mesh. ``MeshTopology.job_replica`` is r there, and mesh
-ranks (``replica · Y + stage``) are what every other part of the library speaks.
+then meet through torchft (the lighthouse and its cross-replica groups) and, with the anchor on,
+through the restartable anchor link (``comm.pairlink``: one gloo pair per anchor stage and fast stage,
+rebuilt when either restarts). ``MeshTopology.job_replica`` is r there, and mesh ranks
+(``replica · Y + stage``) are what every other part of the library speaks.
 
 ``MeshTopology.validate`` runs before any collective, from facts every rank already has (world size,
 mesh shape, number of decoder layers), so an impossible mesh fails on every rank with the same
@@ -98,13 +99,6 @@ class MeshTopology:
                 REPLICA_ENV,
                 self.job_replica,
                 f"lie in [0, {self.replicas}) (a replica of the {self.replicas}x{self.stages} mesh)",
-            )
-            require(
-                not self.anchor,
-                "anchor",
-                self.anchor,
-                "be False when every replica is a job of its own (replica restarts: the anchor link is one "
-                "static group over the whole mesh, which a restarted replica cannot rejoin)",
             )
 
     @classmethod
@@ -233,7 +227,9 @@ class MeshTopology:
         * PP group of every replica (``timeout_s`` bounds every pipeline send/receive; default: the
           default process group's timeout, 30 min for gloo; past it the stage raises instead of
           waiting on a dead link);
-        * the anchor link (with the anchor on): every process of the job, gloo (CPU tensors);
+        * the anchor link (with the anchor on): every process of the job, gloo (CPU tensors); in a replica
+          job the restartable pairs of ``comm.pairlink`` instead (the anchor's stage s with stage s of
+          every fast replica);
         * the fast ranks alone (with the anchor on, in one world): how the run ends when the anchor
           replica was lost;
         * ``dp_peers``: stage s of every fast replica, for a per-step DP peer (``dp.baselines``).
@@ -264,7 +260,15 @@ class MeshTopology:
         rank = self.mesh_rank(dist.get_rank())
         replica, stage = self.coords(rank)
         link = fast = peers = None
-        if self.anchor:
+        if self.anchor and self.job_replica is not None:
+            from .comm.pairlink import PairLinks
+
+            across = (
+                [self.rank(r, stage) for r in self.fast_replicas] if self.is_anchor(rank) else [self.anchor_rank(stage)]
+            )
+            local = (pp[replica], {self.rank(replica, s): s for s in range(self.stages)})
+            link = PairLinks.from_environment(rank, across, local=local, timeout_s=timeout_s or 1800.0)
+        elif self.anchor:
             link = dist.new_group(list(range(self.job_world_size)), backend="gloo", timeout=timeout)
             if self.job_replica is None:
                 fast = dist.new_group(

@@ -508,6 +508,27 @@ def _allreduce_in_replica_job() -> None:
     _allreduce_on_rank0(MeshTopology(3, 2, anchor=False, job_replica=0))
 
 
+def _fixed_link_knob_in_anchor_replica_job(**knobs) -> Callable[[], None]:
+    """A trigger: run_worker of mesh rank 0 of a 3x2 replica job with the anchor on and ``knobs``."""
+
+    def trigger() -> None:
+        from hf_meshtune.runtime.bootstrap import run_worker
+        from hf_meshtune.runtime.settings import RunSettings
+        from hf_meshtune.topology import MeshGroups
+
+        settings = RunSettings(
+            config=MeshConfig(anchor=True, num_stages=2, **knobs),
+            microbatch_size=1,
+            microbatches=1,
+            seq_len=8,
+            max_steps=1,
+        )
+        groups = MeshGroups(MeshTopology(3, 2, anchor=True, job_replica=0), rank=0, replica=0, stage=0, pp_group=None)
+        run_worker(tiny_llama(), groups, settings, lambda step: None)
+
+    return trigger
+
+
 def _replica_job_without_lighthouse() -> None:
     from hf_meshtune.runtime.job import _lighthouse
 
@@ -1723,12 +1744,32 @@ def _cases() -> list[Case]:
         ),
         Case(
             RANKS,
-            "the anchor on in a replica job (`meshtune launch --max-restarts`)",
-            "`MeshTopology.from_environment` (every rank)",
-            replica_job(2, 2, "3x2", "0", anchor=True),
+            "`anchor_lockstep=True` with the anchor on in a replica job (`meshtune launch --max-restarts`)",
+            "`runtime.bootstrap.run_worker` (every rank)",
+            _fixed_link_knob_in_anchor_replica_job(anchor_lockstep=True),
             ValueError,
-            "anchor=True is invalid: it must be False when every replica is a job of its own (replica restarts: the "
-            "anchor link is one static group over the whole mesh, which a restarted replica cannot rejoin)",
+            "anchor_lockstep=True is invalid: it must be off when every replica is a job of its own with the anchor "
+            "on (replica restarts: a fast step cannot wait for an anchor that is restarting)",
+        ),
+        Case(
+            RANKS,
+            "`codec_refit_every` with the anchor on in a replica job",
+            "`runtime.bootstrap.run_worker` (every rank)",
+            _fixed_link_knob_in_anchor_replica_job(boundary_codec="outliers8+int4g71", codec_refit_every=2),
+            ValueError,
+            "codec_refit_every=2 is invalid: it must be off when every replica is a job of its own with the anchor "
+            "on (replica restarts: the anchor's refitted geometry goes to two stages at once, over links that do not "
+            "restart)",
+        ),
+        Case(
+            RANKS,
+            "`boundary_codec='governed'` with the anchor on in a replica job",
+            "`runtime.bootstrap.run_worker` (every rank)",
+            _fixed_link_knob_in_anchor_replica_job(boundary_codec="governed", mask_ratio=0.0),
+            ValueError,
+            "boundary_codec='governed' is invalid: it must be off when every replica is a job of its own with the "
+            "anchor on (replica restarts: the governor's levels travel over links that do not restart; pick a fixed "
+            "codec)",
         ),
         Case(
             RANKS,

@@ -63,7 +63,7 @@ def _train_stage(
     fragments = _fragments(model)
     inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
     gen = torch.Generator().manual_seed(1000 * replica + stage)  # every replica and stage: its own data
-    wire, record = Wire(), {"init": _flat(fragments), "pre": [], "post": [], "syncs": []}
+    wire, record = Wire(), {"init": _flat(fragments), "pre": [], "post": [], "syncs": [], "sync_states": []}
     inner.register_step_post_hook(lambda *_: record["pre"].append(_flat(fragments)))  # runs before DiLoCo's hook
 
     def on_update(update: OuterUpdate) -> None:
@@ -98,6 +98,8 @@ def _train_stage(
             inner.step()
             inner.zero_grad()
             record["post"].append(_flat(fragments))
+            # what fast replica 0 sends a rejoining anchor (a SYNC), with the number of syncs it already holds
+            record["sync_states"].append((len(record["syncs"]), diloco.sync_tensors()))
     record["global"] = [diloco.global_parameters(i) for i in range(FRAGMENTS)]
     record["shapes"] = [[tuple(p.shape) for p in f.parameters()] for f in fragments]
     manager.shutdown(wait=False)
@@ -315,6 +317,33 @@ def test_outer_follower_tracks_global_parameters_with_powersgd(powersgd_run):
         assert all(
             _equal(u["update"].tensors, v["update"].tensors) for u, v in zip(powersgd_run[0]["syncs"], run["syncs"])
         )
+
+
+def test_a_follower_loading_a_sync_mid_run_then_replaying_the_rest_ends_on_global_parameters(powersgd_run):
+    # a restarted anchor (comm.pairlink) takes a SYNC (θ_global and the outer momentum as committed so far)
+    # instead of every update it missed; with fragment_sync_delay=1 a fragment's sync is in flight at most
+    # steps, so the SYNC must leave it out and the update that commits it must still apply on top
+    run = powersgd_run[0]
+    for done, state in run["sync_states"]:
+        model = _model(1)  # another init: everything must come from the SYNC
+        follower = OuterFollower(_fragments(model), outer_lr=LR, outer_momentum=MU)
+        follower.load_sync(state)
+        for sync in run["syncs"][done:]:
+            follower.apply(sync["update"])
+        for f in range(FRAGMENTS):
+            for got, want in zip(_flat(follower.fragments)[f], run["global"][f]):
+                assert torch.equal(got, want), (done, f)
+
+
+def test_a_sync_holds_two_tensors_per_parameter_of_every_fragment(powersgd_run):
+    from hf_meshtune.anchor.follower import sync_shapes
+
+    shapes = [[torch.Size(s) for s in fragment] for fragment in powersgd_run[0]["shapes"]]
+    for _, state in powersgd_run[0]["sync_states"]:
+        assert [tuple(t.shape) for t in state] == sync_shapes(shapes)
+    follower = OuterFollower(_fragments(_model(0)), outer_lr=LR, outer_momentum=MU)
+    with pytest.raises(ValueError, match="sync tensors"):
+        follower.load_sync(powersgd_run[0]["sync_states"][0][1] + [torch.zeros(1)])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -40,7 +40,7 @@ UPDATE_RULES = HeaderRules(max_step=10, numel=_update_numel)
 
 BAD_UPDATES = [
     ((DATA, 1, 0, 2**60), "updates header numel=1152921504606846976 is invalid: it must equal 6"),
-    ((7, 1, 0, 6), "updates header kind=7 is invalid: it must be one of [0, 1, 2]"),
+    ((7, 1, 0, 6), "updates header kind=7 is invalid: it must be one of [0, 1, 2, 3]"),
     ((DATA, -5, 0, 6), "updates header step=-5 is invalid: it must lie in [0, 10] (the run's steps)"),
     ((DATA, 11, 0, 6), "updates header step=11 is invalid: it must lie in [0, 10]"),
     ((DATA, 1, 3, 6), "updates header fragment=3 is invalid: it must lie in [0, 1)"),

@@ -18,7 +18,7 @@ from ..dp.outer import OuterUpdate, apply_outer_step, check_outer, outer_optimiz
 from ..dp.powersgd import PowerSGD
 from ..runtime.memory import tensor_bytes
 
-__all__ = ["OuterFollower", "update_shapes"]
+__all__ = ["OuterFollower", "sync_shapes", "update_shapes"]
 
 
 class OuterFollower:
@@ -62,6 +62,27 @@ class OuterFollower:
                 for name, param in fragment.named_parameters():
                     param.copy_(saved["original"][name])
                 optimizer.load_state_dict(saved["outer"])
+
+    def load_sync(self, tensors: Sequence[torch.Tensor]) -> None:
+        """θ_global and the outer momentum of every fragment from a fast replica's SYNC
+        (``StreamingDiLoCo.sync_tensors`` order, ``sync_shapes``): the anchor's follower is whole again
+        whatever updates it missed while its link was down."""
+        at = 0
+        with torch.no_grad():
+            for params, optimizer in zip(self._params, self._optimizers):
+                count = len(params)
+                values, momenta = tensors[at : at + count], tensors[at + count : at + 2 * count]
+                at += 2 * count
+                for param, value, momentum in zip(params, values, momenta):
+                    param.copy_(value)
+                    optimizer.state[param]["momentum_buffer"] = momentum.to(param.device, param.dtype).clone()
+        require(at == len(tensors), "sync tensors", len(tensors), f"be {at}: two per parameter of every fragment")
+
+
+def sync_shapes(fragment_shapes: Sequence[Sequence[torch.Size]]) -> list[tuple[int, ...]]:
+    """Shapes of a SYNC's tensors (``StreamingDiLoCo.sync_tensors``): per fragment its parameters, then
+    their outer momentum."""
+    return [tuple(shape) for shapes in fragment_shapes for shape in (*shapes, *shapes)]
 
 
 def update_shapes(shapes: Sequence[torch.Size], rank: int | None) -> list[tuple[int, ...]]:

@@ -24,7 +24,8 @@ from torch import nn
 from .._validation import require
 from ..comm.errors import is_link_error
 from ..comm.mailbox import Receiver, Sender
-from ..comm.messages import DATA, GRADIENTS, STOP, TICK, UPDATES, HeaderRules, flatten, unflatten
+from ..comm.messages import DATA, GRADIENTS, STOP, SYNC, TICK, UPDATES, HeaderRules, flatten, unflatten
+from ..comm.pairlink import FIRST_PAIR, PairLinks
 from ..comm.wire import Wire
 from ..dp.outer import OuterUpdate
 from ..optim.spectral import factor_shapes
@@ -68,6 +69,7 @@ class FastAnchorLink:
         lockstep: tuple[int, int] | None = None,
         factor_rank: int | None = None,
         max_step: int,
+        close_timeout_s: float | None = None,
     ) -> None:
         self.factor_rank = factor_rank
         self.shapes = [
@@ -84,6 +86,10 @@ class FastAnchorLink:
         self.lockstep = lockstep
         self.expected: int | None = None  # lockstep: the next snapshot whose gradient is due
         self.ended = False  # lockstep: the inbox ended early (nothing more to wait for; close() says why)
+        self.links = group if isinstance(group, PairLinks) else None  # the restartable link of replica jobs
+        self.synced = 0  # restartable link: the pair generation the anchor's follower is whole on
+        self.syncs: list[int] = []  # restartable link: steps of the SYNCs sent (replica 0)
+        self.close_timeout_s = close_timeout_s
 
     def drain(self, optimizer, step: int, *, final: bool = False) -> None:
         """Every gradient that has arrived goes into the optimizer's anchor momentum (never waits).
@@ -135,25 +141,46 @@ class FastAnchorLink:
         if self.outbox is not None:
             self.outbox.put(self.anchor_rank, UPDATES.header_tag, UPDATES.encode(TICK, step, -1, 0))
 
-    def forward(self, update: OuterUpdate, step: int) -> None:
-        """Replica 0: queue a committed sync (after fast step ``step``) for the anchor's stage."""
-        if self.outbox is None:
+    def forward(self, updates: list[OuterUpdate], step: int, state: Callable[[], list] | None = None) -> None:
+        """Replica 0: queue the syncs committed in fast step ``step - 1`` for the anchor's stage; on a
+        new pair of the restartable link, ``state()`` (θ_global and the outer momentum, which already
+        hold them) as a SYNC instead."""
+        if self.outbox is None or not updates:
             return
-        payload = flatten(update.tensors)
-        self.outbox.put(
-            self.anchor_rank, UPDATES.header_tag, UPDATES.encode(DATA, step, update.fragment, payload.numel())
-        )
-        self.outbox.put(self.anchor_rank, UPDATES.payload_tag, payload)
+        generation = None
+        if self.links is not None:
+            generation = self.links.generation(self.anchor_rank)
+            if generation == 0:  # no pair now: the next one starts with a SYNC
+                return
+            if generation != self.synced and self.links.key(self.anchor_rank) != FIRST_PAIR:
+                payload = flatten(state())
+                header = UPDATES.encode(SYNC, step, -1, payload.numel())
+                self.outbox.put(self.anchor_rank, UPDATES.header_tag, header, generation)
+                self.outbox.put(self.anchor_rank, UPDATES.payload_tag, payload, generation)
+                self.synced = generation
+                self.syncs.append(step)
+                return
+            self.synced = generation
+        for update in updates:
+            payload = flatten(update.tensors)
+            header = UPDATES.encode(DATA, step, update.fragment, payload.numel())
+            self.outbox.put(self.anchor_rank, UPDATES.header_tag, header, generation)
+            self.outbox.put(self.anchor_rank, UPDATES.payload_tag, payload, generation)
 
     def close(self, step: int) -> None:
         """The end of the run at fast step ``step``: STOP to the anchor and wait for its STOP back (what
         arrived meanwhile stays queued for a last ``drain``); a link that broke means the anchor is gone,
         not a bug."""
         if self.outbox is not None:
-            self.outbox.put(self.anchor_rank, UPDATES.header_tag, UPDATES.encode(STOP, step + 1, -1, 0))
+            generation = None if self.links is None else self.links.generation(self.anchor_rank)
+            self.outbox.put(self.anchor_rank, UPDATES.header_tag, UPDATES.encode(STOP, step + 1, -1, 0), generation)
             self._unless_lost(self.outbox.close, step)
+            if self.links is not None:  # an anchor that is down now will not wait for our STOP
+                self.links.finish()
         # the anchor answers our STOP with its own once its round is done
-        self._unless_lost(self.inbox.join, step)
+        self._unless_lost(lambda: self.inbox.join(self.close_timeout_s if self.links is not None else None), step)
+        if self.links is not None:
+            self.links.shutdown()
 
     def _unless_lost(self, close: Callable[[], None], step: int) -> None:
         try:

@@ -12,6 +12,10 @@ Governed (``boundary_codec="governed"``), each round also runs the fidelity prob
 pipeline and sends the governor's decision to the fast stages (``anchor.mesh_governor``).
 With ``anchor_payload="factors"`` the stage keeps M_anc of its matrices (``optim.spectral.AnchorMomentum``),
 folds each round's gradient into it and sends its top-r factors instead of the gradient.
+
+In replica jobs the link is restartable (``comm.pairlink``): a fast stage that is gone is skipped
+until its pair is back, a SYNC from fast replica 0 replaces the follower's state, and a restarted
+anchor stage waits for that SYNC before its first round (it rejoins the running mesh: no resume).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from torch import nn
 from .._validation import require
 from ..boundary.compose.codec import ComposedCodec
 from ..boundary.masking import private_rng
+from ..comm.errors import LinkDown
 from ..comm.mailbox import Receiver
 from ..comm.messages import (
     DATA,
@@ -32,6 +37,7 @@ from ..comm.messages import (
     LEVELS,
     ROUNDS,
     STOP,
+    SYNC,
     TICK,
     UPDATES,
     HeaderRules,
@@ -39,6 +45,7 @@ from ..comm.messages import (
     flatten,
     unflatten,
 )
+from ..comm.pairlink import PairLinks
 from ..config import codec_ladder, codec_refit_every, composed_codec, is_governed, require_saved_knobs
 from ..dp.outer import OuterUpdate
 from ..optim.spectral import anchor_momentum
@@ -48,7 +55,7 @@ from ..runtime.settings import Batches, RunSettings
 from ..runtime.stage import StageWorker
 from ..topology import MeshGroups
 from .circuit import rng_state, set_rng_state
-from .follower import OuterFollower, update_shapes
+from .follower import OuterFollower, sync_shapes, update_shapes
 from .geometry import refit_message
 from .governor import FidelityGovernor
 from .link import first_lockstep_snapshot
@@ -74,6 +81,11 @@ class AnchorWorker(StageWorker):
         self.ticked = 0  # lockstep: θ_global is complete up to this fast step (the last TICK)
         self.first_round = 0
         self.stopped = False
+        self.links = groups.link_group if isinstance(groups.link_group, PairLinks) else None
+        # a restarted anchor stage rejoins the running mesh: θ_global comes with fast replica 0's SYNC
+        self.awaits_sync = self.links is not None and self.links.incarnation > 0
+        self.syncs: list[int] = []  # steps of the SYNCs loaded
+        self.skipped: list[tuple[int, int]] = []  # (snapshot, fast rank) of deliveries a down link dropped
         self.refit_every = codec_refit_every(cfg)
         self.factors = anchor_momentum(cfg)  # M_anc here, factors on the wire (None: the gradient)
         spec, last = composed_codec(cfg), self.stage == self.topology.stages - 1
@@ -114,6 +126,8 @@ class AnchorWorker(StageWorker):
         outer update (PowerSGD's factors or the dense deltas) as this stage's shapes give them."""
         if header.kind == TICK:
             return 0
+        if header.kind == SYNC:
+            return sum(math.prod(shape) for shape in sync_shapes(self.fragment_shapes))
         if not 0 <= header.fragment < len(self.fragment_shapes):
             raise MalformedHeader(
                 f"updates header fragment={header.fragment} is invalid: it must lie in [0, {len(self.fragment_shapes)})"
@@ -125,6 +139,12 @@ class AnchorWorker(StageWorker):
         header, payload = message
         if header.kind == TICK:
             self.ticked = header.step
+            return
+        if header.kind == SYNC:
+            self.follower.load_sync(unflatten(payload, sync_shapes(self.fragment_shapes)))
+            self.applied_step = self.ticked = header.step
+            self.awaits_sync = False
+            self.syncs.append(header.step)
             return
         rank = self.settings.config.dp_powersgd_rank
         tensors = unflatten(payload, update_shapes(self.fragment_shapes[header.fragment], rank))
@@ -149,8 +169,14 @@ class AnchorWorker(StageWorker):
         every = self.settings.config.anchor_every
         if self.settings.config.anchor_lockstep:
             return self._lockstep_round(previous, every)
+        while previous is None and self.awaits_sync:  # a restarted stage: θ_global first
+            message = self.inbox.next()
+            if message is None:
+                self.stopped = True
+                return None
+            self._apply(message)
         if previous is None:
-            return self.applied_step  # 0, or the step a resumed run starts from
+            return self.applied_step  # 0, the step a resumed run starts from, or a restart's SYNC
         due = previous + every
         while self.applied_step < due:  # wait for a snapshot far enough ahead
             message = self.inbox.next()
@@ -202,7 +228,9 @@ class AnchorWorker(StageWorker):
         round_index = self.first_round
         lockstep, every = self.settings.config.anchor_lockstep, self.settings.config.anchor_every
         while (target := self._next_round(previous)) is not None:
-            if lockstep:  # every round is done, so its index follows from its snapshot
+            # lockstep: every round is done, so its index follows from its snapshot; so does a restarted
+            # stage's first (every stage of it sees the same snapshot)
+            if lockstep or (previous is None and self.links is not None and self.links.incarnation > 0):
                 round_index = target // every
             self._round(round_index, target)
             previous, round_index = target, round_index + 1
@@ -237,12 +265,7 @@ class AnchorWorker(StageWorker):
                 for codec, fitted in zip(governor.ladder, geometries):
                     codec.load_geometry(fitted)
             for dst in self._geometry_targets():
-                works.append(
-                    self.wire.isend("anchor", header, dst, group=self.groups.link_group, tag=GEOMETRY.header_tag)
-                )
-                works.append(
-                    self.wire.isend("anchor", geometry, dst, group=self.groups.link_group, tag=GEOMETRY.payload_tag)
-                )
+                works += self._post(dst, snapshot, GEOMETRY, header, geometry)
             self.result.geometry.append((snapshot, digest))
         elif fit:
             for codec in governor.ladder:
@@ -258,14 +281,11 @@ class AnchorWorker(StageWorker):
         # would fill that node's queue and hold up its pipeline and DP traffic behind it)
         for replica in self.topology.fast_replicas:
             dst = self.topology.rank(replica, self.stage)
-            works.append(self.wire.isend("anchor", header, dst, group=self.groups.link_group, tag=GRADIENTS.header_tag))
-            works.append(
-                self.wire.isend("anchor", payload, dst, group=self.groups.link_group, tag=GRADIENTS.payload_tag)
-            )
+            works += self._post(dst, snapshot, GRADIENTS, header, payload)
         if governor is not None:
             works += self._govern(snapshot, [g.detach().clone() for g in grads], dense_probe, rng, ids, labels)
-        for work in works:
-            work.wait()
+        for dst, work in works:
+            self._wait(dst, snapshot, work)
         self.result.anchor_rounds.append(snapshot)
         self.model.zero_grad(set_to_none=True)
 
@@ -291,39 +311,61 @@ class AnchorWorker(StageWorker):
         header, payload = levels_message(snapshot, counts_after, levels)
         works = []
         for replica in self.topology.fast_replicas:
-            dst = self.topology.rank(replica, self.stage)
-            works.append(self.wire.isend("anchor", header, dst, group=self.groups.link_group, tag=LEVELS.header_tag))
-            works.append(self.wire.isend("anchor", payload, dst, group=self.groups.link_group, tag=LEVELS.payload_tag))
+            works += self._post(self.topology.rank(replica, self.stage), snapshot, LEVELS, header, payload)
         return works
 
+    def _post(self, dst: int, snapshot: int, channel, header, payload) -> list:
+        """Post one message (header, payload) to fast rank ``dst``: [(dst, work)]; on the restartable
+        link, nothing for a fast stage whose pair is down (it is restarting: ``skipped``)."""
+        group = self.groups.link_group
+        try:
+            if self.links is not None:  # header and payload over one pair
+                group = self.links.pinned(dst, timeout_s=0)
+            return [
+                (dst, self.wire.isend("anchor", header, dst, group=group, tag=channel.header_tag)),
+                (dst, self.wire.isend("anchor", payload, dst, group=group, tag=channel.payload_tag)),
+            ]
+        except LinkDown:
+            if self.links is None:
+                raise
+            self.skipped.append((snapshot, dst))
+            return []
+
+    def _wait(self, dst: int, snapshot: int, work) -> None:
+        try:
+            work.wait()
+        except LinkDown:
+            if self.links is None:
+                raise
+            self.skipped.append((snapshot, dst))
+
+    def _send_stop(self, dst: int, message, tag: int) -> None:
+        """A STOP to fast rank ``dst`` (on the restartable link: unless its pair is down)."""
+        try:
+            self.wire.send("anchor", message, dst, group=self.groups.link_group, tag=tag)
+        except LinkDown:
+            if self.links is None:
+                raise
+
     def _finish_anchor(self) -> MeshResult:
-        while not self.stopped and self.inbox.next() is not None:  # updates after the last round
-            pass
-        self.inbox.join()
-        for replica in self.topology.fast_replicas:
-            self.wire.send(
-                "anchor",
-                GRADIENTS.encode(STOP, -1),
-                self.topology.rank(replica, self.stage),
-                group=self.groups.link_group,
-                tag=GRADIENTS.header_tag,
-            )
+        # the updates after the last round too: the anchor ends on θ_global, like the fast replicas
+        while not self.stopped and (message := self.inbox.next()) is not None:
+            self._apply(message)
+        try:
+            self.inbox.join()
+        except RuntimeError as err:  # restartable link: replica 0 finished while its pair was down
+            if self.links is None or not isinstance(err.__cause__, LinkDown):
+                raise
+        fast = [self.topology.rank(replica, self.stage) for replica in self.topology.fast_replicas]
+        for dst in fast:
+            self._send_stop(dst, GRADIENTS.encode(STOP, -1), GRADIENTS.header_tag)
         if self.governor is not None:
-            for replica in self.topology.fast_replicas:
-                self.wire.send(
-                    "anchor",
-                    LEVELS.encode(STOP, -1, -1, 0),
-                    self.topology.rank(replica, self.stage),
-                    group=self.groups.link_group,
-                    tag=LEVELS.header_tag,
-                )
+            for dst in fast:
+                self._send_stop(dst, LEVELS.encode(STOP, -1, -1, 0), LEVELS.header_tag)
         if self.refit_codecs is not None:
             for dst in self._geometry_targets():
-                self.wire.send(
-                    "anchor",
-                    GEOMETRY.encode(STOP, -1, -1, 0),
-                    dst,
-                    group=self.groups.link_group,
-                    tag=GEOMETRY.header_tag,
-                )
+                self._send_stop(dst, GEOMETRY.encode(STOP, -1, -1, 0), GEOMETRY.header_tag)
+        if self.links is not None:
+            self.links.shutdown()
+        self.result.anchor_syncs, self.result.anchor_skipped = self.syncs, self.skipped
         return self._finish(self.applied_step)

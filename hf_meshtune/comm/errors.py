@@ -7,14 +7,18 @@ from collections.abc import Iterator, Sequence
 
 import torch.distributed as dist
 
-__all__ = ["is_link_error", "naming_the_peers"]
+__all__ = ["LinkDown", "is_link_error", "naming_the_peers"]
 
 _LINK_ERRORS = ("gloo/transport", "Timed out waiting", "Connection reset", "Connection closed", "Broken pipe")
 
 
+class LinkDown(RuntimeError):
+    """No link to that peer right now (its process is gone or restarting), or the link just failed."""
+
+
 def is_link_error(err: BaseException) -> bool:
     """A backend's network failure (gloo raises a plain RuntimeError from its transport), not a bug in the step."""
-    return isinstance(err, dist.DistError) or (
+    return isinstance(err, (dist.DistError, LinkDown)) or (
         isinstance(err, RuntimeError) and any(m in str(err) for m in _LINK_ERRORS)
     )
 

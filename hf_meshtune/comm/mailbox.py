@@ -4,6 +4,11 @@
 ``Receiver`` receives whole messages (header, then payload) of one ``Channel`` from one peer into a
 queue that the owner polls without waiting (``ready``) or waits on (``next``). gloo's
 ``irecv(...).is_completed()`` never turns True on CPU, hence threads rather than polled requests.
+
+On the restartable link of replica jobs (``comm.pairlink.PairLinks``) a broken pair is not the end:
+the receiver waits for the next pair and goes on with the next whole message (``relinks`` counts
+them), and the sender sends each message only over the pair it was queued for (``put(...,
+generation=)``), dropping what was queued for a pair that is gone (``dropped``).
 """
 
 from __future__ import annotations
@@ -14,7 +19,9 @@ import threading
 
 import torch
 
+from .errors import LinkDown
 from .messages import STOP, Channel, HeaderRules, MalformedHeader, admit
+from .pairlink import PairLinks
 from .wire import Wire
 
 __all__ = ["Receiver", "Sender"]
@@ -27,21 +34,31 @@ class Sender:
         self.wire, self.group, self.circuit = wire, group, circuit
         self.queue: queue.Queue = queue.Queue()
         self.error: BaseException | None = None
+        self.dropped = 0  # restartable link: messages queued for a pair that broke before they went
         self.thread = threading.Thread(target=self._loop, daemon=True, name="mesh-sender")
         self.thread.start()
 
-    def put(self, dst: int, tag: int, tensor: torch.Tensor) -> None:
+    def put(self, dst: int, tag: int, tensor: torch.Tensor, generation: int | None = None) -> None:
+        """Queue a send; on the restartable link, ``generation`` names the pair it must go over."""
         if self.error is None:  # after a failed send nothing more goes out (close() reports it)
-            self.queue.put((dst, tag, tensor))
+            self.queue.put((dst, tag, tensor, generation))
 
     def _loop(self) -> None:
         while True:
             item = self.queue.get()
             if item is None:
                 return
-            dst, tag, tensor = item
+            dst, tag, tensor, generation = item
+            group = self.group
+            if isinstance(group, PairLinks):
+                group = group.current(dst, generation)
+                if group is None:  # that pair is gone: the next one starts with a SYNC
+                    self.dropped += 1
+                    continue
             try:
-                self.wire.send(self.circuit, tensor, dst, group=self.group, tag=tag)
+                self.wire.send(self.circuit, tensor, dst, group=group, tag=tag)
+            except LinkDown:  # the pair broke (and is being rebuilt)
+                self.dropped += 1
             except BaseException as error:  # noqa: BLE001 - reported by close()
                 self.error = error
                 return
@@ -76,30 +93,44 @@ class Receiver:
         self.rejected: list[tuple[tuple, str]] = []
         self.queue: queue.Queue = queue.Queue()
         self.error: BaseException | None = None
+        self.relinks = 0  # restartable link: messages given up because their pair broke
         self.thread = threading.Thread(target=self._loop, daemon=True, name="mesh-receiver")
         self.thread.start()
 
     def _loop(self) -> None:
+        links = self.group if isinstance(self.group, PairLinks) else None
         try:
             while True:
-                buffer = self.channel.empty()
-                self.wire.recv(self.circuit, buffer, self.src, group=self.group, tag=self.channel.header_tag)
-                header = self.channel.decode(buffer)
+                group = self.group if links is None else links.pinned(self.src)  # LinkDown once closed
                 try:
-                    numel = admit(self.channel, header, self.rules)
-                except MalformedHeader as reason:
-                    self._reject(header, str(reason))
-                    continue
-                if header.kind == STOP:
-                    self.queue.put(None)
-                    return
-                payload = torch.empty(numel, dtype=torch.float32)
-                if payload.numel():
-                    self.wire.recv(self.circuit, payload, self.src, group=self.group, tag=self.channel.payload_tag)
-                self.queue.put((header, payload))
+                    if self._receive(group):
+                        return
+                except LinkDown:
+                    if links is None:
+                        raise
+                    self.relinks += 1  # the pair broke: wait for the next one
         except BaseException as error:  # noqa: BLE001 - surfaced to the main thread
             self.error = error
             self.queue.put(None)
+
+    def _receive(self, group) -> bool:
+        """One whole message over ``group`` into the queue (True: it was the STOP)."""
+        buffer = self.channel.empty()
+        self.wire.recv(self.circuit, buffer, self.src, group=group, tag=self.channel.header_tag)
+        header = self.channel.decode(buffer)
+        try:
+            numel = admit(self.channel, header, self.rules)
+        except MalformedHeader as reason:
+            self._reject(header, str(reason))
+            return False
+        if header.kind == STOP:
+            self.queue.put(None)
+            return True
+        payload = torch.empty(numel, dtype=torch.float32)
+        if payload.numel():
+            self.wire.recv(self.circuit, payload, self.src, group=group, tag=self.channel.payload_tag)
+        self.queue.put((header, payload))
+        return False
 
     def _reject(self, header: tuple, reason: str) -> None:
         self.rejected.append((tuple(header), reason))
@@ -118,7 +149,11 @@ class Receiver:
         """The next message, waiting for it (None after STOP)."""
         return self.queue.get()
 
-    def join(self) -> None:
+    def join(self, timeout_s: float | None = None) -> None:
+        """Wait for the STOP; on the restartable link, past ``timeout_s`` the link is closed first."""
+        self.thread.join(timeout_s)
+        if self.thread.is_alive() and isinstance(self.group, PairLinks):
+            self.group.close()  # the peer is gone for good: the wait for its next pair ends
         self.thread.join()
         if self.error is not None:
             raise RuntimeError(f"receiving on the anchor link failed: {self.error}") from self.error

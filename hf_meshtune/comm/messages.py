@@ -7,7 +7,10 @@ float32 payload on the channel's payload tag. Five channels cross the anchor lin
   ``[kind, step, fragment, numel]``, ``step`` = the fast step after which it was committed, the
   payload its ``numel`` values (``dp.outer.OuterUpdate.tensors``, flattened); with ``anchor_lockstep`` a
   TICK header ``[TICK, step, -1, 0]`` (no payload) follows the last update of every ``step`` that is a
-  multiple of ``anchor_every``: θ_global after that many fast steps is complete;
+  multiple of ``anchor_every``: θ_global after that many fast steps is complete; on a rebuilt link of
+  replica jobs (``comm.pairlink``) a SYNC header ``[SYNC, step, -1, numel]`` comes first, its payload
+  θ_global and the outer momentum of every fragment after fast step ``step`` (``OuterFollower.sync_shapes``),
+  which the anchor loads instead of replaying what it missed;
 * ``GRADIENTS`` (anchor stage s → stage s of every fast replica): ``[kind, snapshot]`` and the
   stage's 2-D dense gradients of that snapshot, flattened in ``anchor_matrices`` order;
 * ``ROUNDS`` (anchor stage 0 → the other anchor stages): ``[snapshot]`` of the next round, -1 when
@@ -47,6 +50,7 @@ __all__ = [
     "LEVELS",
     "ROUNDS",
     "STOP",
+    "SYNC",
     "TICK",
     "UPDATES",
     "Channel",
@@ -62,7 +66,7 @@ __all__ = [
     "unflatten",
 ]
 
-STOP, DATA, TICK = 0, 1, 2
+STOP, DATA, TICK, SYNC = 0, 1, 2, 3
 
 
 class UpdateHeader(NamedTuple):
@@ -122,7 +126,7 @@ class Channel:
         return self.header(*tensor.tolist())
 
 
-UPDATES = Channel("updates", UpdateHeader, header_tag=101, payload_tag=102, kinds=(STOP, DATA, TICK))
+UPDATES = Channel("updates", UpdateHeader, header_tag=101, payload_tag=102, kinds=(STOP, DATA, TICK, SYNC))
 GRADIENTS = Channel("gradients", GradientHeader, header_tag=201, payload_tag=202)
 ROUNDS = Channel("rounds", RoundHeader, header_tag=301, payload_tag=None)
 GEOMETRY = Channel("geometry", GeometryHeader, header_tag=401, payload_tag=402)

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from .._validation import require
+from .pairlink import PairLinks, PinnedPair
 
 __all__ = ["CIRCUITS", "ROLLOUT", "WIRE_CIRCUITS", "Wire", "isend_tensor", "nbytes", "recv_tensor", "send_tensor"]
 
@@ -48,18 +49,31 @@ def _on_cpu(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if tensor.device.type == "cpu" else tensor.cpu()
 
 
+def _routed(group) -> bool:
+    """The restartable anchor link of replica jobs (``comm.pairlink``): it routes by mesh rank itself."""
+    return isinstance(group, (PairLinks, PinnedPair))
+
+
 def send_tensor(tensor: torch.Tensor, dst: int, group=None, tag: int = 0) -> None:
     """``dist.send`` of ``tensor``, through a CPU copy when it lives on a GPU (gloo sends CPU memory)."""
+    if _routed(group):
+        group.send(tensor, dst, tag)
+        return
     dist.send(_on_cpu(tensor), dst, group=group, tag=tag)
 
 
 def isend_tensor(tensor: torch.Tensor, dst: int, group=None, tag: int = 0):
     """``dist.isend`` of ``tensor`` (a GPU tensor through a CPU copy, which the returned work keeps alive)."""
+    if _routed(group):
+        return group.isend(tensor, dst, tag)
     return dist.isend(_on_cpu(tensor), dst, group=group, tag=tag)
 
 
 def recv_tensor(tensor: torch.Tensor, src: int, group=None, tag: int = 0) -> None:
     """``dist.recv`` into ``tensor``; a GPU tensor receives into a CPU buffer first, then copies it."""
+    if _routed(group):
+        group.recv(tensor, src, tag)
+        return
     if tensor.device.type == "cpu":
         dist.recv(tensor, src, group=group, tag=tag)
         return

@@ -268,6 +268,21 @@ class StreamingDiLoCo:
         saved = self._diloco._fragments[fragment].original_parameters
         return [saved[name].clone() for name, _ in self.fragments[fragment].named_parameters()]
 
+    def sync_tensors(self) -> list[torch.Tensor]:
+        """θ_global and the outer momentum of every fragment as committed so far, in the order the
+        anchor's follower loads them (``anchor.follower.OuterFollower.load_sync``): per fragment its
+        parameters, then their momentum (zeros before a fragment's first sync, which Nesterov SGD's first
+        step treats the same as none)."""
+        out = []
+        for fragment, ft_fragment in zip(self.fragments, self._diloco._fragments):
+            named = list(fragment.named_parameters())
+            state = ft_fragment._outer_optimizer.state
+            out += [_cpu_copy(ft_fragment.original_parameters[name]) for name, _ in named]
+            for _, param in named:
+                buffer = state.get(param, {}).get("momentum_buffer")
+                out.append(torch.zeros(param.shape) if buffer is None else _cpu_copy(buffer))
+        return out
+
     def state_bytes(self) -> int:
         """Bytes this stage keeps for DP: θ_global of every fragment, the outer momentum, PowerSGD's Q
         and error feedback (``runtime.memory``)."""
@@ -330,6 +345,11 @@ class StreamingDiLoCo:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> bool:
         return self._diloco.__exit__(exc_type, exc, tb)
+
+
+def _cpu_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A float32 CPU copy (never a view of the live tensor, which the next sync changes)."""
+    return tensor.detach().to("cpu", torch.float32, copy=True)
 
 
 def _validate(

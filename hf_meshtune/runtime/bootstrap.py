@@ -19,6 +19,7 @@ from torch import nn
 
 from .._validation import require
 from ..anchor.worker import AnchorWorker
+from ..config import codec_refit_every, is_governed
 from ..dp.ft import advertised_host
 from ..topology import MeshGroups, MeshTopology
 from .results import MeshResult
@@ -53,6 +54,8 @@ def run_worker(
         None,
         f"be built (MeshTopology.build_groups(dp_peers=True)) for dp_mode={settings.dp_mode!r}",
     )
+    if topology.job_replica is not None and topology.anchor:
+        _require_restartable_anchor(settings)
     store = dist.distributed_c10d._get_default_store()
     store.set(_host_key(rank), advertised_host())  # every rank's address, for link errors
     shared = job_store(settings.dp_timeout_s) if topology.job_replica is not None else None
@@ -71,6 +74,32 @@ def run_worker(
         peer: store.get(_host_key(peer)).decode() for peer in topology.pp_ranks(groups.replica) if peer != rank
     }
     return worker.run()
+
+
+def _require_restartable_anchor(settings: RunSettings) -> None:
+    """In replica jobs the anchor link is restartable (``comm.pairlink``) for what the anchor always sends
+    (its gradients or factors, and fast replica 0's outer updates); the schedules and messages that
+    assume a fixed link are refused."""
+    cfg = settings.config
+    rule = "be off when every replica is a job of its own with the anchor on (replica restarts: {})"
+    require(
+        not cfg.anchor_lockstep,
+        "anchor_lockstep",
+        cfg.anchor_lockstep,
+        rule.format("a fast step cannot wait for an anchor that is restarting"),
+    )
+    require(
+        not is_governed(cfg),
+        "boundary_codec",
+        cfg.boundary_codec,
+        rule.format("the governor's levels travel over links that do not restart; pick a fixed codec"),
+    )
+    require(
+        not codec_refit_every(cfg),
+        "codec_refit_every",
+        cfg.codec_refit_every,
+        rule.format("the anchor's refitted geometry goes to two stages at once, over links that do not restart"),
+    )
 
 
 JOB_STORE_ENV, RESTART_ENV = "MESHTUNE_JOB_STORE", "MESHTUNE_RESTART"

@@ -46,6 +46,10 @@ class MeshResult:
     heals: list[tuple[int, int]] = field(default_factory=list)  # (own step, peer's step) of every heal
     first_step: int = 0  # the step this process started from (a resumed run's checkpoint step)
     anchor_lost_at: int | None = None  # fast step at which the anchor link broke (fast ranks; None: it held)
+    # restartable anchor link (replica jobs): steps of the SYNCs fast replica 0 sent / the anchor loaded, and
+    # the anchor's deliveries a down link dropped, (snapshot, fast rank)
+    anchor_syncs: list[int] = field(default_factory=list)
+    anchor_skipped: list[tuple[int, int]] = field(default_factory=list)
     calibration_bytes: float = 0.0  # of wire["sent"]["pp_fwd"]: the codecs' one-off calibration pass (sent)
     # codec refits from the anchor: fast, (step after which it switched, snapshot, digest in, digest out);
     # anchor, (snapshot, digest of the geometry it sent)

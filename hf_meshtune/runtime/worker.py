@@ -150,6 +150,7 @@ class FastWorker(StageWorker):
             lockstep=(cfg.anchor_every, cfg.anchor_delay) if cfg.anchor_lockstep else None,
             factor_rank=cfg.spectral_rank if cfg.anchor_payload == "factors" else None,
             max_step=self.settings.max_steps,
+            close_timeout_s=self.settings.link_timeout_s or 1800.0,
         )
 
     def _setup_geometry_link(self) -> FastGeometryLink | None:
@@ -328,10 +329,11 @@ class FastWorker(StageWorker):
             self.result.heals.append((step, self._healed_to))
             step, self._healed_to = self._healed_to, None
         if self.manager is not None:
-            for update in self.diloco.take_committed():
+            committed = self.diloco.take_committed()
+            for _ in committed:
                 self._count_dp_sync()
-                if self.anchor is not None:
-                    self.anchor.forward(update, step + 1)
+            if self.anchor is not None:
+                self.anchor.forward(committed, step + 1, self.diloco.sync_tensors)
         return step
 
     def _train_step(self, step: int) -> tuple[int, float | None]:
@@ -417,6 +419,7 @@ class FastWorker(StageWorker):
             self.anchor.drain(self.optimizer, self._step, final=True)
             self.result.arrivals = self.anchor.arrivals
             self.result.anchor_lost_at = self.anchor.lost_at
+            self.result.anchor_syncs = self.anchor.syncs
         if self.geometry is not None:
             self.geometry.close()
             self.result.geometry = self.geometry.switches
