@@ -269,3 +269,27 @@ def test_a_replica_job_that_never_starts_fails_the_first_start_barrier_naming_th
     monkeypatch.setenv("MESHTUNE_RESTART", "1")
     _job_barrier(server, topology, 0.5)  # returns at once
     assert server.add("hf_meshtune/ready", 0) == 1
+
+
+def test_a_restarted_replica_job_heals_instead_of_resuming_from_its_command_lines_checkpoint(monkeypatch, capsys):
+    from hf_meshtune.runtime.bootstrap import _restart_heals
+    from hf_meshtune.topology import MeshTopology
+
+    settings = RunSettings(
+        config=MeshConfig(anchor=True, num_stages=2),
+        microbatch_size=1,
+        microbatches=1,
+        seq_len=8,
+        max_steps=4,
+        resume_from="/gone/checkpoint-340",
+    )
+    job = MeshTopology(3, 2, anchor=True, job_replica=1)
+    monkeypatch.setenv("MESHTUNE_RESTART", "0")
+    assert _restart_heals(job, 2, settings) is settings  # a first start resumes as asked
+    assert _restart_heals(MeshTopology(3, 2), 2, settings) is settings  # so does one world (no restarts)
+    monkeypatch.setenv("MESHTUNE_RESTART", "2")
+    healed = _restart_heals(job, 2, settings)
+    assert healed.resume_from is None and healed.max_steps == 4
+    assert "rank 2 is a restart of replica 1: it heals from the running mesh instead of resuming from /gone" in (
+        capsys.readouterr().err
+    )

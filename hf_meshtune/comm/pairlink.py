@@ -23,10 +23,12 @@ whether the current one is the run's very first (no restart, no break: nothing c
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -44,6 +46,17 @@ PREFIX = "hf_meshtune/pair"
 FIRST_PAIR = (0, 0, 0)  # (incarnation of the lower rank, of the higher rank, breaks): the run's first pair
 POLL_S = 0.05  # waits inside a build, and for a pair
 WATCH_S = 0.2  # how often a watcher reads the store for a peer's restart or a break (a few small gets)
+
+
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _shutdown_all() -> None:
+    """A process leaving with links still up (an error before the run's end) releases them first: a gloo
+    group whose threads outlive the interpreter aborts the process (exit 134 instead of its own code)."""
+    for links in list(_LIVE):
+        links.shutdown()
 
 
 def _on_cpu(tensor: torch.Tensor) -> torch.Tensor:
@@ -146,6 +159,7 @@ class PairLinks:
         ]
         for thread in self._threads:
             thread.start()
+        _LIVE.add(self)
         if incarnation == 0:
             deadline = time.monotonic() + (timeout_s if wait_s is None else wait_s)
             with self._cv:

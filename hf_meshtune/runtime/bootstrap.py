@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 import time
 from datetime import timedelta
 
@@ -56,6 +57,7 @@ def run_worker(
     )
     if topology.job_replica is not None and topology.anchor:
         _require_restartable_anchor(settings)
+    settings = _restart_heals(topology, rank, settings)
     store = dist.distributed_c10d._get_default_store()
     store.set(_host_key(rank), advertised_host())  # every rank's address, for link errors
     shared = job_store(settings.dp_timeout_s) if topology.job_replica is not None else None
@@ -74,6 +76,22 @@ def run_worker(
         peer: store.get(_host_key(peer)).decode() for peer in topology.pp_ranks(groups.replica) if peer != rank
     }
     return worker.run()
+
+
+def _restart_heals(topology: MeshTopology, rank: int, settings: RunSettings) -> RunSettings:
+    """A restarted replica job (``$MESHTUNE_RESTART`` > 0) joins the running mesh and heals from a peer
+    (the anchor: from fast replica 0's SYNC), so it does not resume from the checkpoint its command line
+    names: that one is behind the others, and may have been rotated away since."""
+    restarted = topology.job_replica is not None and int(os.environ.get(RESTART_ENV, "0")) > 0
+    if not restarted or settings.resume_from is None:
+        return settings
+    print(
+        f"hf_meshtune: rank {rank} is a restart of replica {topology.job_replica}: it heals from the running "
+        f"mesh instead of resuming from {settings.resume_from}",
+        file=sys.stderr,
+        flush=True,
+    )
+    return dataclasses.replace(settings, resume_from=None)
 
 
 def _require_restartable_anchor(settings: RunSettings) -> None:
