@@ -146,3 +146,26 @@ def test_the_mailbox_threads_go_on_over_the_next_pair(store):
     assert inbox.relinks == 1  # its receive on the old pair failed; it waited for the new one
     a.shutdown()
     b.shutdown()
+
+
+def test_updates_committed_before_the_first_pair_is_up_make_it_start_with_a_sync(store):
+    from hf_meshtune.anchor.link import FastAnchorLink
+    from hf_meshtune.dp.outer import OuterUpdate
+
+    fast = PairLinks(store(), 1, 0, [5], timeout_s=5, wait_s=0)  # the anchor is not up yet
+    link = FastAnchorLink(Wire(), fast, 5, [], forwards=True, who="rank 1", max_staleness=None, max_step=100)
+    update = OuterUpdate(fragment=0, step=1, tensors=[torch.ones(2)], rank=None)
+    state = lambda: [torch.full((2,), 7.0)]  # noqa: E731 - θ_global and momentum, as DiLoCo gives them
+    link.forward([update], 2, state)  # no pair: the update cannot go
+    anchor = PairLinks(store(), 5, 0, [1], timeout_s=5, wait_s=0)
+    _wait_for(lambda: fast.generation(5) == 1 and anchor.generation(1) == 1)
+    assert fast.key(5) == FIRST_PAIR  # the run's first pair, yet the anchor missed an update
+    link.forward([update], 4, state)
+    assert link.syncs == [4]
+    got = torch.zeros(4, dtype=torch.long)
+    anchor.recv(got, 1, UPDATES.header_tag)
+    assert UPDATES.decode(got)[:2] == (3, 4)  # SYNC at step 4, its payload next
+    link.forward([update], 6, state)  # then updates as usual
+    assert link.syncs == [4]
+    fast.shutdown()
+    anchor.shutdown()

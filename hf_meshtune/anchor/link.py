@@ -89,6 +89,7 @@ class FastAnchorLink:
         self.links = group if isinstance(group, PairLinks) else None  # the restartable link of replica jobs
         self.synced = 0  # restartable link: the pair generation the anchor's follower is whole on
         self.syncs: list[int] = []  # restartable link: steps of the SYNCs sent (replica 0)
+        self.missed = False  # restartable link: updates were committed while no pair was up (SYNC next)
         self.close_timeout_s = close_timeout_s
 
     def drain(self, optimizer, step: int, *, final: bool = False) -> None:
@@ -151,13 +152,15 @@ class FastAnchorLink:
         if self.links is not None:
             generation = self.links.generation(self.anchor_rank)
             if generation == 0:  # no pair now: the next one starts with a SYNC
+                self.missed = True
                 return
-            if generation != self.synced and self.links.key(self.anchor_rank) != FIRST_PAIR:
+            first = self.links.key(self.anchor_rank) == FIRST_PAIR and not self.missed
+            if generation != self.synced and not first:
                 payload = flatten(state())
                 header = UPDATES.encode(SYNC, step, -1, payload.numel())
                 self.outbox.put(self.anchor_rank, UPDATES.header_tag, header, generation)
                 self.outbox.put(self.anchor_rank, UPDATES.payload_tag, payload, generation)
-                self.synced = generation
+                self.synced, self.missed = generation, False
                 self.syncs.append(step)
                 return
             self.synced = generation
