@@ -20,7 +20,9 @@ anchor stage waits for that SYNC before its first round (it rejoins the running 
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -83,7 +85,8 @@ class AnchorWorker(StageWorker):
         self.stopped = False
         self.links = groups.link_group if isinstance(groups.link_group, PairLinks) else None
         # a restarted anchor stage rejoins the running mesh: θ_global comes with fast replica 0's SYNC
-        self.awaits_sync = self.links is not None and self.links.incarnation > 0
+        self.rejoins = self.links is not None and self.links.incarnation > 0
+        self.awaits_sync = self.rejoins
         self.syncs: list[int] = []  # steps of the SYNCs loaded
         self.skipped: list[tuple[int, int]] = []  # (snapshot, fast rank) of deliveries a down link dropped
         self.refit_every = codec_refit_every(cfg)
@@ -230,7 +233,7 @@ class AnchorWorker(StageWorker):
         while (target := self._next_round(previous)) is not None:
             # lockstep: every round is done, so its index follows from its snapshot; so does a restarted
             # stage's first (every stage of it sees the same snapshot)
-            if lockstep or (previous is None and self.links is not None and self.links.incarnation > 0):
+            if lockstep or (previous is None and self.rejoins):
                 round_index = target // every
             self._round(round_index, target)
             previous, round_index = target, round_index + 1
@@ -317,35 +320,35 @@ class AnchorWorker(StageWorker):
     def _post(self, dst: int, snapshot: int, channel, header, payload) -> list:
         """Post one message (header, payload) to fast rank ``dst``: [(dst, work)]; on the restartable
         link, nothing for a fast stage whose pair is down (it is restarting: ``skipped``)."""
-        group = self.groups.link_group
-        try:
-            if self.links is not None:  # header and payload over one pair
-                group = self.links.pinned(dst, timeout_s=0)
+        with self._unless_restarting(dst, snapshot):
+            # header and payload over one pair
+            group = self.links.pinned(dst, timeout_s=0) if self.links is not None else self.groups.link_group
             return [
                 (dst, self.wire.isend("anchor", header, dst, group=group, tag=channel.header_tag)),
                 (dst, self.wire.isend("anchor", payload, dst, group=group, tag=channel.payload_tag)),
             ]
-        except LinkDown:
-            if self.links is None:
-                raise
-            self.skipped.append((snapshot, dst))
-            return []
+        return []
 
     def _wait(self, dst: int, snapshot: int, work) -> None:
-        try:
+        with self._unless_restarting(dst, snapshot):
             work.wait()
-        except LinkDown:
-            if self.links is None:
-                raise
-            self.skipped.append((snapshot, dst))
 
     def _send_stop(self, dst: int, message, tag: int) -> None:
         """A STOP to fast rank ``dst`` (on the restartable link: unless its pair is down)."""
-        try:
+        with self._unless_restarting(dst, None):
             self.wire.send("anchor", message, dst, group=self.groups.link_group, tag=tag)
+
+    @contextlib.contextmanager
+    def _unless_restarting(self, dst: int, snapshot: int | None) -> Iterator[None]:
+        """On the restartable link a fast stage whose pair is down is restarting: what the block sends it
+        is dropped (a delivery of ``snapshot`` counts in ``skipped``); on a fixed link that is an error."""
+        try:
+            yield
         except LinkDown:
             if self.links is None:
                 raise
+            if snapshot is not None:
+                self.skipped.append((snapshot, dst))
 
     def _finish_anchor(self) -> MeshResult:
         # the updates after the last round too: the anchor ends on θ_global, like the fast replicas

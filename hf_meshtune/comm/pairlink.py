@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from .._validation import require
 from .errors import LinkDown, is_link_error
+from .wire import isend_tensor, on_cpu, receive_staged, recv_tensor, send_tensor
 
 __all__ = ["FIRST_PAIR", "PairLinks", "PinnedPair"]
 
@@ -57,10 +58,6 @@ def _shutdown_all() -> None:
     group whose threads outlive the interpreter aborts the process (exit 134 instead of its own code)."""
     for links in list(_LIVE):
         links.shutdown()
-
-
-def _on_cpu(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor if tensor.device.type == "cpu" else tensor.cpu()
 
 
 @dataclass
@@ -86,6 +83,8 @@ class _FailingWork:
 class PinnedPair:
     """One pair of ``PairLinks`` at one generation: what a message's header and payload go over."""
 
+    routes_by_mesh_rank = True  # the Wire hands it mesh ranks (``comm.wire``)
+
     def __init__(self, links: PairLinks, peer: int, pair: _Pair) -> None:
         self.links, self.peer, self.pg, self.generation = links, peer, pair.pg, pair.generation
         self.key = pair.key
@@ -101,24 +100,23 @@ class PinnedPair:
     def isend(self, tensor: torch.Tensor, peer: int, tag: int):
         require(peer == self.peer, "dst", peer, f"be mesh rank {self.peer}, the peer this pair links to")
         try:
-            work = self.pg.send([_on_cpu(tensor)], self.peer_rank, tag)
+            work = self.pg.send([on_cpu(tensor)], self.peer_rank, tag)
         except RuntimeError as err:
             raise self._failed(err) from err
         return _FailingWork(work, self._failed)
 
     def recv(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
         require(peer == self.peer, "src", peer, f"be mesh rank {self.peer}, the peer this pair links to")
-        buffer = tensor if tensor.device.type == "cpu" else torch.empty(tensor.shape, dtype=tensor.dtype)
         try:
-            self.pg.recv([buffer], self.peer_rank, tag).wait()
+            receive_staged(tensor, lambda buffer: self.pg.recv([buffer], self.peer_rank, tag).wait())
         except RuntimeError as err:
             raise self._failed(err) from err
-        if buffer is not tensor:
-            tensor.copy_(buffer)
 
 
 class PairLinks:
     """This process's end of the restartable anchor link (see the module's docstring).
+
+    The Wire hands it mesh ranks (``routes_by_mesh_rank``).
 
     Args:
         store: the launcher's store (a TCPStore client every process of the mesh reaches).
@@ -131,6 +129,8 @@ class PairLinks:
         wait_s: how long the constructor waits for the first pairs on a first start (incarnation 0),
             so the run's first messages find them; a restarted process builds them in the background.
     """
+
+    routes_by_mesh_rank = True
 
     def __init__(
         self,
@@ -341,23 +341,20 @@ class PairLinks:
     def send(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
         pair = self._route(peer)
         if pair is None:
-            dist.send(_on_cpu(tensor), self.local[1][peer], group=self.local[0], tag=tag)
+            send_tensor(tensor, self.local[1][peer], group=self.local[0], tag=tag)
             return
         pair.send(tensor, peer, tag)
 
     def isend(self, tensor: torch.Tensor, peer: int, tag: int):
         pair = self._route(peer)
         if pair is None:
-            return dist.isend(_on_cpu(tensor), self.local[1][peer], group=self.local[0], tag=tag)
+            return isend_tensor(tensor, self.local[1][peer], group=self.local[0], tag=tag)
         return pair.isend(tensor, peer, tag)
 
     def recv(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
         pair = self._route(peer)
         if pair is None:
-            buffer = tensor if tensor.device.type == "cpu" else torch.empty(tensor.shape, dtype=tensor.dtype)
-            dist.recv(buffer, self.local[1][peer], group=self.local[0], tag=tag)
-            if buffer is not tensor:
-                tensor.copy_(buffer)
+            recv_tensor(tensor, self.local[1][peer], group=self.local[0], tag=tag)
             return
         pair.recv(tensor, peer, tag)
 

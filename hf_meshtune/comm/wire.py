@@ -31,9 +31,19 @@ import torch
 import torch.distributed as dist
 
 from .._validation import require
-from .pairlink import PairLinks, PinnedPair
 
-__all__ = ["CIRCUITS", "ROLLOUT", "WIRE_CIRCUITS", "Wire", "isend_tensor", "nbytes", "recv_tensor", "send_tensor"]
+__all__ = [
+    "CIRCUITS",
+    "ROLLOUT",
+    "WIRE_CIRCUITS",
+    "Wire",
+    "isend_tensor",
+    "nbytes",
+    "on_cpu",
+    "receive_staged",
+    "recv_tensor",
+    "send_tensor",
+]
 
 CIRCUITS = ("pp_fwd", "pp_bwd", "dp", "anchor")  # the training circuits (the ledger's)
 ROLLOUT = "rollout"  # generation through the pipeline (pipeline.generate)
@@ -45,13 +55,13 @@ def nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def _on_cpu(tensor: torch.Tensor) -> torch.Tensor:
+def on_cpu(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if tensor.device.type == "cpu" else tensor.cpu()
 
 
 def _routed(group) -> bool:
     """The restartable anchor link of replica jobs (``comm.pairlink``): it routes by mesh rank itself."""
-    return isinstance(group, (PairLinks, PinnedPair))
+    return getattr(group, "routes_by_mesh_rank", False)
 
 
 def send_tensor(tensor: torch.Tensor, dst: int, group=None, tag: int = 0) -> None:
@@ -59,14 +69,14 @@ def send_tensor(tensor: torch.Tensor, dst: int, group=None, tag: int = 0) -> Non
     if _routed(group):
         group.send(tensor, dst, tag)
         return
-    dist.send(_on_cpu(tensor), dst, group=group, tag=tag)
+    dist.send(on_cpu(tensor), dst, group=group, tag=tag)
 
 
 def isend_tensor(tensor: torch.Tensor, dst: int, group=None, tag: int = 0):
     """``dist.isend`` of ``tensor`` (a GPU tensor through a CPU copy, which the returned work keeps alive)."""
     if _routed(group):
         return group.isend(tensor, dst, tag)
-    return dist.isend(_on_cpu(tensor), dst, group=group, tag=tag)
+    return dist.isend(on_cpu(tensor), dst, group=group, tag=tag)
 
 
 def recv_tensor(tensor: torch.Tensor, src: int, group=None, tag: int = 0) -> None:
@@ -74,11 +84,16 @@ def recv_tensor(tensor: torch.Tensor, src: int, group=None, tag: int = 0) -> Non
     if _routed(group):
         group.recv(tensor, src, tag)
         return
+    receive_staged(tensor, lambda buffer: dist.recv(buffer, src, group=group, tag=tag))
+
+
+def receive_staged(tensor: torch.Tensor, receive: Callable[[torch.Tensor], Any]) -> None:
+    """``receive(buffer)`` into ``tensor``: the tensor itself on the CPU, a CPU buffer copied over on a GPU."""
     if tensor.device.type == "cpu":
-        dist.recv(tensor, src, group=group, tag=tag)
+        receive(tensor)
         return
     buffer = torch.empty(tensor.shape, dtype=tensor.dtype)
-    dist.recv(buffer, src, group=group, tag=tag)
+    receive(buffer)
     tensor.copy_(buffer)
 
 
