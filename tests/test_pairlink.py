@@ -169,3 +169,17 @@ def test_updates_committed_before_the_first_pair_is_up_make_it_start_with_a_sync
     assert link.syncs == [4]
     fast.shutdown()
     anchor.shutdown()
+
+
+def test_links_from_the_environment_need_the_launchers_store_and_a_restart_count(store, monkeypatch):
+    monkeypatch.delenv("MESHTUNE_JOB_STORE", raising=False)
+    with pytest.raises(ValueError, match=r"MESHTUNE_JOB_STORE=None is invalid: it must be set \(host:port"):
+        PairLinks.from_environment(0, [5])
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    monkeypatch.setenv("MESHTUNE_JOB_STORE", f"127.0.0.1:{server.port}")
+    monkeypatch.setenv("MESHTUNE_RESTART", "-1")
+    with pytest.raises(ValueError, match="MESHTUNE_RESTART='-1' is invalid: it must be an integer >= 0"):
+        PairLinks.from_environment(0, [5])
+    with pytest.raises(ValueError, match="incarnation=-1 is invalid: it must be >= 0"):
+        PairLinks(store(), 0, -1, [5])
+    del server
