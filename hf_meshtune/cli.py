@@ -293,7 +293,9 @@ def _add_launch_parser(subparsers: argparse._SubParsersAction) -> None:
         "MESHTUNE_MESH=XxY and TORCHFT_LIGHTHOUSE. Rank r is replica r // Y, stage r % Y; its "
         "output lines are prefixed [r<replica>s<stage>]. The first child to fail stops the "
         "others and sets the exit code; with --max-restarts N every replica is a job of its own "
-        "and a failed one is restarted (N times at most) and heals from the others.",
+        "and a failed one is restarted (N times at most) and heals from the others. With MESHTUNE_SECRET "
+        "(or MESHTUNE_SECRET_FILE) exported, only processes holding that secret get into the mesh: the "
+        "launcher serves a gate where each one proves it, and every server admits admitted addresses only.",
     )
     p.add_argument("--mesh", required=True, help="X replicas x Y stages, anchor included, e.g. 3x2")
     p.add_argument(

@@ -670,14 +670,19 @@ def _require_gloo_backend(args) -> None:
 
 
 def _bind_mesh_servers() -> None:
-    """In a launched process, before accelerate creates its process group: gloo on ``$MESHTUNE_HOST``'s
+    """In a launched process, before accelerate creates its process group: with a secret, admission at
+    the mesh's gate and a guard on every listener (``comm.gate``); gloo on ``$MESHTUNE_HOST``'s
     interface, and rank 0's rendezvous store on MASTER_ADDR only (``comm.listen``)."""
     if int(os.environ.get("LOCAL_RANK", "-1")) == -1:
         return
+    from .comm.gate import guard_launched_process
     from .comm.listen import gloo_interface, serve_rendezvous_store
 
+    guard = guard_launched_process()
     gloo_interface()
     serve_rendezvous_store()
+    if guard is not None:
+        guard.scan()
 
 
 @dataclass

@@ -18,6 +18,11 @@ processes of replica r are stopped and the whole replica starts again on a fresh
 is one unit), at most ``max_restarts`` times per replica, like torchrun's ``--max_restarts`` for one
 replica group; the other replicas keep training and the restarted one heals from them through torchft.
 
+A shared secret (``$MESHTUNE_SECRET`` or ``$MESHTUNE_SECRET_FILE`` in the launcher's environment,
+``comm.gate``): the launcher also serves the mesh's gate (MESHTUNE_GATE, exported to every child),
+guards its lighthouse and store so that only admitted addresses reach them, and refuses a
+``lighthouse`` of someone else's. Every child knocks at the gate before anything else.
+
 Optional replicas (``optional_replicas``, ``meshtune launch --optional-replica R``): a failure there
 stops only that replica (the anchor replica: the fast circuit trains on without it).
 
@@ -252,8 +257,12 @@ def launch_mesh(
     if log_dir is not None:
         os.makedirs(log_dir, exist_ok=True)
     port = master_port if master_port is not None else free_port()
+    gate = _Gatekeeper.from_environment(host, lighthouse)
     server, address = _maybe_start_lighthouse(lighthouse, host)
     jobs = _ReplicaJobs(mesh, max_restarts, host) if max_restarts else None
+    if gate is not None:
+        gate.guard(address, jobs)
+        env = {**(env or {}), **gate.env}
     _say(
         f"mesh {mesh[0]}x{mesh[1]} = {mesh[0] * mesh[1]} processes, "
         + (f"one job per replica, up to {max_restarts} restart(s) each" if jobs else f"master 127.0.0.1:{port}")
@@ -277,6 +286,8 @@ def launch_mesh(
                 jobs.close()
             if server is not None:
                 server.shutdown()
+            if gate is not None:
+                gate.close()
 
 
 def _validate_restarts(mesh: tuple[int, int], max_restarts: Any, optional_replicas: Sequence[int],
@@ -338,6 +349,50 @@ class _Starter:
                 replica_jobs=True, restart=restart, job_store=self.jobs.address,
             )  # fmt: skip
             self.start(rank, ranked_env | dict(self.env or {}), append=restart > 0)
+
+
+class _Gatekeeper:
+    """With a secret in the environment (``comm.gate``): the mesh's gate, and a guard on the
+    launcher's lighthouse and job store that admits only the addresses the gate admitted."""
+
+    def __init__(self, key: bytes, host: str) -> None:
+        from .comm.gate import GATE_ENV, Gate, Guard
+
+        self._ports: set[int] = set()
+        self._guard: Guard | None = None
+        self.gate = Gate(key, host, on_admit=lambda _: self._guard is not None and self._guard.scan())
+        self._guard = Guard(self.gate.admitted, exempt={self.gate.inode}, ports=self._ports)
+        self.env = {GATE_ENV: self.gate.address}
+        _say(f"gate {self.gate.address}: only processes holding the mesh's secret get in")
+
+    @classmethod
+    def from_environment(cls, host: str, lighthouse: str | None) -> _Gatekeeper | None:
+        from .comm.gate import SECRET_ENV, secret_key
+
+        key = secret_key()
+        if key is None:
+            return None
+        require(
+            lighthouse is None,
+            "lighthouse",
+            lighthouse,
+            f"be unset when {SECRET_ENV} is: with a secret the launcher starts and guards its own lighthouse "
+            "(another one would accept anyone)",
+        )
+        return cls(key, host)
+
+    def guard(self, lighthouse: str, jobs: _ReplicaJobs | None) -> None:
+        """Guard the lighthouse (at ``lighthouse``) and the job store, now that they listen."""
+        self._ports.add(int(lighthouse.rstrip("/").rsplit(":", 1)[1]))
+        if jobs is not None:
+            self._ports.add(jobs.store.port)
+        self._guard.scan()
+
+    def close(self) -> None:
+        self._guard.stop()
+        self.gate.close()
+        if self.gate.refusals:
+            _say(f"the gate refused {len(self.gate.refusals)} connection(s)")
 
 
 class _ReplicaJobs:

@@ -550,6 +550,24 @@ def _unresolvable_host() -> None:
         listen_address()
 
 
+def _secret_in(tmp: Path, content: str | None, **env: str | None) -> None:
+    """``secret_key()`` with ``<tmp>/secret`` holding ``content`` (None: no such file) named by MESHTUNE_SECRET_FILE."""
+    from hf_meshtune.comm.gate import secret_key
+
+    if content is not None:
+        (tmp / "secret").write_text(content, encoding="utf-8")
+    with environ(MESHTUNE_SECRET_FILE=str(tmp / "secret"), **{"MESHTUNE_SECRET": None, **env}):
+        secret_key()
+
+
+def _guarded_process(**env: str | None) -> None:
+    from hf_meshtune.comm import gate
+
+    with environ(**{"MESHTUNE_SECRET": None, "MESHTUNE_SECRET_FILE": None, "MESHTUNE_GATE": None, **env}):
+        assert not gate._GUARD
+        gate.guard_launched_process()
+
+
 def _mesh_checkpoint(tmp: Path, step: int, ranks=(0, 1, 2, 3), **state) -> str:
     """A 3x2 (anchor on) mesh checkpoint of fake states under ``tmp``; returns its folder."""
     from hf_meshtune.runtime.checkpoint import save_rank_state
@@ -1815,6 +1833,51 @@ def _cases() -> list[Case]:
             "MESHTUNE_HOST='no-such-host.invalid' is invalid: it must resolve to an address of this machine for the "
             "mesh's servers to listen on",
         ),
+        Case(
+            RANKS,
+            "MESHTUNE_SECRET_FILE and MESHTUNE_SECRET both set",
+            "`meshtune launch` and every process of a mesh launched with a secret (`comm.gate.secret_key`)",
+            lambda tmp: _secret_in(tmp, "s" * 32, MESHTUNE_SECRET="s" * 32),
+            ValueError,
+            f"MESHTUNE_SECRET_FILE='{TMP}/secret' is invalid: it must be unset when MESHTUNE_SECRET is set (one "
+            "secret, one source)",
+        ),
+        Case(
+            RANKS,
+            "MESHTUNE_SECRET_FILE naming no file",
+            "`meshtune launch` and every process of a mesh launched with a secret (`comm.gate.secret_key`)",
+            lambda tmp: _secret_in(tmp, None),
+            ValueError,
+            f"MESHTUNE_SECRET_FILE='{TMP}/secret' is invalid: it must name a readable file holding the mesh's secret "
+            "(No such file or directory)",
+        ),
+        Case(
+            RANKS,
+            "MESHTUNE_SECRET_FILE holding 5 bytes",
+            "`meshtune launch` and every process of a mesh launched with a secret (`comm.gate.secret_key`)",
+            lambda tmp: _secret_in(tmp, "short\n"),
+            ValueError,
+            f"MESHTUNE_SECRET_FILE='{TMP}/secret' is invalid: it must hold a secret of at least 16 bytes (it holds 5)",
+        ),
+        Case(
+            RANKS,
+            "MESHTUNE_SECRET without MESHTUNE_GATE (e.g. under torchrun)",
+            "`MeshTrainingArguments(...)` in a launched process (`comm.gate.guard_launched_process`)",
+            lambda: _guarded_process(MESHTUNE_SECRET="s" * 32),
+            ValueError,
+            "MESHTUNE_GATE=None is invalid: it must be set when MESHTUNE_SECRET or MESHTUNE_SECRET_FILE is: a secret "
+            "needs `meshtune launch`, whose gate admits the mesh's processes (torchrun's own rendezvous store cannot "
+            "be guarded)",
+        ),
+        Case(
+            RANKS,
+            "MESHTUNE_GATE set, no secret",
+            "`MeshTrainingArguments(...)` in a launched process (`comm.gate.guard_launched_process`)",
+            lambda: _guarded_process(MESHTUNE_GATE="127.0.0.1:1"),
+            ValueError,
+            "MESHTUNE_SECRET=None is invalid: it must be set (or MESHTUNE_SECRET_FILE) in every process of a mesh "
+            "with a gate (MESHTUNE_GATE=127.0.0.1:1): the mesh admits only processes holding its secret",
+        ),
         # --- model types ---------------------------------------------------------------------------------
         Case(
             MODELS,
@@ -2035,6 +2098,18 @@ def _cases() -> list[Case]:
             "meshtune launch: error: --lighthouse='nowhere' is invalid: it must be host:port or http://host:port of a "
             "running torchft lighthouse",
             lambda tmp: _launch_script(tmp, "--lighthouse", "nowhere"),
+        ),
+        _cli(
+            "meshtune launch --mesh 3x2 -- <tmp>/train.py (MESHTUNE_SECRET=short)",
+            "meshtune launch: error: MESHTUNE_SECRET='<hidden>' is invalid: it must be at least 16 bytes long (it is "
+            "5), e.g. `openssl rand -hex 32`",
+            lambda tmp: _launch_with_secret(tmp, "short"),
+        ),
+        _cli(
+            "meshtune launch --mesh 3x2 --lighthouse 127.0.0.1:1 -- <tmp>/train.py (a MESHTUNE_SECRET set)",
+            "meshtune launch: error: --lighthouse='127.0.0.1:1' is invalid: it must be unset when MESHTUNE_SECRET "
+            "is: with a secret the launcher starts and guards its own lighthouse (another one would accept anyone)",
+            lambda tmp: _launch_with_secret(tmp, "s" * 32, "--lighthouse", "127.0.0.1:1"),
         ),
         _cli(
             "meshtune launch --mesh 3x2 --max-restarts -1 -- <tmp>/train.py",
@@ -4106,6 +4181,11 @@ def _launch_script(tmp: Path, *flags: str) -> None:
     script = tmp / "train.py"
     script.write_text("print('never run')\n", encoding="utf-8")
     meshtune("launch", "--mesh", "3x2", *flags, "--", str(script))
+
+
+def _launch_with_secret(tmp: Path, secret: str, *flags: str) -> None:
+    with environ(MESHTUNE_SECRET=secret, MESHTUNE_SECRET_FILE=None):
+        _launch_script(tmp, *flags)
 
 
 def _report_on(tmp: Path, content: str, *flags: str, file: str = "trainer_state.json") -> None:

@@ -3,11 +3,13 @@
     sudo bash benchmarks/reliability/soak.sh        # ~35 min on 2 cores → results/soak.{json,md,png}
     sudo .venv/bin/python -m benchmarks.reliability.soak --smoke   # ~6 min → results/soak_smoke.*
 
-One mesh runs with everything on, on a star of network namespaces (``benchmarks/wan/netns.py``; 7
-nodes: the 6 ranks of a 3x2 tiny-Llama mesh and a service node where ``meshtune launch``'s lighthouse
-and store run), each rank in its own namespace, steps paced so that the faults land mid-run: replica
-jobs (``--max-restarts``) with the anchor on (its link restartable, ``comm.pairlink``), a checkpoint
-every 20 steps, and the faults, injected by PID and by interface:
+One mesh runs with everything on, on a star of network namespaces (``benchmarks/wan/netns.py``; 8
+nodes: the 6 ranks of a 3x2 tiny-Llama mesh, a service node where ``meshtune launch``'s gate,
+lighthouse and store run, and an intruder's node), each rank in its own namespace, steps paced so that
+the faults land mid-run: replica jobs (``--max-restarts``) with the anchor on (its link restartable,
+``comm.pairlink``), a shared secret (``comm.gate``: every process knocks at the launcher's gate, every
+listening socket admits the admitted addresses only), a checkpoint every 20 steps, and the faults,
+injected by PID and by interface:
 
 * ``kill``: a fast stage process SIGKILLed (its replica is restarted and heals from a peer);
 * ``kill_anchor``: an anchor stage SIGKILLed (the anchor replica is restarted, its links come up again
@@ -17,16 +19,17 @@ every 20 steps, and the faults, injected by PID and by interface:
 * ``straggler``: a node's link at a tenth of the rate;
 * ``sigstop_anchor``: the anchor replica SIGSTOPped, then SIGCONTinued;
 * ``crash``: the launcher and every process SIGKILLed at once, and the mesh relaunched from its newest
-  complete checkpoint.
+  complete checkpoint;
+* ``intruder``: a process on the intruder's node, with a secret of its own, knocks at the gate and then
+  tries to connect to every listening socket of every mesh namespace (``benchmarks/reliability/intruder.py``);
+  survived when the gate refused and logged it and no socket let it connect.
 
 Reported per fault and in total: faults injected, faults survived, optimizer steps lost (steps the
 mesh recomputed after a resume; a replica kill loses none of the survivors' steps, and the steps the
 restarted replica skipped by adopting a peer's state are reported apart), the survivors' pause (the
 longest gap between two step ends of the fast replicas the fault did not touch, from the fault to 10 s
 after it ended; a paced step is ~0.5 s), checkpoints lost (a complete checkpoint that vanished other
-than by rotation or became unreadable; must be 0).
-
-Not in it: a peer without the mesh's shared secret trying to join (there is no shared secret yet).
+than by rotation or became unreadable; must be 0), intruders refused.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import argparse
 import json
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -46,7 +50,8 @@ from benchmarks.wan import netns
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RESULTS = os.path.join(ROOT, "benchmarks", "reliability", "results")
-MESH, NODES, SERVICE = (3, 2), 6, 6
+MESH, NODES, SERVICE, INTRUDER = (3, 2), 6, 6, 7
+SECRET = secrets.token_hex(32)  # the mesh's, for this soak (every launch and relaunch gets it)
 RATE_MBIT, DELAY_MS = 50.0, 5.0
 LINK_TIMEOUT_S, CHECKPOINT_EVERY, CHECKPOINT_KEEP = 10.0, 20, 3
 STEP_SECONDS = 0.3  # pacing added to every step, so a phase lasts minutes at a modest step count
@@ -57,7 +62,7 @@ _RESTART = re.compile(r"restarting replica (\d+)")
 @dataclass
 class Fault:
     at_s: float  # seconds after the phase's mesh took its 5th step
-    kind: str  # kill | cut | straggler | sigstop_anchor | kill_anchor | crash
+    kind: str  # kill | cut | straggler | sigstop_anchor | kill_anchor | crash | intruder
     target: int  # mesh rank (kill, kill_anchor) or node (cut, straggler); unused for sigstop_anchor, crash
     duration_s: float = 0.0
     injected_at_step: int | None = None
@@ -419,12 +424,63 @@ def _inject(phase: Phase, fault: Fault, launch: Launch) -> Launch:
             f"relaunched from {os.path.basename(checkpoint or 'nothing')}, recomputing {fault.steps_lost} steps"
             + ("" if resumed else "; the relaunch did not train within 180 s")
         )
+    elif fault.kind == "intruder":
+        fault.survived, fault.outcome = _intrude(phase, start, launch)
     else:
         raise ValueError(
             f"fault kind={fault.kind!r} is invalid: it must be kill, cut, straggler, sigstop_anchor, "
-            "kill_anchor or crash"
+            "kill_anchor, crash or intruder"
         )
     return launch
+
+
+def _mesh_listeners(gate: tuple[str, int] | None) -> list[tuple[str, int]]:
+    """Every listening TCP socket of the mesh's namespaces (the ranks' and the service node's) that
+    another node could reach, as the kernel lists them; the gate, open by design, left out."""
+    found = []
+    for node in range(NODES + 1):
+        out = subprocess.run([*netns.exec_prefix(node), "ss", "-Hltn"], capture_output=True, text=True).stdout
+        for line in out.splitlines():
+            address, port = line.split()[3].rsplit(":", 1)
+            address = address.strip("[]").split("%")[0]
+            if address in ("*", "0.0.0.0", "::"):
+                address = netns.node_ip(node)
+            if address.startswith("127.") or address == "::1":
+                continue  # loopback: no other node can reach it
+            if (address, int(port)) != gate:
+                found.append((address, int(port)))
+    return sorted(set(found))
+
+
+def _intrude(phase: Phase, start: float, launch: Launch) -> tuple[bool, str]:
+    gates = [m for _, line in phase.lines if (m := re.search(r"gate (\S+):(\d+): only processes", line))]
+    if not gates:
+        return False, "no gate in the launcher's output: the mesh runs without a secret"
+    gate = (gates[-1].group(1), int(gates[-1].group(2)))
+    targets = _mesh_listeners(gate)
+    before = _fast_step(phase)
+    proc = subprocess.run(
+        [*netns.exec_prefix(INTRUDER), sys.executable, "-m", "benchmarks.reliability.intruder",
+         "--gate", f"{gate[0]}:{gate[1]}", "--targets", json.dumps(targets)],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    try:
+        seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        return False, f"the intruder did not report (exit {proc.returncode}): {proc.stderr[-500:]}"
+    logged = _await_line(phase, start, "meshtune gate: refused", timeout=10)
+    time.sleep(5)
+    moving = _fast_step(phase) > before and launch.proc.poll() is None
+    survived = seen["refused_at_gate"] and logged and not seen["reached"] and moving
+    outcome = (
+        f"a process without the secret on node {INTRUDER} was "
+        + ("refused at the gate" if seen["refused_at_gate"] else f"NOT refused at the gate ({seen['gate_said']})")
+        + (" (logged by the launcher)" if logged else " (no refusal logged)")
+        + f"; {len(seen['reached'])} of {seen['tried']} listening sockets of the mesh let it connect"
+        + (f": {seen['reached']}" if seen["reached"] else "")
+        + ("; the mesh trained on" if moving else "; the mesh did not train on")
+    )
+    return survived, outcome
 
 
 def _state(pid: int) -> str:
@@ -453,6 +509,7 @@ def _env(phase: Phase) -> dict[str, str]:
         "CHECKPOINT_KEEP": str(CHECKPOINT_KEEP),
         "LINK_TIMEOUT_S": str(LINK_TIMEOUT_S),
         "RESTART_DELAY_S": "5",
+        "MESHTUNE_SECRET": SECRET,
     }
 
 
@@ -536,6 +593,7 @@ def phases(smoke: bool, out: str) -> list[Phase]:
             Fault(140, "sigstop_anchor", 0, 8.0),
             Fault(170, "crash", 0),
             Fault(230, "kill", 1),
+            Fault(270, "intruder", INTRUDER),
         ]
         steps = 700
     else:
@@ -545,6 +603,7 @@ def phases(smoke: bool, out: str) -> list[Phase]:
             ("kill_anchor", 5, 0.0),
             ("cut", 4, 4.0),
             ("kill", 1, 0.0),  # fast replica 0's stage 1: the stage that forwards the outer updates
+            ("intruder", INTRUDER, 0.0),
             ("straggler", 2, 30.0),
             ("cut", 1, 25.0),  # past the 10 s timeout: replica 0 fails and is restarted
             ("kill_anchor", 4, 0.0),
@@ -565,9 +624,10 @@ def phases(smoke: bool, out: str) -> list[Phase]:
             ("kill_anchor", 4, 0.0),
             ("kill", 1, 0.0),
             ("sigstop_anchor", 0, 20.0),
+            ("intruder", INTRUDER, 0.0),  # after two crashes: the relaunched mesh's new gate
             ("cut", 3, 4.0),
         ]
-        faults = [Fault(40 + 70 * i, kind, target, duration) for i, (kind, target, duration) in enumerate(script)]
+        faults = [Fault(40 + 65 * i, kind, target, duration) for i, (kind, target, duration) in enumerate(script)]
         steps = 3900
     anchor = {"anchor": True, "anchor_every": 4, "anchor_delay": 0, "spectral_tau": 1e-3, "anchor_max_staleness": 40}
     return [Phase("all-on", True, anchor, steps, faults, out=os.path.join(out, "all_on"))]
@@ -593,6 +653,8 @@ def report(ran: list[Phase]) -> dict:
         "replica_steps_skipped_by_healing": sum(f.replica_steps_skipped for f in injected),
         "longest_survivor_pause_s": max((f.survivor_pause_s or 0.0 for f in injected), default=None),
         "checkpoints_lost": sum(len(p.checkpoints_lost) for p in ran),
+        "intruders_refused": sum(f.survived for f in injected if f.kind == "intruder"),
+        "intruders": sum(f.kind == "intruder" for f in injected),
         "wall_minutes": round(sum(p.wall_s for p in ran) / 60, 1),
         "phases": [
             {
@@ -643,17 +705,21 @@ def markdown(summary: dict) -> str:
     """The report; a summary written before the survivors' pauses were measured (the two-phase soak of
     stop 33, ``results/soak.json``) renders as it did then."""
     paused = "longest_survivor_pause_s" in summary
+    guarded = "intruders" in summary  # soaks with a shared secret
+    command = summary.get("command", "sudo bash benchmarks/reliability/soak.sh")
     lines = [
         "# Soak",
         "",
-        f"{summary['wall_minutes']} min on 2 CPU cores; `sudo bash benchmarks/reliability/soak.sh`.",
+        f"{summary['wall_minutes']} min on 2 CPU cores; `{command}`.",
         "",
         "| faults injected | survived | optimizer steps lost | replica steps skipped by healing | checkpoints lost "
-        + ("| longest survivor pause (s) |" if paused else "|"),
-        "|---:|---:|---:|---:|---:|" + ("---:|" if paused else ""),
+        + ("| longest survivor pause (s) |" if paused else "|")
+        + (" intruders refused |" if guarded else ""),
+        "|---:|---:|---:|---:|---:|" + ("---:|" if paused else "") + ("---:|" if guarded else ""),
         f"| {summary['faults_injected']} | {summary['faults_survived']} | {summary['optimizer_steps_lost']} | "
         f"{summary['replica_steps_skipped_by_healing']} | {summary['checkpoints_lost']} |"
-        + (f" {summary['longest_survivor_pause_s']} |" if paused else ""),
+        + (f" {summary['longest_survivor_pause_s']} |" if paused else "")
+        + (f" {summary['intruders_refused']} of {summary['intruders']} |" if guarded else ""),
         "",
         "| phase | fault | at step | survived | steps lost | survivor pause (s) | outcome |"
         if paused
@@ -685,7 +751,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="six faults in ~6 min")
     parser.add_argument("--out", default=os.path.join(ROOT, ".cache", "soak"))
     args = parser.parse_args(argv)
-    netns.up(NODES + 1, RATE_MBIT, DELAY_MS)
+    netns.up(NODES + 2, RATE_MBIT, DELAY_MS)  # the ranks, the service node, the intruder's node
     try:
         ran = phases(args.smoke, args.out)
         for phase in ran:
@@ -697,6 +763,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         netns.down()
     summary = report(ran)
+    summary["command"] = (
+        "sudo .venv/bin/python -m benchmarks.reliability.soak --smoke" if args.smoke
+        else "sudo bash benchmarks/reliability/soak.sh"
+    )  # fmt: skip
     os.makedirs(RESULTS, exist_ok=True)
     name = "soak_smoke" if args.smoke else "soak"
     with open(os.path.join(RESULTS, f"{name}.json"), "w") as handle:

@@ -8,8 +8,9 @@ themselves, all but the lighthouse listen on every interface. Here each is bound
 hostname, the same address the process advertises to its peers. Gloo's own pairs listen on the
 interface ``GLOO_SOCKET_IFNAME`` names, which ``gloo_interface`` finds for ``$MESHTUNE_HOST``.
 
-What this does not do: authenticate peers. Anyone who can reach these addresses can still talk to
-them (README, "Over the internet: what is protected and what is not").
+What this does not do: authenticate peers. That is ``comm.gate``'s part (a shared secret, checked at
+the launcher's gate, and a filter on every listening socket of the process; README, "Over the
+internet: what is protected and what is not").
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ from torch import nn
 
 from .._validation import require
 from ..anchor.worker import AnchorWorker
+from ..comm.gate import guard_launched_process
 from ..config import codec_refit_every, is_governed
 from ..dp.ft import advertised_host
 from ..topology import MeshGroups, MeshTopology
@@ -67,6 +68,7 @@ def run_worker(
         worker = AnchorWorker(model, groups, settings, anchor_batches)
     else:
         worker = FastWorker(model, groups, settings, batches)
+    guard_launched_process()  # with a secret: guard the servers and gloo pairs just created, now
     # Every torchft Manager heartbeats before any replica asks for its first quorum, so the
     # lighthouse waits for all fast replicas instead of forming a quorum without a late starter.
     dist.barrier()

@@ -35,6 +35,8 @@ import torch
 import torch.distributed as dist
 
 from hf_meshtune.boundary.hooks import find_decoder_layers
+from hf_meshtune.comm.gate import guard_launched_process
+from hf_meshtune.comm.listen import gloo_interface, serve_rendezvous_store
 from hf_meshtune.config import MeshConfig
 from hf_meshtune.runtime.bootstrap import run_worker
 from hf_meshtune.runtime.settings import RunSettings, StageCallback
@@ -158,6 +160,11 @@ def main(out: str, steps: int, overrides: dict) -> None:
     if int(os.environ.get("MESHTUNE_RESTART", "0")) > 0:
         time.sleep(float(os.environ.get("RESTART_DELAY_S", "0")))
         _wait_for_peer_step(out, int(os.environ.get("RESTART_AFTER_STEP", "0")))
+    guard = guard_launched_process()  # with a secret: admission at the gate, every listener guarded
+    gloo_interface()  # what MeshTrainingArguments does in a launched process: gloo and the rendezvous store
+    serve_rendezvous_store()  # on $MESHTUNE_HOST's interface and MASTER_ADDR, never every interface
+    if guard is not None:
+        guard.scan()
     dist.init_process_group("gloo")
     model = tiny_llama(seed=0, layers=4, hidden=64)
     stages = int(os.environ["MESHTUNE_MESH"].lower().split("x")[1])
