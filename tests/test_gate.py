@@ -116,6 +116,7 @@ def test_an_impostor_gate_is_not_trusted():
             plain.bind(("127.0.0.1", 0))
             plain.listen()
             port = plain.getsockname()[1]
+
             def greet():
                 conn, _ = plain.accept()
                 conn.sendall(b"HTTP/1.1 200 OK\r\n" + b"x" * 40)
@@ -255,7 +256,9 @@ def test_a_mesh_launched_with_a_secret_keeps_strangers_out_through_a_restart(tmp
     deadline = time.monotonic() + 300
     try:
         while launcher.poll() is None and time.monotonic() < deadline:
-            gate_port = next((int(m.group(1)) for m in map(re.compile(r"gate 127\.0\.0\.1:(\d+)").search, lines) if m), None)
+            gate_port = next(
+                (int(m.group(1)) for m in map(re.compile(r"gate 127\.0\.0\.1:(\d+)").search, lines) if m), None
+            )
             now = time.monotonic()
             for sock in listening(_process_tree(launcher.pid)):
                 first_seen.setdefault(sock, now)
@@ -289,5 +292,7 @@ def test_a_mesh_launched_with_a_secret_keeps_strangers_out_through_a_restart(tmp
     results = [torch.load(out / f"result{r}.pt", weights_only=False) for r in range(6)]
     for stage in (0, 1):
         for replica in (1, 2):
-            for mine, theirs in zip(results[stage].global_params, results[replica * 2 + stage].global_params, strict=True):
+            for mine, theirs in zip(
+                results[stage].global_params, results[replica * 2 + stage].global_params, strict=True
+            ):
                 assert torch.equal(mine, theirs), (stage, replica)

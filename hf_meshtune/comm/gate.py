@@ -82,9 +82,7 @@ def secret_key(env: dict[str, str] | None = None) -> bytes | None:
     """The key derived from ``$MESHTUNE_SECRET`` or the file ``$MESHTUNE_SECRET_FILE``; None without either."""
     env = os.environ if env is None else env
     value, path = env.get(SECRET_ENV), env.get(SECRET_FILE_ENV)
-    require(
-        not (value and path), SECRET_FILE_ENV, path, f"be unset when {SECRET_ENV} is set (one secret, one source)"
-    )
+    require(not (value and path), SECRET_FILE_ENV, path, f"be unset when {SECRET_ENV} is set (one secret, one source)")
     if path:
         try:
             with open(path, "rb") as handle:
@@ -214,7 +212,9 @@ class Gate:
             if new and self._on_admit is not None:
                 self._on_admit(admitted)
             payload = "\n".join(admitted).encode()
-            conn.sendall(b"OK" + struct.pack("!H", len(payload)) + payload + _mac(self._key, b"gate", theirs, nonce, payload))
+            conn.sendall(
+                b"OK" + struct.pack("!H", len(payload)) + payload + _mac(self._key, b"gate", theirs, nonce, payload)
+            )
         except socket.timeout:
             self._refuse(conn, peer, f"it sent no token within {HELLO_TIMEOUT_S:g} s")
         except (EOFError, OSError) as err:
@@ -245,7 +245,7 @@ def knock(address: str, key: bytes, timeout_s: float = 10.0) -> list[str]:
         hello = _recv_exact(sock, len(_MAGIC) + _NONCE)
         if hello[: len(_MAGIC)] != _MAGIC:
             raise GateRefused(f"{GATE_ENV}={address!r} is not a meshtune gate (it did not greet as one)")
-        theirs, mine = hello[len(_MAGIC):], secrets.token_bytes(_NONCE)
+        theirs, mine = hello[len(_MAGIC) :], secrets.token_bytes(_NONCE)
         sock.sendall(mine + _mac(key, b"client", theirs, mine))
         verdict = _recv_exact(sock, 2)
         if verdict != b"OK":
@@ -256,7 +256,9 @@ def knock(address: str, key: bytes, timeout_s: float = 10.0) -> list[str]:
         (size,) = struct.unpack("!H", _recv_exact(sock, 2))
         payload = _recv_exact(sock, size)
         if not hmac.compare_digest(_recv_exact(sock, _MAC), _mac(key, b"gate", mine, theirs, payload)):
-            raise GateRefused(f"the gate at {address} does not hold this mesh's secret (its answer is not signed with it)")
+            raise GateRefused(
+                f"the gate at {address} does not hold this mesh's secret (its answer is not signed with it)"
+            )
     return [_canonical(a) for a in payload.decode().split("\n") if a]
 
 
