@@ -14,9 +14,10 @@ the first-generation processes wait after that step until a restarted process ha
 (so a restart that is slow to start on a loaded machine still rejoins before the run ends; at most
 300 s). ``CHECKPOINT_EVERY`` writes mesh checkpoints to OUT_DIR every that many steps
 (``CHECKPOINT_KEEP`` kept); ``RESUME_FROM`` continues from one; ``LINK_TIMEOUT_S`` bounds pipeline
-sends/receives (default 30). ``GOVERNOR_SCRIPT`` (a JSON list of [snapshot, levels]) makes a
-governed anchor decide, at a round on snapshot s, the levels of the last entry at or before s instead of
-the governor's rule, after running its probes as usual: a test's way to force level changes at known rounds.
+sends/receives (default 30), ``DP_TIMEOUT_S`` the replicas' quorums and all-reduces (default 30).
+``GOVERNOR_SCRIPT`` (a JSON list of [snapshot, levels]) makes a governed anchor decide, at a round on
+snapshot s, the levels of the last entry at or before s instead of the governor's rule, after running its
+probes as usual: a test's way to force level changes at known rounds.
 ``KILL_DURING_SAVE`` = ``STEP:RANK`` makes that first-generation rank SIGKILL itself in the middle of writing
 its checkpoint file of that step: half the bytes are on disk (fsynced), in the file the checkpoint code
 opened, when the signal lands, as when a machine dies mid-save.
@@ -206,7 +207,7 @@ def main(out: str, steps: int, overrides: dict) -> None:
         max_steps=steps,
         lr=3e-3,
         lighthouse=os.environ["TORCHFT_LIGHTHOUSE"],
-        dp_timeout_s=30.0,
+        dp_timeout_s=float(os.environ.get("DP_TIMEOUT_S", "30")),
         link_timeout_s=timeout,
         callbacks=[Progress(), recorder],
         checkpoint_dir=out,
