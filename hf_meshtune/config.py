@@ -245,6 +245,15 @@ class MeshArguments:
         default="gradient",
         metadata={"help": "What the anchor sends: the 'gradient' or its momentum's rank-r 'factors'."},
     )
+    anchor_rate_mbit: float | None = field(
+        default=None,
+        metadata={
+            "help": "Mesh: a cap in Mbit/s on each pair of the anchor link, each way (the anchor's deliveries to "
+            "a fast stage, fast replica 0's updates to the anchor): payloads go in 64 KiB chunks spaced to this "
+            "rate, so no delivery lands on a fast node's link as one burst ahead of its pipeline and DP traffic. "
+            "None = no cap."
+        },
+    )
     max_memory_per_stage: float | None = field(
         default=None,
         metadata={
@@ -344,6 +353,12 @@ class MeshArguments:
             "anchor_payload",
             self.anchor_payload,
             f"be one of {list(ANCHOR_PAYLOADS)}",
+        )
+        require(
+            self.anchor_rate_mbit is None or self.anchor_rate_mbit > 0,
+            "anchor_rate_mbit",
+            self.anchor_rate_mbit,
+            "be None or > 0 (Mbit/s)",
         )
         require(
             self.anchor_payload != "factors" or self.spectral_rank is not None,

@@ -29,6 +29,7 @@ BAD_KNOBS = [
     ("dp_sync_every", 0, "be >= 1"),
     ("dp_powersgd_rank", -1, "be None or an int >= 1"),
     ("anchor_payload", "weights", "be one of ['gradient', 'factors']"),
+    ("anchor_rate_mbit", -5.0, "be None or > 0 (Mbit/s)"),
 ]
 
 

@@ -38,6 +38,7 @@ class Row:
     sync_every: int | None = None  # MeshConfig.dp_sync_every (None: Shape.sync_every)
     outer_lr: float | None = None  # MeshConfig.dp_outer_lr (None: MeshConfig's default)
     outer_momentum: float | None = None  # MeshConfig.dp_outer_momentum (None: MeshConfig's default)
+    anchor_rate_mbit: float | None = None  # MeshConfig.anchor_rate_mbit (None: the anchor link uncapped)
 
     @property
     def replicas(self) -> int:
@@ -64,6 +65,19 @@ ROWS: dict[str, Row] = {
         boundary_codec="outliers8+int8",
         anchor_payload="factors",
         spectral_rank=8,  # the ledger's default anchor rank (hf_meshtune.ledger.LedgerSettings.anchor_rank)
+    ),
+    # benchmarks/wan/anchor_pacing.py: the same with each anchor-link pair capped at a quarter of the committed
+    # regime's link rate (5.194 Mbit/s)
+    "default_ap_paced": Row(
+        "Default+AP (factors r=8), anchor link capped at 1.3 Mbit/s",
+        0.0,
+        True,
+        "streaming_diloco",
+        R_DP,
+        boundary_codec="outliers8+int8",
+        anchor_payload="factors",
+        spectral_rank=8,
+        anchor_rate_mbit=1.3,
     ),
     "governed": Row("Governed (+anchor)", 0.0, True, "streaming_diloco", R_DP, boundary_codec="governed"),
     "codec20": Row(

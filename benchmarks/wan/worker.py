@@ -70,6 +70,7 @@ def main() -> None:
         anchor=row.anchor,
         anchor_payload=row.anchor_payload,
         spectral_rank=row.spectral_rank,
+        anchor_rate_mbit=row.anchor_rate_mbit,
         anchor_every=shape.anchor_every,
         dp_sync_every=row.sync_every or shape.sync_every,
         dp_fragments=shape.fragments,

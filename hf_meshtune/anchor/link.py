@@ -25,6 +25,7 @@ from .._validation import require
 from ..comm.errors import is_link_error
 from ..comm.mailbox import Receiver, Sender
 from ..comm.messages import DATA, GRADIENTS, STOP, SYNC, TICK, UPDATES, HeaderRules, flatten, unflatten
+from ..comm.pacing import pace_for
 from ..comm.pairlink import FIRST_PAIR, PairLinks
 from ..comm.wire import Wire
 from ..dp.outer import OuterUpdate
@@ -54,6 +55,7 @@ class FastAnchorLink:
     the fast step at which the link broke (None while it holds). ``lockstep`` = (``anchor_every``,
     ``anchor_delay``) for the lockstep schedule, None for the paper's (apply what has arrived).
     ``factor_rank``: the rank r of the factors the anchor sends (None: it sends its gradient).
+    ``rate_mbit``: the cap on what replica 0 forwards (``anchor_rate_mbit``; None: no cap).
     """
 
     def __init__(
@@ -70,6 +72,7 @@ class FastAnchorLink:
         factor_rank: int | None = None,
         max_step: int,
         close_timeout_s: float | None = None,
+        rate_mbit: float | None = None,
     ) -> None:
         self.factor_rank = factor_rank
         self.shapes = [
@@ -80,7 +83,7 @@ class FastAnchorLink:
         numel = sum(math.prod(shape) for shape in self.shapes)
         self.matrices, self.anchor_rank, self.who, self.max_staleness = matrices, anchor_rank, who, max_staleness
         self.inbox = Receiver(wire, group, anchor_rank, GRADIENTS, HeaderRules(max_step, lambda header: numel))
-        self.outbox = Sender(wire, group, "anchor") if forwards else None
+        self.outbox = Sender(wire, group, "anchor", pace_for(rate_mbit)) if forwards else None
         self.arrivals: list[tuple[int, int]] = []
         self.lost_at: int | None = None
         self.lockstep = lockstep

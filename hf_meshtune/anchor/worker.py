@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from collections.abc import Iterator
 
 import torch
@@ -47,6 +48,7 @@ from ..comm.messages import (
     flatten,
     unflatten,
 )
+from ..comm.pacing import chunks, pace_for
 from ..comm.pairlink import PairLinks
 from ..config import codec_ladder, codec_refit_every, composed_codec, is_governed, require_saved_knobs
 from ..dp.outer import OuterUpdate
@@ -90,6 +92,7 @@ class AnchorWorker(StageWorker):
         self.syncs: list[int] = []  # steps of the SYNCs loaded
         self.skipped: list[tuple[int, int]] = []  # (snapshot, fast rank) of deliveries a down link dropped
         self.refit_every = codec_refit_every(cfg)
+        self.pace: dict | None = None if cfg.anchor_rate_mbit is None else {}  # fast rank → its pair's Pace
         self.factors = anchor_momentum(cfg)  # M_anc here, factors on the wire (None: the gradient)
         spec, last = composed_codec(cfg), self.stage == self.topology.stages - 1
         self.refit_codecs = None  # fit boundary `stage` (this stage's output) on each refit round
@@ -261,14 +264,14 @@ class AnchorWorker(StageWorker):
             recorded, self.module.record, self.module.probe = self.module.record, None, None
         if loss is not None:
             self.result.losses.append(loss)
-        works = []
+        posts = []
         if refit:  # the geometry first: it is small, and the fast side waits for it with the gradient
             header, geometry, digest, geometries = refit_message(self.refit_codecs, snapshot, torch.cat(recorded))
             if probing:
                 for codec, fitted in zip(governor.ladder, geometries):
                     codec.load_geometry(fitted)
             for dst in self._geometry_targets():
-                works += self._post(dst, snapshot, GEOMETRY, header, geometry)
+                posts += self._post(dst, snapshot, GEOMETRY, header, geometry)
             self.result.geometry.append((snapshot, digest))
         elif fit:
             for codec in governor.ladder:
@@ -284,11 +287,12 @@ class AnchorWorker(StageWorker):
         # would fill that node's queue and hold up its pipeline and DP traffic behind it)
         for replica in self.topology.fast_replicas:
             dst = self.topology.rank(replica, self.stage)
-            works += self._post(dst, snapshot, GRADIENTS, header, payload)
+            posts += self._post(dst, snapshot, GRADIENTS, header, payload)
         if governor is not None:
-            works += self._govern(snapshot, [g.detach().clone() for g in grads], dense_probe, rng, ids, labels)
-        for dst, work in works:
-            self._wait(dst, snapshot, work)
+            posts += self._govern(snapshot, [g.detach().clone() for g in grads], dense_probe, rng, ids, labels)
+        started = time.perf_counter()
+        self._deliver(snapshot, posts)
+        self.result.delivery_seconds.append(time.perf_counter() - started)
         self.result.anchor_rounds.append(snapshot)
         self.model.zero_grad(set_to_none=True)
 
@@ -312,26 +316,49 @@ class AnchorWorker(StageWorker):
         self.result.levels.append((snapshot, counts_after, list(levels)))
         self.result.fidelity.append(governor.entries[-1])
         header, payload = levels_message(snapshot, counts_after, levels)
-        works = []
+        posts = []
         for replica in self.topology.fast_replicas:
-            works += self._post(self.topology.rank(replica, self.stage), snapshot, LEVELS, header, payload)
-        return works
+            posts += self._post(self.topology.rank(replica, self.stage), snapshot, LEVELS, header, payload)
+        return posts
 
     def _post(self, dst: int, snapshot: int, channel, header, payload) -> list:
-        """Post one message (header, payload) to fast rank ``dst``: [(dst, work)]; on the restartable
-        link, nothing for a fast stage whose pair is down (it is restarting: ``skipped``)."""
+        """One message (header, payload) for fast rank ``dst``, to go out with the round's others
+        (``_deliver``): [(dst, group, channel, header, payload)]; on the restartable link, nothing for a
+        fast stage whose pair is down (it is restarting: ``skipped``)."""
         with self._unless_restarting(dst, snapshot):
             # header and payload over one pair
             group = self.links.pinned(dst, timeout_s=0) if self.links is not None else self.groups.link_group
-            return [
-                (dst, self.wire.isend("anchor", header, dst, group=group, tag=channel.header_tag)),
-                (dst, self.wire.isend("anchor", payload, dst, group=group, tag=channel.payload_tag)),
-            ]
+            return [(dst, group, channel, header, payload)]
         return []
 
-    def _wait(self, dst: int, snapshot: int, work) -> None:
-        with self._unless_restarting(dst, snapshot):
-            work.wait()
+    def _deliver(self, snapshot: int, posts: list) -> None:
+        """Send the round's messages and wait until they are out: every header, then the payloads chunk
+        by chunk (``comm.pacing``), in turn over the messages, each pair capped at ``anchor_rate_mbit``.
+        A fast stage whose pair goes down meanwhile gets nothing more (restartable link: ``skipped``)."""
+        works: list = []
+        down: set[int] = set()
+
+        def post(dst: int, tensor: torch.Tensor, group, tag: int) -> None:
+            with self._unless_restarting(dst, snapshot):
+                works.append((dst, self.wire.isend("anchor", tensor, dst, group=group, tag=tag)))
+                return
+            down.add(dst)
+
+        for dst, group, channel, header, _ in posts:
+            if dst not in down:
+                post(dst, header, group, channel.header_tag)
+        pieces = [(dst, group, channel.payload_tag, list(chunks(payload))) for dst, group, channel, _, payload in posts]
+        for index in range(max((len(parts) for *_, parts in pieces), default=0)):
+            for dst, group, tag, parts in pieces:
+                if index < len(parts) and dst not in down:
+                    if self.pace is not None:
+                        if dst not in self.pace:
+                            self.pace[dst] = pace_for(self.settings.config.anchor_rate_mbit)
+                        self.pace[dst].wait(parts[index].numel() * parts[index].element_size())
+                    post(dst, parts[index], group, tag)
+        for dst, work in works:
+            with self._unless_restarting(dst, snapshot):
+                work.wait()
 
     def _send_stop(self, dst: int, message, tag: int) -> None:
         """A STOP to fast rank ``dst`` (on the restartable link: unless its pair is down)."""

@@ -1,6 +1,7 @@
 """Background threads on the anchor link, so neither end of a fast step ever waits for the anchor.
 
-``Sender.put`` queues a tensor and returns; a thread sends it (blocking, on the ``Wire``).
+``Sender.put`` queues a tensor and returns; a thread sends it (blocking, on the ``Wire``), in chunks
+(``comm.pacing``) spaced by the link's rate cap when it has one.
 ``Receiver`` receives whole messages (header, then payload) of one ``Channel`` from one peer into a
 queue that the owner polls without waiting (``ready``) or waits on (``next``). gloo's
 ``irecv(...).is_completed()`` never turns True on CPU, hence threads rather than polled requests.
@@ -21,6 +22,7 @@ import torch
 
 from .errors import LinkDown
 from .messages import STOP, Channel, HeaderRules, MalformedHeader, admit
+from .pacing import Pace, chunks
 from .pairlink import PairLinks
 from .wire import Wire
 
@@ -28,10 +30,11 @@ __all__ = ["Receiver", "Sender"]
 
 
 class Sender:
-    """Blocking point-to-point sends on a background thread: ``put`` never waits for the peer."""
+    """Blocking point-to-point sends on a background thread: ``put`` never waits for the peer.
+    ``pace``: the link's rate cap (None: chunks go as fast as the link takes them)."""
 
-    def __init__(self, wire: Wire, group, circuit: str) -> None:
-        self.wire, self.group, self.circuit = wire, group, circuit
+    def __init__(self, wire: Wire, group, circuit: str, pace: Pace | None = None) -> None:
+        self.wire, self.group, self.circuit, self.pace = wire, group, circuit, pace
         self.queue: queue.Queue = queue.Queue()
         self.error: BaseException | None = None
         self.dropped = 0  # restartable link: messages queued for a pair that broke before they went
@@ -56,7 +59,10 @@ class Sender:
                     self.dropped += 1
                     continue
             try:
-                self.wire.send(self.circuit, tensor, dst, group=group, tag=tag)
+                for chunk in chunks(tensor):
+                    if self.pace is not None:
+                        self.pace.wait(chunk.numel() * chunk.element_size())
+                    self.wire.send(self.circuit, chunk, dst, group=group, tag=tag)
             except LinkDown:  # the pair broke (and is being rebuilt)
                 self.dropped += 1
             except BaseException as error:  # noqa: BLE001 - reported by close()
@@ -127,8 +133,8 @@ class Receiver:
             self.queue.put(None)
             return True
         payload = torch.empty(numel, dtype=torch.float32)
-        if payload.numel():
-            self.wire.recv(self.circuit, payload, self.src, group=group, tag=self.channel.payload_tag)
+        for chunk in chunks(payload):  # cut as the sender cut it
+            self.wire.recv(self.circuit, chunk, self.src, group=group, tag=self.channel.payload_tag)
         self.queue.put((header, payload))
         return False
 

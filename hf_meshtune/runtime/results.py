@@ -43,6 +43,7 @@ class MeshResult:
     dp_participants: list[int] = field(default_factory=list)  # replicas averaged by every committed DiLoCo sync
     arrivals: list[tuple[int, int]] = field(default_factory=list)  # (fast step on arrival, snapshot step)
     anchor_rounds: list[int] = field(default_factory=list)  # snapshot step of every round (anchor)
+    delivery_seconds: list[float] = field(default_factory=list)  # anchor: per round, sending its messages
     heals: list[tuple[int, int]] = field(default_factory=list)  # (own step, peer's step) of every heal
     first_step: int = 0  # the step this process started from (a resumed run's checkpoint step)
     anchor_lost_at: int | None = None  # fast step at which the anchor link broke (fast ranks; None: it held)

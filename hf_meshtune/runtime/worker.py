@@ -151,6 +151,7 @@ class FastWorker(StageWorker):
             factor_rank=cfg.spectral_rank if cfg.anchor_payload == "factors" else None,
             max_step=self.settings.max_steps,
             close_timeout_s=self.settings.link_timeout_s or 1800.0,
+            rate_mbit=cfg.anchor_rate_mbit,
         )
 
     def _setup_geometry_link(self) -> FastGeometryLink | None:
