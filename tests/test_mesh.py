@@ -165,12 +165,12 @@ def _mesh_worker(
         def recording_round(round_index: int, snapshot: int) -> None:
             before = {n: p.detach().clone() for n, p in worker.model.named_parameters()}
             ids, labels = worker.batches(round_index)
-            captured = {}
+            captured: list[torch.Tensor] = []  # the payload travels in chunks (comm.pacing): in order
             real_isend = worker.wire.isend
 
             def capture(circuit, tensor, dst, group=None, tag=0):
                 if tag == 202 and dst == topology.rank(0, stage):
-                    captured["payload"] = tensor.clone()
+                    captured.append(tensor.clone())
                 return real_isend(circuit, tensor, dst, group=group, tag=tag)
 
             worker.wire.isend = capture
@@ -186,7 +186,7 @@ def _mesh_worker(
                     "ids": ids,
                     "labels": labels,
                     "names": names,
-                    "payload": captured["payload"],
+                    "payload": torch.cat(captured),
                 }
             )
 
