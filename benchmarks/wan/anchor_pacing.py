@@ -99,11 +99,16 @@ def write_report(report: dict, out: Path) -> None:
     (out / "anchor_pacing.md").write_text("\n".join(lines) + "\n")
 
 
+def committed_links() -> dict:
+    """The shaped links of the committed WAN run (``results/wan.json``'s regime)."""
+    regime = json.loads((RESULTS / "wan.json").read_text())["regime"]
+    return {"rate_mbit": regime["rate_mbit"], "delay_ms": regime["delay_ms"], "source": "results/wan.json's regime"}
+
+
 def _links(args) -> dict:
     if args.rate_mbit is not None:
         return {"rate_mbit": args.rate_mbit, "delay_ms": args.delay_ms or 0.0, "source": "given"}
-    regime = json.loads((RESULTS / "wan.json").read_text())["regime"]
-    return {"rate_mbit": regime["rate_mbit"], "delay_ms": regime["delay_ms"], "source": "results/wan.json's regime"}
+    return committed_links()
 
 
 def main(argv: list[str] | None = None) -> None:

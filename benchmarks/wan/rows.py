@@ -39,6 +39,9 @@ class Row:
     outer_lr: float | None = None  # MeshConfig.dp_outer_lr (None: MeshConfig's default)
     outer_momentum: float | None = None  # MeshConfig.dp_outer_momentum (None: MeshConfig's default)
     anchor_rate_mbit: float | None = None  # MeshConfig.anchor_rate_mbit (None: the anchor link uncapped)
+    # microbatches per replica step (None: Shape.microbatches), each of Shape's rows per step / microbatches
+    microbatches: int | None = None
+    sync_delay: int = 0  # MeshConfig.dp_sync_delay: inner steps a fragment's sync overlaps before it lands
 
     @property
     def replicas(self) -> int:
@@ -122,6 +125,34 @@ DP_SWEEP: dict[str, Row] = {
     "dp_none_avg": _dp_variant(None, averaging=True),
 }
 ROWS |= DP_SWEEP
+
+
+# benchmarks/wan/throughput.py: the default row with its replica step cut into more, smaller microbatches and/or
+# its DiLoCo syncs overlapping 5 inner steps (of the 10 between two fragments' syncs)
+def _throughput_variant(microbatches: int | None, sync_delay: int) -> Row:
+    parts = [
+        f"{microbatches} microbatches" if microbatches else "",
+        f"syncs overlap {sync_delay} steps" if sync_delay else "",
+    ]
+    return Row(
+        "Default, " + ", ".join(p for p in parts if p),
+        0.0,
+        False,
+        "streaming_diloco",
+        R_DP,
+        boundary_codec="outliers8+int8",
+        microbatches=microbatches,
+        sync_delay=sync_delay,
+    )
+
+
+THROUGHPUT_ROWS: dict[str, Row] = {
+    "default_m4": _throughput_variant(4, 0),
+    "default_m8": _throughput_variant(8, 0),
+    "default_overlap": _throughput_variant(None, 5),
+    "default_m8_overlap": _throughput_variant(8, 5),
+}
+ROWS |= THROUGHPUT_ROWS
 
 
 QUALITY_EVAL_ITEMS = 200  # benchmarks/quality/run.py's Mode.n_eval: the eval split's size

@@ -11,3 +11,4 @@ PY=${PYTHON:-.venv/bin/python}
 "$PY" -m benchmarks.wan.dp_sweep       # which DP sync keeps the fine-tune's quality, at what bytes (~20 min)
 "$PY" -m benchmarks.wan.run            # every row fine-tunes on shaped links: tokens/s, bytes/token, quality (~60 min)
 "$PY" -m benchmarks.wan.anchor_pacing  # fast step times without the anchor, with it, with its link capped (~15 min; after run: its links)
+"$PY" -m benchmarks.wan.throughput     # where the default's shaped step goes: more microbatches, overlapped DP syncs (~20 min)

@@ -74,6 +74,7 @@ def main() -> None:
         anchor_every=shape.anchor_every,
         dp_sync_every=row.sync_every or shape.sync_every,
         dp_fragments=shape.fragments,
+        dp_sync_delay=row.sync_delay,
         dp_powersgd_rank=row.powersgd_rank,
         mask_seed=0,
         **{f"dp_{k}": v for k in ("outer_lr", "outer_momentum") if (v := getattr(row, k)) is not None},
@@ -99,10 +100,11 @@ def main() -> None:
                 os.makedirs(params_dir, exist_ok=True)
                 torch.save(view.parameters(), os.path.join(params_dir, f"step{step:05d}_stage{stage}.pt"))
 
+    microbatches = row.microbatches or shape.microbatches  # the same rows per replica step in every row
     settings = RunSettings(
         config=cfg,
-        microbatch_size=shape.microbatch_size,
-        microbatches=shape.microbatches,
+        microbatch_size=shape.microbatch_size * shape.microbatches // microbatches,
+        microbatches=microbatches,
         seq_len=shape.seq_len,
         max_steps=args.steps,
         lr=shape.lr,
