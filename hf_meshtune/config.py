@@ -236,6 +236,13 @@ class MeshArguments:
             "dp_fragments)."
         },
     )
+    dp_keep_overlapped: bool = field(
+        default=False,
+        metadata={
+            "help": "With dp_sync_delay > 0: keep the inner steps a fragment's sync overlapped, adding them on top of "
+            "the new θ_global (False: torchft's way, the fragment restarts from θ_global and they are lost)."
+        },
+    )
     dp_outer_lr: float = field(
         default=0.7,
         metadata={"help": "Learning rate of the outer Nesterov SGD applied to the averaged pseudo-gradient."},
@@ -345,6 +352,12 @@ class MeshArguments:
             self.dp_sync_delay,
             f"lie in [0, dp_sync_every / dp_fragments = {interval}) (a fragment's sync must land before the next one "
             "starts)",
+        )
+        require(
+            not self.dp_keep_overlapped or self.dp_sync_delay > 0,
+            "dp_keep_overlapped",
+            self.dp_keep_overlapped,
+            "be False when dp_sync_delay=0 (no inner step overlaps a sync: there is nothing to keep)",
         )
         require(self.dp_outer_lr > 0, "dp_outer_lr", self.dp_outer_lr, "be > 0")
         require(0.0 <= self.dp_outer_momentum < 1.0, "dp_outer_momentum", self.dp_outer_momentum, "lie in [0, 1)")

@@ -1260,6 +1260,12 @@ def _cases() -> list[Case]:
             dp_fragments=4,
             dp_sync_delay=5,
         ),
+        _knob(
+            "dp_keep_overlapped=True is invalid: it must be False when dp_sync_delay=0 (no inner step overlaps a "
+            "sync: there is nothing to keep)",
+            dp_keep_overlapped=True,
+        ),
+        _knob("dp_keep_overlapped='yes' is invalid: it must be of type bool", dp_keep_overlapped="yes"),
         _knob("dp_outer_lr=0.0 is invalid: it must be > 0", dp_outer_lr=0.0),
         _knob("dp_outer_momentum=1.0 is invalid: it must lie in [0, 1)", dp_outer_momentum=1.0),
         _knob("anchor_payload='svd' is invalid: it must be one of ['gradient', 'factors']", anchor_payload="svd"),
@@ -4002,6 +4008,15 @@ def _cases() -> list[Case]:
             diloco(fragment_update_alpha=2),
             ValueError,
             "fragment_update_alpha=2 is invalid: it must lie in [0, 1]",
+        ),
+        Case(
+            INTERNALS,
+            "StreamingDiLoCo(..., keep_overlapped=True, fragment_update_alpha=0.5)",
+            "`StreamingDiLoCo(...)`",
+            diloco(keep_overlapped=True, fragment_update_alpha=0.5),
+            ValueError,
+            "fragment_update_alpha=0.5 is invalid: it must be 0 with keep_overlapped (the overlapped steps are kept "
+            "whole, not mixed)",
         ),
         Case(
             INTERNALS,

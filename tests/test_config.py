@@ -144,6 +144,7 @@ def test_powersgd_rank_zero_means_uncompressed_for_command_lines():
         ("dp_fragments", 3, "divide dp_sync_every=20"),
         ("dp_fragments", 0, "be an int >= 1"),
         ("dp_sync_delay", 20, "lie in [0, dp_sync_every / dp_fragments = 20)"),
+        ("dp_keep_overlapped", True, "be False when dp_sync_delay=0"),
         ("dp_outer_lr", 0.0, "be > 0"),
         ("dp_outer_momentum", 1.0, "lie in [0, 1)"),
     ],

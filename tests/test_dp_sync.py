@@ -46,7 +46,15 @@ def _flat(fragments: list[nn.Module]) -> list[list[torch.Tensor]]:
 
 
 def _train_stage(
-    rank: int, world: int, lighthouse: str, num_stages: int, powersgd_rank: int | None, delay: int
+    rank: int,
+    world: int,
+    lighthouse: str,
+    num_stages: int,
+    powersgd_rank: int | None,
+    delay: int,
+    keep: bool = False,
+    sync_every: int = SYNC_EVERY,
+    steps: int = STEPS,
 ) -> bytes:
     replica, stage = divmod(rank, num_stages)
     store = host_replica_store(replica, stage, host="127.0.0.1")
@@ -64,6 +72,8 @@ def _train_stage(
     inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
     gen = torch.Generator().manual_seed(1000 * replica + stage)  # every replica and stage: its own data
     wire, record = Wire(), {"init": _flat(fragments), "pre": [], "post": [], "syncs": [], "sync_states": []}
+    record["names"] = [[n for n, _ in f.named_parameters()] for f in fragments]
+    record["finished"] = []  # (inner step since the last sync, fragment) where P's all-reduces were waited
     inner.register_step_post_hook(lambda *_: record["pre"].append(_flat(fragments)))  # runs before DiLoCo's hook
 
     def on_update(update: OuterUpdate) -> None:
@@ -82,16 +92,26 @@ def _train_stage(
         manager,
         fragments,
         inner,
-        sync_every=SYNC_EVERY,
+        sync_every=sync_every,
         fragment_sync_delay=delay,
+        keep_overlapped=keep,
         outer_lr=LR,
         outer_momentum=MU,
         powersgd_rank=powersgd_rank,
         wire=wire,
         on_outer_update=on_update,
     )
+    for fragment in diloco._diloco._fragments:
+        finish = fragment.finish_factors
+
+        def finish_and_record(fragment=fragment, finish=finish) -> None:
+            if fragment._pending:
+                record["finished"].append((diloco._diloco._local_step, fragment._fragment_id))
+            finish()
+
+        fragment.finish_factors = finish_and_record
     with diloco:
-        for _ in range(STEPS):
+        for _ in range(steps):
             x = torch.randn(8, 16, generator=gen)
             loss = (model(x) - x[:, :2].sin()).pow(2).mean()
             loss.backward()
@@ -115,10 +135,12 @@ def _pack(record: dict) -> bytes:
     return buffer.getvalue()
 
 
-def _run(launcher, replicas: int, stages: int, powersgd_rank: int | None, delay: int) -> list[list[dict]]:
+def _run(
+    launcher, replicas: int, stages: int, powersgd_rank: int | None, delay: int, *extra: object
+) -> list[list[dict]]:
     server, address = start_lighthouse(min_replicas=replicas)
     try:
-        results = launcher(_train_stage, replicas * stages, address, stages, powersgd_rank, delay, timeout=120)
+        results = launcher(_train_stage, replicas * stages, address, stages, powersgd_rank, delay, *extra, timeout=120)
     finally:
         server.shutdown()
     records = [torch.load(io.BytesIO(r), weights_only=False) for r in results]
@@ -133,6 +155,17 @@ def powersgd_run():
 @pytest.fixture(scope="module")
 def dense_run():
     return _run(launch, replicas=2, stages=2, powersgd_rank=None, delay=0)
+
+
+OVERLAP_EVERY, OVERLAP_DELAY, OVERLAP_STEPS = 6, 2, 12  # a fragment syncs every 3 steps, prepared 2 before
+
+
+@pytest.fixture(scope="module")
+def overlap_run():
+    """3 replicas × 1 stage, PowerSGD, τ = 2 with the overlapped steps kept: P is waited 1 step after the
+    prepare, Q the step after."""
+    runs = _run(launch, 3, 1, RANK, OVERLAP_DELAY, True, OVERLAP_EVERY, OVERLAP_STEPS)
+    return [by_stage[0] for by_stage in runs]
 
 
 def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
@@ -185,6 +218,51 @@ def test_dense_sync_equals_outer_nesterov_step_on_mean_pseudo_gradient(dense_run
         _nesterov_replay(runs)
 
 
+def test_an_overlapped_powersgd_sync_keeps_its_steps_and_matches_a_float64_replay(overlap_run):
+    """τ = 2, overlapped steps kept: each sync's pseudo-gradient is θ_global − θ_local at the prepare, sent
+    as PowerSGD (error feedback, warm-started Q) and replayed here in float64 from the recorded parameters;
+    after the outer step each replica holds the new θ_global plus its own 2 overlapped steps. The P
+    all-reduces were waited 1 inner step after the prepare, not at it."""
+    runs, interval = overlap_run, OVERLAP_EVERY // FRAGMENTS
+    syncs = runs[0]["syncs"]
+    assert [(s["update"].fragment, s["step"]) for s in syncs] == [(0, 3), (1, 6), (0, 9), (1, 12)]
+    finish_step = interval - OVERLAP_DELAY + OVERLAP_DELAY // 2
+    assert all(run["finished"] == [(finish_step, f) for f in (0, 1, 0, 1)] for run in runs)
+    codec = PowerSGD(RANK, seed=0)  # StreamingDiLoCo's seed: the Q every round of a matrix starts from
+    global_ = [[t.double() for t in frag] for frag in runs[0]["init"]]
+    momentum: list = [None] * FRAGMENTS
+    q: dict = {}
+    error: dict = {}
+    for sync in syncs:
+        f, k = sync["update"].fragment, sync["step"]
+        prepared = [run["pre"][k - OVERLAP_DELAY - 1][f] for run in runs]  # θ_local at the prepare
+        deltas = []
+        for i, (g, name) in enumerate(zip(global_[f], runs[0]["names"][f])):
+            ms = [g - prep[i].double() for prep in prepared]
+            if not codec.compresses(g.shape):
+                deltas.append(torch.stack(ms).mean(0))
+                continue
+            key = f"{f}.{name}"
+            q.setdefault(key, codec.factor_q(key, g.shape).double())
+            ms = [m + e for m, e in zip(ms, error.get(key, [0.0] * len(ms)))]
+            p_hat = torch.linalg.qr(torch.stack([m @ q[key] for m in ms]).mean(0))[0]
+            q[key] = torch.stack([m.T @ p_hat for m in ms]).mean(0)
+            approx = p_hat @ q[key].T
+            error[key] = [m - approx for m in ms]
+            deltas.append(approx)
+        momentum[f] = deltas if momentum[f] is None else [MU * b + d for b, d in zip(momentum[f], deltas)]
+        global_[f] = [g - LR * (d + MU * b) for g, d, b in zip(global_[f], deltas, momentum[f])]
+        for run, prep in zip(runs, prepared):
+            kept = [now.double() - before.double() for now, before in zip(run["pre"][k - 1][f], prep)]
+            assert all(d.abs().max() > 0 for d in kept)  # the 2 overlapped steps did move the fragment
+            for got, want, step in zip(run["post"][k - 1][f], global_[f], kept):
+                torch.testing.assert_close(got.double(), want + step, rtol=0, atol=1e-5)
+    for run in runs:
+        for f in range(FRAGMENTS):
+            for got, want in zip(run["global"][f], global_[f]):
+                torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5)
+
+
 # ---------------------------------------------------------------------------------------------
 # 3. bytes: r·(m+n) per compressed matrix, numel otherwise, 4 bytes each; ring factor booked
 # ---------------------------------------------------------------------------------------------
@@ -206,9 +284,26 @@ def test_powersgd_bytes_per_sync_match_rank(powersgd_run):
             # the tensors handed to the all-reduce are counted; the ring's traffic is booked on them
             assert sync["booked"] - before["booked"] == pytest.approx(payload * 4 * 2 * (n - 1) / n)
             assert sync["sent"] == 0  # DP sends nothing point to point
-            assert sync["messages"] - before["messages"] == len(shapes) + compressed  # P and Q each
+            # one bucket: the P factors with the dense tensors; then one: the Q factors
+            assert sync["messages"] - before["messages"] == (2 if compressed else 1)
             before = sync
     assert [len(run["shapes"][0]) for run in powersgd_run] == [2] * n
+
+
+def test_buckets_flatten_runs_of_one_dtype_up_to_the_cap_and_average_every_view_in_place(monkeypatch):
+    from hf_meshtune.dp import diloco
+
+    monkeypatch.setattr(diloco, "BUCKET_BYTES", 64)  # 16 float32 numbers
+    a, b, c = torch.ones(2, 3), torch.full((4,), 2.0), torch.full((3,), 3.0, dtype=torch.float64)
+    big, d = torch.arange(20.0), torch.full((2, 2), 4.0)
+    buckets = diloco._buckets([("a", a), ("b", b), ("c", c), ("big", big), ("d", d)])
+    assert [[key for key, _ in views] for _, views in buckets] == [["a", "b"], ["c"], ["big"], ["d"]]
+    (ab, ab_views), (c_flat, _), (big_flat, _), _ = buckets
+    assert ab.shape == (10,) and c_flat is c and big_flat is big  # a tensor alone goes uncopied
+    assert [tuple(v.shape) for _, v in ab_views] == [(2, 3), (4,)]
+    ab.div_(2)  # what an all-reduce's average does in place
+    assert torch.equal(ab_views[0][1], a / 2) and torch.equal(ab_views[1][1], b / 2)
+    assert diloco._buckets([]) == []
 
 
 # ---------------------------------------------------------------------------------------------
@@ -446,15 +541,21 @@ def test_diloco_state_is_refused_mid_sync_and_for_another_fragment_count():
     flight would be lost), and loads only into as many fragments as it was taken from."""
     from types import SimpleNamespace
 
-    from hf_meshtune.dp.diloco import StreamingDiLoCo
+    from hf_meshtune.dp.diloco import StreamingDiLoCo, _CompressedFragment
+
+    def fragment(work: list, pending: list) -> _CompressedFragment:
+        made = _CompressedFragment.__new__(_CompressedFragment)
+        made._allreduce_work, made._pending = work, pending
+        return made
 
     diloco = StreamingDiLoCo.__new__(StreamingDiLoCo)
     diloco.codec = None
-    busy = SimpleNamespace(_allreduce_work=[object()])
-    diloco._diloco = SimpleNamespace(_fragments=[SimpleNamespace(_allreduce_work=[]), busy])
-    with pytest.raises(
-        ValueError, match=r"DiLoCo state='fragments \[1\] syncing' is invalid: it must be taken between syncs"
-    ):
-        diloco.state_dict()
+    # fragment 0 with only its P all-reduces issued (τ >= 2); then fragment 1 with all-reduces in flight
+    for fragments, busy in (([fragment([], [object()])], 0), ([fragment([], []), fragment([object()], [])], 1)):
+        diloco._diloco = SimpleNamespace(_fragments=fragments)
+        with pytest.raises(
+            ValueError, match=rf"DiLoCo state='fragments \[{busy}\] syncing' is invalid: it must be taken between syncs"
+        ):
+            diloco.state_dict()
     with pytest.raises(ValueError, match=r"dp_fragments=2 is invalid: it must equal the checkpoint's 3 fragments"):
         diloco.load_state_dict({"fragments": [{}, {}, {}]})

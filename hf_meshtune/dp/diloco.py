@@ -46,6 +46,9 @@ TORCHFT_INTERNALS = (
     ("_StreamingDiLoCoFragment", "_average_grads", "issues the pseudo-gradient all-reduces"),
     ("_StreamingDiLoCoFragment", "_set_grads", "sets the averaged pseudo-gradients before the outer step"),
     ("_StreamingDiLoCoFragment", "perform_sync", "waits the all-reduces, commits, steps the outer optimizer"),
+    ("_StreamingDiLoCoFragment", "prepare_sync", "takes the pseudo-gradients and starts their all-reduces"),
+    ("_StreamingDiLoCoFragment", "_merge_parameters", "mixes θ_local back in after the outer step"),
+    ("fragment", "_local_parameters", "θ_local as perform_sync found it (name → tensor)"),
     ("fragment", "_fragment_id", "the fragment's index"),
     ("fragment", "_model_fragment", "the fragment's module"),
     ("fragment", "_grads", "name → pseudo-gradient of the sync in flight"),
@@ -99,11 +102,16 @@ class _CompressedFragment(_StreamingDiLoCoFragment):
         codec: PowerSGD | None,
         wire: Wire,
         on_update: Callable[[OuterUpdate], None] | None,
+        *,
+        keep_overlapped: bool = False,
     ) -> _CompressedFragment:
         fragment.__class__ = cls
         fragment._codec, fragment._wire, fragment._on_update = codec, wire, on_update
         fragment._factors = {}
         fragment._update = None
+        fragment._pending = []  # (name, P, its all-reduce) issued and not yet turned into Q
+        fragment._keep = keep_overlapped
+        fragment._prepared = {}  # name → θ_local when the sync was prepared (keep_overlapped only)
         if codec is not None:
             fragment._register_codec_state()
         return fragment
@@ -129,27 +137,69 @@ class _CompressedFragment(_StreamingDiLoCoFragment):
     def _all_reduce(self, tensor: torch.Tensor):
         return self._wire.all_reduce("dp", tensor, self._manager.num_participants(), self._manager.allreduce)
 
+    def prepare_sync(self) -> None:
+        if self._keep:  # θ_local now: what the overlapped inner steps are measured from
+            self._prepared = {n: p.detach().clone() for n, p in self._model_fragment.named_parameters()}
+        super().prepare_sync()
+
     def _average_grads(self) -> None:
         """Issue the averaging all-reduces of this fragment's pseudo-gradients (torchft appends, then waits).
 
-        Dense tensors: one all-reduce each, left in flight. Compressed matrices: all P all-reduces go
-        out together and are *waited here*, because Q = Mᵀ·orth(P̄) needs the averaged P; that one
-        round trip blocks the inner step that prepares the sync. The Q all-reduces then stay in
-        flight and overlap the next ``fragment_sync_delay`` inner steps, as torchft's own averaging does.
+        Every all-reduce on a WAN link costs its ring's round trips whatever its size, so the tensors go
+        in buckets (``_buckets``): the compressed matrices' P factors with the dense tensors, in parameter
+        order, then the Q factors, usually one all-reduce each for the whole fragment. Q = Mᵀ·orth(P̄)
+        needs the averaged P, so ``finish_factors`` waits the first buckets, then sends the Q buckets,
+        which torchft waits in ``perform_sync``. With τ ≥ 2 ``StreamingDiLoCo`` calls it ⌊τ/2⌋ inner
+        steps after the prepare, so the P round trip overlaps inner steps instead of blocking the step
+        that prepares the sync; with τ ≤ 1 ``perform_sync`` calls it before it waits.
         """
-        pending = []
+        items = []
         for name, _ in self._model_fragment.named_parameters():
             grad = self._grads[name]
             if self._codec is not None and self._codec.compresses(grad.shape):
                 p = self._codec.p_factor(self._key(name), grad, consume=True)  # torchft's own temporary
-                pending.append((name, p, self._all_reduce(p)))
+                items.append((("p", name), p))
             else:
-                self._allreduce_work.append(self._all_reduce(grad))
-        for name, p, work in pending:
+                items.append((("dense", name), grad))
+        for flat, views in _buckets(items):
+            work = self._all_reduce(flat)
+            for (kind, name), view in views:
+                if kind == "dense":
+                    self._grads[name] = view  # averaged in place once the work is waited
+            if any(kind == "p" for (kind, _), _ in views):
+                self._pending.append((views, work))
+            else:
+                self._allreduce_work.append(work)
+
+    def finish_factors(self) -> None:
+        """Wait the P buckets in flight, compute each Q and send the Q buckets (nothing pending: no-op)."""
+        pending, self._pending = self._pending, []
+        orth, items = {}, []
+        for views, work in pending:
             work.wait()
-            p_orth, q = self._codec.q_factor(self._key(name), p)
-            self._factors[name] = (p_orth, q)
-            self._allreduce_work.append(self._all_reduce(q))
+            for (kind, name), p in views:
+                if kind == "p":
+                    orth[name], q = self._codec.q_factor(self._key(name), p)
+                    items.append((name, q))
+        for flat, views in _buckets(items):
+            self._allreduce_work.append(self._all_reduce(flat))
+            for name, q in views:
+                self._factors[name] = (orth[name], q)  # q: a view of the bucket, averaged in place
+
+    def syncing(self) -> bool:
+        """Whether this fragment has a sync in flight (all-reduces issued, not yet committed)."""
+        return bool(self._allreduce_work or self._pending)
+
+    def _merge_parameters(self) -> None:
+        """After the outer step the fragment holds θ_global. torchft's merge lerps back towards θ_local
+        by ``fragment_update_alpha`` (0: the τ overlapped inner steps are dropped); with
+        ``keep_overlapped`` they are kept instead: θ ← θ_global + (θ_local − θ_local at prepare)."""
+        if not self._keep:
+            super()._merge_parameters()
+            return
+        with torch.no_grad():
+            for name, p in self._model_fragment.named_parameters():
+                p.data.add_(self._local_parameters[name] - self._prepared[name])
 
     def _set_grads(self) -> None:
         """On commit: decode Δ̄ through ``OuterUpdate`` (so observers replay it bitwise), close the rounds."""
@@ -172,9 +222,11 @@ class _CompressedFragment(_StreamingDiLoCoFragment):
 
     def perform_sync(self) -> bool:
         try:
+            self.finish_factors()
             committed = super().perform_sync()
         finally:
             self._factors.clear()
+            self._prepared = {}
             if self._codec is not None:
                 self._codec.discard()
         update, self._update = self._update, None
@@ -198,10 +250,13 @@ class StreamingDiLoCo:
     replica. With τ > 0 the sync's pseudo-gradient is taken τ inner steps before it is applied; after
     the outer step the fragment's parameters become (1−α)·θ_global + α·θ_local with
     ``fragment_update_alpha`` α, so with α = 0 (torchft's default) the τ overlapped inner steps of that
-    fragment are dropped. ``powersgd_rank`` (r) None sends Δθ dense, exactly torchft's averaging. Every all-reduce
-    is booked on ``wire`` (``self.wire``, a fresh ``Wire`` if None) under "dp". Every committed sync's
-    ``OuterUpdate`` is kept until ``take_committed()`` (what a training loop reads after its
-    optimizer step); ``on_outer_update``, if given, is also called with it inside the step.
+    fragment are dropped; ``keep_overlapped`` keeps them instead: θ_global + (θ_local − θ_local at the
+    prepare). With τ ≥ 2 the PowerSGD P round trip overlaps the first ⌊τ/2⌋ of those steps and Q's
+    the rest (the same numbers as waiting P at the prepare, later). ``powersgd_rank`` (r) None sends
+    Δθ dense, exactly torchft's averaging. Every all-reduce is booked on ``wire`` (``self.wire``, a
+    fresh ``Wire`` if None) under "dp". Every committed sync's ``OuterUpdate`` is kept until
+    ``take_committed()`` (what a training loop reads after its optimizer step); ``on_outer_update``, if
+    given, is also called with it inside the step.
 
     Example:
         >>> manager = make_manager(replica=r, stage=s, num_stages=Y, lighthouse_addr=addr,
@@ -226,6 +281,7 @@ class StreamingDiLoCo:
         on_outer_update: Callable[[OuterUpdate], None] | None = None,
         seed: int = 0,
         fragment_update_alpha: float = 0.0,
+        keep_overlapped: bool = False,
     ) -> None:
         _validate(fragments, sync_every, fragment_sync_delay, outer_lr, outer_momentum, powersgd_rank)
         require(
@@ -234,7 +290,19 @@ class StreamingDiLoCo:
             fragment_update_alpha,
             "lie in [0, 1]",
         )
+        require(
+            keep_overlapped is False or fragment_update_alpha == 0,
+            "fragment_update_alpha",
+            fragment_update_alpha,
+            "be 0 with keep_overlapped (the overlapped steps are kept whole, not mixed)",
+        )
         self.wire = wire if wire is not None else Wire()
+        self._inner = inner_optimizer
+        interval = sync_every // len(fragments)
+        # the inner step (counted from the last sync) after which the P all-reduces are waited: ⌊τ/2⌋
+        # steps after the prepare, so P's and Q's round trips both overlap inner steps (τ ≤ 1: at once)
+        self._finish_at = interval - fragment_sync_delay + fragment_sync_delay // 2 if fragment_sync_delay > 1 else None
+        self._hook = None
         self.codec = PowerSGD(powersgd_rank, seed) if powersgd_rank is not None else None
         self.fragments = fragments
         outer = [outer_optimizer(f.parameters(), outer_lr, outer_momentum) for f in fragments]
@@ -251,7 +319,7 @@ class StreamingDiLoCo:
         self._committed: list[OuterUpdate] = []
         self._on_outer_update = on_outer_update
         for fragment in self._diloco._fragments:
-            _CompressedFragment.adopt(fragment, self.codec, self.wire, self._on_commit)
+            _CompressedFragment.adopt(fragment, self.codec, self.wire, self._on_commit, keep_overlapped=keep_overlapped)
 
     def _on_commit(self, update: OuterUpdate) -> None:
         self._committed.append(update)
@@ -297,7 +365,7 @@ class StreamingDiLoCo:
         the torchft manager's step (which fragment syncs next). Only between syncs: with a fragment's
         all-reduces in flight the state would miss them (a ValueError says so)."""
         fragments = self._diloco._fragments
-        busy = [i for i, f in enumerate(fragments) if f._allreduce_work]
+        busy = [i for i, f in enumerate(fragments) if f.syncing()]
         require(
             not busy,
             "DiLoCo state",
@@ -337,14 +405,55 @@ class StreamingDiLoCo:
             self.codec.q = {k: v.float().clone() for k, v in state["codec"]["q"].items()}
             self.codec.error = {k: v.float().clone() for k, v in state["codec"]["error"].items()}
 
+    def _finish_factors(self, *_: Any) -> None:
+        """After torchft's step hook: at ``_finish_at`` turn the fragment's averaged P into Q."""
+        if self._diloco._local_step == self._finish_at:
+            for fragment in self._diloco._fragments:
+                fragment.finish_factors()
+
     def __enter__(self) -> StreamingDiLoCo:
         self._diloco.__enter__()
+        if self._finish_at is not None:  # registered after torchft's hook, so it runs after it
+            self._hook = self._inner.register_step_post_hook(self._finish_factors)
         return self
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> bool:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
         return self._diloco.__exit__(exc_type, exc, tb)
+
+
+BUCKET_BYTES = 16 * 2**20  # the most a DP all-reduce bucket copies; a larger tensor goes alone, uncopied
+
+
+def _buckets(items: list[tuple[Any, torch.Tensor]]) -> list[tuple[torch.Tensor, list[tuple[Any, torch.Tensor]]]]:
+    """Consecutive (key, tensor) pairs of one dtype and device, flattened into buckets of at most
+    ``BUCKET_BYTES``: [(flat, [(key, view of flat shaped as its tensor), ...]), ...]. An all-reduce of
+    ``flat`` in place averages every view; a bucket of one tensor is that tensor, not a copy."""
+    groups: list[list[tuple[Any, torch.Tensor]]] = []
+    size = 0
+    for key, tensor in items:
+        nbytes = tensor.numel() * tensor.element_size()
+        last = groups[-1][-1][1] if groups else None
+        if last is None or (last.dtype, last.device) != (tensor.dtype, tensor.device) or size + nbytes > BUCKET_BYTES:
+            groups.append([])
+            size = 0
+        groups[-1].append((key, tensor))
+        size += nbytes
+    out = []
+    for group in groups:
+        if len(group) == 1:
+            key, tensor = group[0]
+            flat = tensor.contiguous()
+            out.append((flat, [(key, flat)]))
+            continue
+        flat = torch.cat([t.reshape(-1) for _, t in group])
+        parts = flat.split([t.numel() for _, t in group])
+        out.append((flat, [(key, part.view(t.shape)) for (key, t), part in zip(group, parts)]))
+    return out
 
 
 def _cpu_copy(tensor: torch.Tensor) -> torch.Tensor:

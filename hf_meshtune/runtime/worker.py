@@ -111,6 +111,7 @@ class FastWorker(StageWorker):
             self.optimizer,
             sync_every=cfg.dp_sync_every,
             fragment_sync_delay=cfg.dp_sync_delay,
+            keep_overlapped=cfg.dp_keep_overlapped,
             outer_lr=cfg.dp_outer_lr,
             outer_momentum=cfg.dp_outer_momentum,
             powersgd_rank=cfg.dp_powersgd_rank,
