@@ -42,6 +42,8 @@ class Row:
     # microbatches per replica step (None: Shape.microbatches), each of Shape's rows per step / microbatches
     microbatches: int | None = None
     sync_delay: int = 0  # MeshConfig.dp_sync_delay: inner steps a fragment's sync overlaps before it lands
+    keep_overlapped: bool = False  # MeshConfig.dp_keep_overlapped: those steps kept on top of the new θ_global
+    dp_buckets: bool = True  # False: one DiLoCo all-reduce per tensor, as before the buckets (dp.diloco.BUCKET_BYTES)
 
     @property
     def replicas(self) -> int:
@@ -129,10 +131,12 @@ ROWS |= DP_SWEEP
 
 # benchmarks/wan/throughput.py: the default row with its replica step cut into more, smaller microbatches and/or
 # its DiLoCo syncs overlapping 5 inner steps (of the 10 between two fragments' syncs)
-def _throughput_variant(microbatches: int | None, sync_delay: int) -> Row:
+def _throughput_variant(microbatches: int | None, sync_delay: int, keep: bool = False, buckets: bool = True) -> Row:
     parts = [
         f"{microbatches} microbatches" if microbatches else "",
         f"syncs overlap {sync_delay} steps" if sync_delay else "",
+        "overlapped steps kept" if keep else "",
+        "" if buckets else "one DP all-reduce per tensor",
     ]
     return Row(
         "Default, " + ", ".join(p for p in parts if p),
@@ -143,6 +147,8 @@ def _throughput_variant(microbatches: int | None, sync_delay: int) -> Row:
         boundary_codec="outliers8+int8",
         microbatches=microbatches,
         sync_delay=sync_delay,
+        keep_overlapped=keep,
+        dp_buckets=buckets,
     )
 
 
@@ -151,6 +157,8 @@ THROUGHPUT_ROWS: dict[str, Row] = {
     "default_m8": _throughput_variant(8, 0),
     "default_overlap": _throughput_variant(None, 5),
     "default_m8_overlap": _throughput_variant(8, 5),
+    "default_overlap_keep": _throughput_variant(None, 5, keep=True),
+    "default_unbucketed": _throughput_variant(None, 0, buckets=False),
 }
 ROWS |= THROUGHPUT_ROWS
 

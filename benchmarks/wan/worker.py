@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from hf_meshtune.config import MeshConfig
+from hf_meshtune.dp import diloco
 from hf_meshtune.runtime.bootstrap import run_worker
 from hf_meshtune.runtime.job import _lighthouse
 from hf_meshtune.runtime.settings import RunSettings, StageCallback
@@ -53,6 +54,8 @@ def main() -> None:
     args = parser.parse_args()
 
     row, shape = ROWS[args.row], Shape()
+    if not row.dp_buckets:  # every tensor a bucket of its own: the per-tensor all-reduces of before
+        diloco.BUCKET_BYTES = 0
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     topology = MeshTopology(row.replicas, shape.stages, anchor=row.anchor)
@@ -75,6 +78,7 @@ def main() -> None:
         dp_sync_every=row.sync_every or shape.sync_every,
         dp_fragments=shape.fragments,
         dp_sync_delay=row.sync_delay,
+        dp_keep_overlapped=row.keep_overlapped,
         dp_powersgd_rank=row.powersgd_rank,
         mask_seed=0,
         **{f"dp_{k}": v for k in ("outer_lr", "outer_momentum") if (v := getattr(row, k)) is not None},
