@@ -121,8 +121,9 @@ def killed_run(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def died_in_sync_run(tmp_path_factory):
-    # the 21st all-reduce of rank 3: the P all-reduce of a sync whose peers are all inside theirs
-    return _run(tmp_path_factory.mktemp("died_in_sync"), kill_in_sync="3:21")
+    # a sync is two bucketed all-reduces (P factors with the dense tensors, then Q factors): the 5th of
+    # rank 3 is the P bucket of its third sync (step 6), whose peers are all inside theirs
+    return _run(tmp_path_factory.mktemp("died_in_sync"), kill_in_sync="3:5")
 
 
 def test_the_launcher_restarts_the_killed_replica_and_the_run_completes(killed_run):
