@@ -109,7 +109,7 @@ class _CompressedFragment(_StreamingDiLoCoFragment):
         fragment._codec, fragment._wire, fragment._on_update = codec, wire, on_update
         fragment._factors = {}
         fragment._update = None
-        fragment._pending = []  # (name, P, its all-reduce) issued and not yet turned into Q
+        fragment._pending = []  # (bucket views, its all-reduce) holding P factors, not yet turned into Q
         fragment._keep = keep_overlapped
         fragment._prepared = {}  # name → θ_local when the sync was prepared (keep_overlapped only)
         if codec is not None:
@@ -300,7 +300,8 @@ class StreamingDiLoCo:
         self._inner = inner_optimizer
         interval = sync_every // len(fragments)
         # the inner step (counted from the last sync) after which the P all-reduces are waited: ⌊τ/2⌋
-        # steps after the prepare, so P's and Q's round trips both overlap inner steps (τ ≤ 1: at once)
+        # steps after the prepare, so P's and Q's round trips both overlap inner steps (τ ≤ 1: None,
+        # perform_sync waits them)
         self._finish_at = interval - fragment_sync_delay + fragment_sync_delay // 2 if fragment_sync_delay > 1 else None
         self._hook = None
         self.codec = PowerSGD(powersgd_rank, seed) if powersgd_rank is not None else None
@@ -436,13 +437,16 @@ def _buckets(items: list[tuple[Any, torch.Tensor]]) -> list[tuple[torch.Tensor, 
     groups: list[list[tuple[Any, torch.Tensor]]] = []
     size = 0
     for key, tensor in items:
-        nbytes = tensor.numel() * tensor.element_size()
         last = groups[-1][-1][1] if groups else None
-        if last is None or (last.dtype, last.device) != (tensor.dtype, tensor.device) or size + nbytes > BUCKET_BYTES:
+        if (
+            last is None
+            or (last.dtype, last.device) != (tensor.dtype, tensor.device)
+            or size + tensor.nbytes > BUCKET_BYTES
+        ):
             groups.append([])
             size = 0
         groups[-1].append((key, tensor))
-        size += nbytes
+        size += tensor.nbytes
     out = []
     for group in groups:
         if len(group) == 1:
