@@ -248,6 +248,14 @@ class MeshArguments:
         metadata={"help": "Learning rate of the outer Nesterov SGD applied to the averaged pseudo-gradient."},
     )
     dp_outer_momentum: float = field(default=0.9, metadata={"help": "Nesterov momentum of the outer optimizer."})
+    dp_timeout_s: float = field(
+        default=60.0,
+        metadata={
+            "help": "Mesh: seconds a DP quorum or all-reduce may wait for the other replicas before it gives up on "
+            "them (the survivors then go on without them). A cut link is noticed only after this long: lower "
+            "it for shorter pauses on lossy links, raise it for slow ones."
+        },
+    )
     anchor_payload: str = field(
         default="gradient",
         metadata={"help": "What the anchor sends: the 'gradient' or its momentum's rank-r 'factors'."},
@@ -361,6 +369,7 @@ class MeshArguments:
         )
         require(self.dp_outer_lr > 0, "dp_outer_lr", self.dp_outer_lr, "be > 0")
         require(0.0 <= self.dp_outer_momentum < 1.0, "dp_outer_momentum", self.dp_outer_momentum, "lie in [0, 1)")
+        require(self.dp_timeout_s > 0, "dp_timeout_s", self.dp_timeout_s, "be > 0 (seconds)")
         require(
             self.anchor_payload in ANCHOR_PAYLOADS,
             "anchor_payload",

@@ -1268,6 +1268,7 @@ def _cases() -> list[Case]:
         _knob("dp_keep_overlapped='yes' is invalid: it must be of type bool", dp_keep_overlapped="yes"),
         _knob("dp_outer_lr=0.0 is invalid: it must be > 0", dp_outer_lr=0.0),
         _knob("dp_outer_momentum=1.0 is invalid: it must lie in [0, 1)", dp_outer_momentum=1.0),
+        _knob("dp_timeout_s=0 is invalid: it must be > 0 (seconds)", dp_timeout_s=0),
         _knob("anchor_payload='svd' is invalid: it must be one of ['gradient', 'factors']", anchor_payload="svd"),
         _knob("anchor_rate_mbit=0.0 is invalid: it must be None or > 0 (Mbit/s)", anchor_rate_mbit=0.0),
         _knob(

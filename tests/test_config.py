@@ -30,6 +30,8 @@ BAD_KNOBS = [
     ("dp_powersgd_rank", -1, "be None or an int >= 1"),
     ("anchor_payload", "weights", "be one of ['gradient', 'factors']"),
     ("anchor_rate_mbit", -5.0, "be None or > 0 (Mbit/s)"),
+    ("dp_timeout_s", -1.0, "be > 0 (seconds)"),
+    ("dp_timeout_s", "60", "be of type float"),
 ]
 
 

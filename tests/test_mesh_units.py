@@ -40,6 +40,26 @@ def test_run_settings_need_positive_sizes():
         RunSettings(config=MeshConfig(), microbatch_size=1, microbatches=1, seq_len=0, max_steps=1)
 
 
+def test_the_dp_timeout_comes_from_the_config_unless_the_run_settings_set_it(tmp_path):
+    """A MeshTrainer user sets how long the survivors wait for a lost replica with ``dp_timeout_s``; it reaches
+    the mesh process's settings (the quorum, the all-reduces and the bootstrap barriers take it from there)."""
+    from hf_meshtune.runtime.job import _run_settings
+    from hf_meshtune.topology import MeshTopology
+
+    sizes = dict(microbatch_size=1, microbatches=1, seq_len=8, max_steps=1)
+    assert RunSettings(config=MeshConfig(), **sizes).dp_timeout_s == 60
+    config = MeshConfig(dp_timeout_s=7.5)
+    assert RunSettings(config=config, **sizes).dp_timeout_s == 7.5
+    assert RunSettings(config=config, **sizes, dp_timeout_s=3.0).dp_timeout_s == 3.0
+    args = MeshTrainingArguments(
+        str(tmp_path), num_stages=2, report_to="none", use_cpu=True, max_steps=2, anchor=False, dp_timeout_s=7.5
+    )
+    settings = _run_settings(args, MeshTopology(2, 2), 8, "http://127.0.0.1:1", None, None)
+    assert settings.dp_timeout_s == 7.5
+    with pytest.raises(ValueError, match=r"dp_timeout_s=0.0 is invalid: it must be > 0 \(seconds\)"):
+        RunSettings(config=config, **sizes, dp_timeout_s=0.0)
+
+
 def _tiny_t5() -> torch.nn.Module:
     from transformers import T5Config, T5ForConditionalGeneration
 

@@ -71,7 +71,8 @@ class RunSettings:
     scheduler: Callable | None = None  # optimizer → LR scheduler (stepped once per fast step)
     anchor_microbatches: int | None = None
     lighthouse: str | None = None
-    dp_timeout_s: float = 60.0
+    # seconds a DP quorum or all-reduce waits for the other replicas; None = the config's dp_timeout_s
+    dp_timeout_s: float | None = None
     log: Callable[[dict], None] | None = None  # called on the logging rank with per-step metrics
     log_every: int = 1
     # DP sync of the fast replicas: Streaming DiLoCo (+ PowerSGD per config), or a per-step peer
@@ -97,6 +98,9 @@ class RunSettings:
             value = getattr(self, name)
             require(isinstance(value, int) and value >= 1, name, value, "be an int >= 1")
         require_mesh_supported(self.config)
+        if self.dp_timeout_s is None:
+            self.dp_timeout_s = self.config.dp_timeout_s
+        require(self.dp_timeout_s > 0, "dp_timeout_s", self.dp_timeout_s, "be > 0 (seconds)")
         require(self.dp_mode in DP_MODES, "dp_mode", self.dp_mode, f"be one of {list(DP_MODES)}")
         require(
             self.dp_mode == "streaming_diloco" or not self.config.anchor,
