@@ -419,13 +419,18 @@ _FIELD_TYPES = {f.name: str(f.type) for f in dataclasses.fields(MeshArguments)}
 _FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(MeshArguments)}
 
 
+# Knobs that only say how long to wait: a resumed run may change them (they do not shape its numerics)
+TIMING_KNOBS = frozenset({"dp_timeout_s"})
+
+
 def require_saved_knobs(
     saved: dict, config: MeshArguments, knobs: Sequence[str] | None = None, context: str = "to resume exactly"
 ) -> None:
-    """A resumed run uses the knobs it was saved with (``knobs``, default every one): they shape its numerics.
-    A knob a checkpoint predates counts at its default (what the run did before the knob existed)."""
+    """A resumed run uses the knobs it was saved with (``knobs``, default every one that shapes its numerics:
+    not ``TIMING_KNOBS``). A knob a checkpoint predates counts at its default (what the run did before the knob
+    existed)."""
     current = dataclasses.asdict(config)
-    for knob in current if knobs is None else knobs:
+    for knob in [k for k in current if k not in TIMING_KNOBS] if knobs is None else knobs:
         value = saved[knob] if knob in saved else _FIELD_DEFAULTS.get(knob)
         require(
             value == current[knob],

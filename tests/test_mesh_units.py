@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -58,6 +60,13 @@ def test_the_dp_timeout_comes_from_the_config_unless_the_run_settings_set_it(tmp
     assert settings.dp_timeout_s == 7.5
     with pytest.raises(ValueError, match=r"dp_timeout_s=0.0 is invalid: it must be > 0 \(seconds\)"):
         RunSettings(config=config, **sizes, dp_timeout_s=0.0)
+    # a timeout does not shape the numerics: a run resumes with another one (a mask ratio it refuses)
+    from hf_meshtune.config import require_saved_knobs
+
+    saved = dataclasses.asdict(MeshConfig())
+    require_saved_knobs(saved, config)
+    with pytest.raises(ValueError, match=r"mask_ratio=0.5 is invalid: it must equal the checkpoint's value 0.0"):
+        require_saved_knobs(saved, MeshConfig(mask_ratio=0.5, dp_timeout_s=7.5))
 
 
 def _tiny_t5() -> torch.nn.Module:
