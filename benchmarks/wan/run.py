@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import os
 import platform
@@ -262,6 +263,19 @@ def evaluate(out: str, data: dict, eval_items: int) -> dict:
 # ---------------------------------------------------------------------------------------------------
 # The run
 # ---------------------------------------------------------------------------------------------------
+def source_digest() -> str:
+    """A digest of the code a run executes (the library's source and this benchmark's worker): a cached run that
+    other code made is not kept (its settings alone would not say so)."""
+    import hf_meshtune
+
+    library = Path(hf_meshtune.__file__).parent
+    digest = hashlib.sha256()
+    for path in sorted(library.rglob("*.py")):
+        digest.update(str(path.relative_to(library)).encode() + b"\0" + path.read_bytes())
+    digest.update(Path(__file__).with_name("worker.py").read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def _finished(out: Path, row: str, meta: dict) -> bool:
     """Whether ``out`` holds this run's complete records, made with the same settings."""
     try:
@@ -285,6 +299,7 @@ def _run(phase: str, row: str, work: Path, data_path: str, steps: int, save_ever
                 "links": links,
                 "shape": dataclasses.asdict(Shape()),
                 "row": dataclasses.asdict(ROWS[row]),
+                "code": source_digest(),
             }  # fmt: skip
         )
     )
