@@ -67,6 +67,10 @@ ANCHOR_PAYLOADS = ("gradient", "factors")
 _STAND_IN_OPTIM = "adamw_torch"
 
 
+DP_QUANTIZERS = ("int8",)  # MeshConfig.dp_quantize: how dense pseudo-gradients travel (dp.quantize)
+DP_QUANT_BLOCK = 256  # values per shared scale of int8 pseudo-gradients: 4 / 256 bytes per value (1.6 %)
+
+
 @dataclass
 class MeshArguments:
     """The mesh knobs (docs/design.md, "The four mechanisms"). ``preset`` fills in the boundary and
@@ -223,6 +227,14 @@ class MeshArguments:
         default=DEFAULT_DP_POWERSGD_RANK,
         metadata={"help": "PowerSGD rank of the DP pseudo-gradient; None (or 0, for command lines) = uncompressed."},
     )
+    dp_quantize: str | None = field(
+        default=None,
+        metadata={
+            "help": "'int8': the DP pseudo-gradients that travel dense (all of them with dp_powersgd_rank=None) go "
+            "as int8 codes with a shared scale per 256 values and error feedback, summed in int8 by the "
+            "all-reduce: a quarter of the float32 bytes. None = float32."
+        },
+    )
     dp_fragments: int = field(
         default=1,
         metadata={
@@ -366,6 +378,12 @@ class MeshArguments:
             "dp_keep_overlapped",
             self.dp_keep_overlapped,
             "be False when dp_sync_delay=0 (no inner step overlaps a sync: there is nothing to keep)",
+        )
+        require(
+            self.dp_quantize in (None, *DP_QUANTIZERS),
+            "dp_quantize",
+            self.dp_quantize,
+            f"be None or one of {list(DP_QUANTIZERS)}",
         )
         require(self.dp_outer_lr > 0, "dp_outer_lr", self.dp_outer_lr, "be > 0")
         require(0.0 <= self.dp_outer_momentum < 1.0, "dp_outer_momentum", self.dp_outer_momentum, "lie in [0, 1)")

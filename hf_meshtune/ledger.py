@@ -30,7 +30,7 @@ from ._validation import require
 from .boundary.compose.spec import parse_codec
 from .boundary.masking import keep_count
 from .comm.wire import CIRCUITS
-from .config import ANCHOR_PAYLOADS, codec_refit_every, composed_codec
+from .config import ANCHOR_PAYLOADS, DP_QUANT_BLOCK, DP_QUANTIZERS, codec_refit_every, composed_codec
 
 DTYPE_BYTES: dict[str, int] = {
     "float64": 8,
@@ -80,6 +80,7 @@ class LedgerSettings:
     param_dtype: str = "bfloat16"  # after the fields above, so positional construction of them still works
     boundary_codec: str | None = None  # a composed codec (compose.spec) instead of the mask p
     codec_refit_every: int = 0  # anchor rounds between refits of the codec's geometry (0: never)
+    dp_quantize: str | None = None  # "int8": DP tensors that go dense go as int8 codes + a float32 max per block
 
     def __post_init__(self) -> None:
         _require_int("num_replicas", self.num_replicas, 1)
@@ -109,6 +110,12 @@ class LedgerSettings:
         if self.anchor_tokens_per_round is not None:
             _require_int("anchor_tokens_per_round", self.anchor_tokens_per_round, 1, "be None or an integer >= 1")
         _require_int("codec_refit_every", self.codec_refit_every, 0)
+        require(
+            self.dp_quantize in (None, *DP_QUANTIZERS),
+            "dp_quantize",
+            self.dp_quantize,
+            f"be None or one of {list(DP_QUANTIZERS)}",
+        )
         if self.boundary_codec is not None:
             require(
                 not parse_codec(self.boundary_codec).is_mask,
@@ -253,9 +260,19 @@ def _circuits(
     fast = s.fast_replicas
     payload = sum(dp_payload_numel(sh, s.powersgd_rank) for sh in shapes)
     # Ring all-reduce: each of X_f replicas sends 2·(X_f-1)/X_f of the payload, 2·(X_f-1)·P in all.
-    dp = 2 * (fast - 1) * payload * DTYPE_BYTES[s.grad_dtype] / (fast * s.tokens_per_step * s.sync_every)
+    dp = 2 * (fast - 1) * _dp_payload_bytes(shapes, s) / (fast * s.tokens_per_step * s.sync_every)
     anchor = _anchor_bytes_per_token(shapes, hidden_size, s, payload) if s.anchor else 0.0
     return float(boundary), float(boundary), float(dp), float(anchor), keep
+
+
+def _dp_payload_bytes(shapes: Sequence[tuple[int, ...]], s: LedgerSettings) -> float:
+    """Bytes one replica contributes per DP sync: PowerSGD factors in ``grad_dtype``; the tensors that go
+    dense in ``grad_dtype``, or with ``dp_quantize="int8"`` as a byte per value plus a float32 maximum per
+    ``dp.quantize.BLOCK`` values (the blocks' padding at the end of each fragment is not counted)."""
+    dense = sum(math.prod(sh) for sh in shapes if dp_payload_numel(sh, s.powersgd_rank) == math.prod(sh))
+    factors = sum(dp_payload_numel(sh, s.powersgd_rank) for sh in shapes) - dense
+    per_dense = DTYPE_BYTES[s.grad_dtype] if s.dp_quantize is None else 1 + 4 / DP_QUANT_BLOCK
+    return factors * DTYPE_BYTES[s.grad_dtype] + dense * per_dense
 
 
 def dense_reference(settings: LedgerSettings) -> LedgerSettings:
@@ -273,6 +290,7 @@ def dense_reference(settings: LedgerSettings) -> LedgerSettings:
         anchor=False,
         sync_every=1,
         powersgd_rank=None,
+        dp_quantize=None,
         tokens_per_step=tokens,
     )
 
@@ -319,6 +337,7 @@ def settings_from_knobs(knobs: Any, *, dtype: str, tokens_per_step: int, **overr
         "param_dtype": dtype,
         "sync_every": knobs.dp_sync_every,
         "powersgd_rank": knobs.dp_powersgd_rank,
+        "dp_quantize": getattr(knobs, "dp_quantize", None),
         "anchor": knobs.anchor,
         "anchor_every": knobs.anchor_every,
         "anchor_payload": knobs.anchor_payload,

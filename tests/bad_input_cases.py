@@ -1269,6 +1269,7 @@ def _cases() -> list[Case]:
         _knob("dp_outer_lr=0.0 is invalid: it must be > 0", dp_outer_lr=0.0),
         _knob("dp_outer_momentum=1.0 is invalid: it must lie in [0, 1)", dp_outer_momentum=1.0),
         _knob("dp_timeout_s=0 is invalid: it must be > 0 (seconds)", dp_timeout_s=0),
+        _knob("dp_quantize='int4' is invalid: it must be None or one of ['int8']", dp_quantize="int4"),
         _knob("anchor_payload='svd' is invalid: it must be one of ['gradient', 'factors']", anchor_payload="svd"),
         _knob("anchor_rate_mbit=0.0 is invalid: it must be None or > 0 (Mbit/s)", anchor_rate_mbit=0.0),
         _knob(
@@ -1609,6 +1610,15 @@ def _cases() -> list[Case]:
             ValueError,
             "dp_mode='allreduce' is invalid: it must be 'streaming_diloco' when anchor=True (the anchor "
             "replica follows θ by replaying DiLoCo's outer updates)",
+        ),
+        Case(
+            MESH,
+            "dp_quantize='int8' with dp_mode='allreduce'",
+            "`RunSettings(...)`",
+            run_settings(MeshConfig(dp_quantize="int8"), dp_mode="allreduce"),
+            ValueError,
+            "dp_quantize='int8' is invalid: it must be None with dp_mode='allreduce' (int8 pseudo-gradients are "
+            "Streaming DiLoCo's)",
         ),
         Case(
             MESH,

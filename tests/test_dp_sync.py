@@ -55,6 +55,7 @@ def _train_stage(
     keep: bool = False,
     sync_every: int = SYNC_EVERY,
     steps: int = STEPS,
+    quantize: str | None = None,
 ) -> bytes:
     replica, stage = divmod(rank, num_stages)
     store = host_replica_store(replica, stage, host="127.0.0.1")
@@ -98,6 +99,7 @@ def _train_stage(
         outer_lr=LR,
         outer_momentum=MU,
         powersgd_rank=powersgd_rank,
+        quantize=quantize,
         wire=wire,
         on_outer_update=on_update,
     )
@@ -166,6 +168,43 @@ def overlap_run():
     prepare, Q the step after."""
     runs = _run(launch, 3, 1, RANK, OVERLAP_DELAY, True, OVERLAP_EVERY, OVERLAP_STEPS)
     return [by_stage[0] for by_stage in runs]
+
+
+@pytest.fixture(scope="module")
+def int8_run():
+    """3 replicas × 1 stage, int8 pseudo-gradients (no PowerSGD), τ = 1: each sync's codes overlap one step."""
+    return [by_stage[0] for by_stage in _run(launch, 3, 1, None, 1, False, SYNC_EVERY, STEPS, "int8")]
+
+
+@pytest.fixture(scope="module")
+def powersgd_int8_run():
+    """3 replicas × 1 stage, PowerSGD r = 2 with int8 codes on every all-reduce, τ = 1."""
+    return [by_stage[0] for by_stage in _run(launch, 3, 1, RANK, 1, False, SYNC_EVERY, STEPS, "int8")]
+
+
+def _int8_mean(tensors: list[list[torch.Tensor]]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """One int8 round over replicas, transcribed from ``dp.quantize`` in float32 (the codes must come out the
+    same): each replica's tensors flattened into blocks, coded under the blocks' max over replicas, summed.
+    Returns the decoded mean (float32, each tensor's shape) and each replica's flat error M − q·s/L."""
+    from hf_meshtune.dp.quantize import BLOCK
+
+    n = len(tensors)
+    top = 127 // n
+    flats = [torch.cat([t.reshape(-1) for t in replica]) for replica in tensors]
+    size = flats[0].numel()
+    blocks = [torch.nn.functional.pad(f, (0, (-size) % BLOCK)).view(-1, BLOCK) for f in flats]
+    scale = torch.stack([b.abs().amax(1) for b in blocks]).amax(0).unsqueeze(1)
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = [torch.round(b * (top / safe)).clamp(-top, top) for b in blocks]
+    total = torch.stack(codes).sum(0)
+    assert total.abs().max() <= 127  # the sum fits int8
+    mean = (total * (scale / (n * top))).reshape(-1)
+    errors = [(b - q * (safe / top)).reshape(-1)[:size] for b, q in zip(blocks, codes)]
+    out, start = [], 0
+    for t in tensors[0]:
+        out.append(mean[start : start + t.numel()].view(t.shape))
+        start += t.numel()
+    return out, errors
 
 
 def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
@@ -261,6 +300,192 @@ def test_an_overlapped_powersgd_sync_keeps_its_steps_and_matches_a_float64_repla
         for f in range(FRAGMENTS):
             for got, want in zip(run["global"][f], global_[f]):
                 torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5)
+
+
+def test_an_int8_sync_matches_a_replay_of_shared_scales_int8_sums_and_error_feedback(int8_run):
+    """Each replica's M = θ_global − θ_local (at the prepare, τ = 1 step before the sync) + e is coded per block
+    of 256 values with the block's max |M| over the replicas, q = round(M·L/s), L = ⌊127/3⌋; the codes
+    are summed in int8 and the average Σq·s/(3L) takes the outer Nesterov step; e ← M − q·s/L. The codes
+    are transcribed in float32, as the library computes them (a float64 M could round a code the other
+    way); the average, the outer step and the parameters are compared in float64."""
+    from hf_meshtune.dp.quantize import BLOCK
+
+    runs, top = int8_run, 127 // 3
+    syncs = runs[0]["syncs"]
+    assert [(s["update"].fragment, s["step"]) for s in syncs] == [(0, 2), (1, 4), (0, 6), (1, 8)]
+    global32 = [list(frag) for frag in runs[0]["init"]]  # θ_global in float32, as the replicas hold it
+    global_ = [[t.double() for t in frag] for frag in runs[0]["init"]]
+    momentum: list = [None] * FRAGMENTS
+    error: list = [[None] * len(runs) for _ in range(FRAGMENTS)]
+    for sync in syncs:
+        f, k = sync["update"].fragment, sync["step"]
+        ms = []
+        for r, run in enumerate(runs):
+            m = torch.cat([(g - p).reshape(-1) for g, p in zip(global32[f], run["pre"][k - 2][f])])
+            ms.append(m if error[f][r] is None else m + error[f][r])
+        pad = (-ms[0].numel()) % BLOCK
+        blocks = [torch.nn.functional.pad(m, (0, pad)).view(-1, BLOCK) for m in ms]
+        scale = torch.stack([b.abs().amax(1) for b in blocks]).amax(0).unsqueeze(1)
+        codes = [torch.round(b * (top / scale)).clamp(-top, top) for b in blocks]
+        total = torch.stack(codes).sum(0)
+        assert total.abs().max() <= 127  # the sum fits int8
+        error[f] = [(b - q * (scale / top)).reshape(-1)[: ms[0].numel()] for b, q in zip(blocks, codes)]
+        mean = (total.double() * scale.double() / (3 * top)).reshape(-1)
+        deltas, start = [], 0
+        for g in global_[f]:
+            deltas.append(mean[start : start + g.numel()].view(g.shape))
+            start += g.numel()
+        for got, want in zip(sync["update"].tensors, deltas):  # the averaged pseudo-gradients the anchor gets
+            torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-7)
+        exact = [
+            torch.stack([g - run["pre"][k - 2][f][i].double() for run in runs]).mean(0)
+            for i, g in enumerate(global_[f])
+        ]
+        assert all((d - e).abs().max() <= scale.max() / top for d, e in zip(deltas, exact))  # within a code step
+        momentum[f] = deltas if momentum[f] is None else [MU * b + d for b, d in zip(momentum[f], deltas)]
+        global_[f] = [g - LR * (d + MU * b) for g, d, b in zip(global_[f], deltas, momentum[f])]
+        for run in runs:  # α = 0: the fragment restarts from the new θ_global
+            for got, want in zip(run["post"][k - 1][f], global_[f]):
+                torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-6)
+        global32[f] = list(runs[0]["post"][k - 1][f])
+
+
+def test_powersgd_with_int8_codes_matches_a_float32_transcription(powersgd_int8_run):
+    """PowerSGD's P factors go as int8 codes with the dense tensors (these with their own error feedback), the
+    Q factors as a second int8 round, from orth(P̄) decoded; PowerSGD's error feedback is taken on the decoded
+    P̄·Q̄ᵀ, so what the factors' codes left out is sent later. Replayed in float32 as the library computes it;
+    the outer Nesterov step and the parameters in float64."""
+    runs = powersgd_int8_run
+    codec = PowerSGD(RANK, seed=0)
+    syncs = runs[0]["syncs"]
+    assert [(s["update"].fragment, s["step"]) for s in syncs] == [(0, 2), (1, 4), (0, 6), (1, 8)]
+    global32 = [list(frag) for frag in runs[0]["init"]]
+    global_ = [[t.double() for t in frag] for frag in runs[0]["init"]]
+    momentum: list = [None] * FRAGMENTS
+    q: dict = {}
+    power_error: dict = {}  # (replica, key) → PowerSGD's e
+    int8_error: dict = {}  # (replica, fragment) → the dense tensors' flat e
+    for sync in syncs:
+        f, k = sync["update"].fragment, sync["step"]
+        names, shapes = runs[0]["names"][f], [g.shape for g in global32[f]]
+        compressed = [codec.compresses(shape) for shape in shapes]
+        ms = []
+        for r, run in enumerate(runs):
+            deltas = [g - p for g, p in zip(global32[f], run["pre"][k - 2][f])]
+            dense_error = int8_error.get((r, f))
+            m_r, start = [], 0
+            for name, delta, packed in zip(names, deltas, compressed):
+                if packed:
+                    m_r.append(delta + power_error[(r, f"{f}.{name}")] if (r, f"{f}.{name}") in power_error else delta)
+                else:
+                    e = None if dense_error is None else dense_error[start : start + delta.numel()].view(delta.shape)
+                    m_r.append(delta if e is None else delta + e)
+                    start += delta.numel()
+            ms.append(m_r)
+        for name, shape, packed in zip(names, shapes, compressed):
+            if packed:
+                q.setdefault(f"{f}.{name}", codec.factor_q(f"{f}.{name}", shape))
+        first = [
+            [m @ q[f"{f}.{name}"] if packed else m for name, m, packed in zip(names, m_r, compressed)] for m_r in ms
+        ]
+        averaged, errors = _int8_mean(first)
+        for r in range(len(runs)):  # the dense tensors' error feedback: their part of the flat error
+            parts, start = [], 0
+            for t, packed in zip(first[r], compressed):
+                if not packed:
+                    parts.append(errors[r][start : start + t.numel()])
+                start += t.numel()
+            int8_error[(r, f)] = torch.cat(parts)
+        orth = {
+            name: torch.linalg.qr(p, mode="reduced").Q for name, p, packed in zip(names, averaged, compressed) if packed
+        }
+        packed_names = [name for name, packed in zip(names, compressed) if packed]
+        q_bar, _ = _int8_mean(
+            [[ms[r][names.index(name)].T @ orth[name] for name in packed_names] for r in range(len(runs))]
+        )
+        deltas = []
+        for name, average, packed in zip(names, averaged, compressed):
+            if not packed:
+                deltas.append(average.double())
+                continue
+            q_new = q_bar[packed_names.index(name)]
+            approx = orth[name] @ q_new.T
+            for r in range(len(runs)):
+                power_error[(r, f"{f}.{name}")] = ms[r][names.index(name)] - approx
+            q[f"{f}.{name}"] = q_new
+            deltas.append(approx.double())
+        exact = [
+            torch.stack([g - run["pre"][k - 2][f][i].double() for run in runs]).mean(0)
+            for i, g in enumerate(global_[f])
+        ]
+        assert any((d - e).abs().max() > 1e-6 for d, e in zip(deltas, exact))  # compressed: not the exact mean
+        momentum[f] = deltas if momentum[f] is None else [MU * b + d for b, d in zip(momentum[f], deltas)]
+        global_[f] = [g - LR * (d + MU * b) for g, d, b in zip(global_[f], deltas, momentum[f])]
+        for run in runs:
+            for got, want in zip(run["post"][k - 1][f], global_[f]):
+                torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5)
+        global32[f] = list(runs[0]["post"][k - 1][f])
+
+
+def test_powersgd_with_int8_codes_sends_factors_and_dense_tensors_as_bytes_in_four_all_reduces(powersgd_int8_run):
+    from hf_meshtune.dp.quantize import BLOCK
+
+    for run in powersgd_int8_run:
+        before = {"handed": 0, "messages": 0}
+        for sync in run["syncs"]:
+            shapes = run["shapes"][sync["update"].fragment]
+            packed = [s for s in shapes if len(s) == 2 and RANK * sum(s) < math.prod(s)]
+            dense = sum(math.prod(s) for s in shapes if s not in packed)
+            rounds = (sum(RANK * s[0] for s in packed) + dense, sum(RANK * s[1] for s in packed))  # P + dense, Q
+            blocks = [-(-size // BLOCK) for size in rounds]
+            assert sync["handed"] - before["handed"] == sum(b * BLOCK + 4 * b for b in blocks)  # codes + maxima
+            # the first round's maxima and codes, then the Q factors' maxima and codes
+            assert sync["messages"] - before["messages"] == 4
+            before = sync
+
+
+def test_an_int8_sync_sends_a_byte_per_value_and_four_per_block_in_two_all_reduces(int8_run):
+    from hf_meshtune.dp.quantize import BLOCK
+
+    n = len(int8_run)
+    for run in int8_run:
+        before = {"handed": 0, "booked": 0, "messages": 0}
+        for sync in run["syncs"]:
+            numel = sum(math.prod(s) for s in run["shapes"][sync["update"].fragment])
+            blocks = -(-numel // BLOCK)
+            assert sync["handed"] - before["handed"] == blocks * BLOCK + 4 * blocks  # int8 codes, float32 maxima
+            assert sync["booked"] - before["booked"] == pytest.approx((blocks * BLOCK + 4 * blocks) * 2 * (n - 1) / n)
+            assert sync["messages"] - before["messages"] == 2  # the block maxima (MAX), then the codes (SUM)
+            before = sync
+
+
+def test_int8_codes_sum_inside_int8_and_error_feedback_keeps_the_running_mean_within_a_step():
+    """Three replicas with fixed pseudo-gradients: the codes of each sync sum inside int8 even at the block
+    maximum, and over 50 syncs the mean of the decoded averages converges on the true mean (error feedback:
+    the total misses it by less than one code step, where rounding without it would drift 50×)."""
+    from hf_meshtune.dp.quantize import Int8Sum, levels
+
+    gen = torch.Generator().manual_seed(0)
+    deltas = [torch.randn(300, generator=gen) * (r + 1) for r in range(3)]
+    deltas[2][7] = 50.0  # one block's maximum, on one replica only
+    coders = [Int8Sum(block=128) for _ in range(3)]
+    true_mean = torch.stack(deltas).double().mean(0)
+    total = torch.zeros(300, dtype=torch.float64)
+    rounds = 50
+    for _ in range(rounds):
+        maxima = torch.stack([c.start([("w", d)]) for c, d in zip(coders, deltas)]).amax(0)
+        codes = [c.codes(maxima, 3) for c in coders]
+        wide = torch.stack([q.int() for q in codes]).sum(0)
+        assert wide.abs().max() <= 127 and torch.equal(torch.stack(codes).sum(0, dtype=torch.int8).int(), wide)
+        (avg,) = coders[0].decode(wide.to(torch.int8), maxima)
+        total += avg.double()
+        for c in coders:
+            c.commit()
+    step = maxima.double().repeat_interleave(128)[:300] / (3 * levels(3))
+    assert ((total - rounds * true_mean).abs() <= 3 * step).all()
+    assert (total / rounds - true_mean).abs().max() < 0.05 * step.max()
+    with pytest.raises(ValueError, match=r"participants=128 is invalid: it must lie in \[1, 127\]"):
+        levels(128)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -467,6 +692,7 @@ def test_stages_sync_only_with_the_same_stage(dense_run):
         ({"fragment_sync_delay": 2}, r"fragment_sync_delay=2 is invalid: it must be an integer in \[0, sync_every"),
         ({"outer_momentum": 1.0}, r"outer_momentum=1.0 is invalid: it must lie in \[0, 1\)"),
         ({"outer_lr": 0.0}, "outer_lr=0.0 is invalid: it must be > 0"),
+        ({"quantize": "fp8"}, r"quantize='fp8' is invalid: it must be None or one of \['int8'\]"),
     ],
 )
 def test_streaming_diloco_rejects_bad_settings(kwargs, message):
@@ -545,7 +771,7 @@ def test_diloco_state_is_refused_mid_sync_and_for_another_fragment_count():
 
     def fragment(work: list, pending: list) -> _CompressedFragment:
         made = _CompressedFragment.__new__(_CompressedFragment)
-        made._allreduce_work, made._pending = work, pending
+        made._allreduce_work, made._pending, made._scales = work, pending, None
         return made
 
     diloco = StreamingDiLoCo.__new__(StreamingDiLoCo)

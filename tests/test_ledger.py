@@ -64,6 +64,18 @@ def test_diloco_powersgd_by_hand():
     assert led.dense_total == pytest.approx(99.2)
 
 
+def test_int8_dp_by_hand():
+    """int8 pseudo-gradients: a byte per value that goes dense plus a float32 maximum per 256 values; PowerSGD's
+    factors stay in grad_dtype. The anchor is not in it (it gets the decoded average, ``params`` below)."""
+    led = compute_ledger(SHAPES, H, tiny(sync_every=4, dp_quantize="int8"))
+    # P = 72 dense elements at 1 + 4/256 B: dp = 2 * 2 * 72 * (1 + 1/64) / (3 * 10 * 4)
+    assert led.dp == pytest.approx(2 * 2 * 72 * (1 + 1 / 64) / 120)
+    # r = 2: factors 24 + 24 at 2 B, the vector's 4 at 1 + 1/64 B
+    led2 = compute_ledger(SHAPES, H, tiny(sync_every=4, powersgd_rank=2, dp_quantize="int8"))
+    assert led2.dp == pytest.approx(2 * 2 * (48 * 2 + 4 * (1 + 1 / 64)) / 120)
+    assert led.dense_total == pytest.approx(99.2)  # the dense reference sends float gradients
+
+
 def anchored(**overrides) -> LedgerSettings:
     """X = 4 with the anchor (X_f = 3), S = 4, r = 2, A = 5; T_anc defaults to T = 10."""
     return tiny(num_replicas=4, anchor=True, sync_every=4, powersgd_rank=2, anchor_every=5, **overrides)
@@ -224,6 +236,7 @@ def test_settings_for_row_shares_the_global_batch():
         ("anchor_payload", "svd"),
         ("anchor_rank", 0),
         ("anchor_tokens_per_round", 0),
+        ("dp_quantize", "int4"),
     ],
 )
 def test_settings_errors_name_field_and_value(field, value):

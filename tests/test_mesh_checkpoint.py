@@ -188,6 +188,17 @@ def test_a_mesh_killed_by_pid_resumes_bit_exactly_without_the_anchor(tmp_path, u
 
 
 @pytest.mark.slow
+def test_a_run_with_int8_pseudo_gradients_resumes_bit_exactly(tmp_path):
+    """The int8 codes' error feedback (``dp_quantize``) is part of the checkpoint: resumed from step 8, the
+    run ends as the uninterrupted one did, bit for bit (without it the later syncs would differ)."""
+    config = {"anchor": False, "dp_quantize": "int8", "dp_powersgd_rank": 2}
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    _finish(_launch("2x2", full, config, CHECKPOINT_EVERY="4"))
+    _finish(_launch("2x2", resumed, config, RESUME_FROM=str(full / "checkpoint-8")))
+    _assert_continues_exactly(full, resumed, 8)
+
+
+@pytest.mark.slow
 def test_a_rank_killed_while_writing_its_checkpoint_resumes_from_the_previous_complete_one(tmp_path, uninterrupted_2x2):
     """Rank 3 is SIGKILLed halfway through writing its file of step 12 (``KILL_DURING_SAVE``: half the
     bytes fsynced under the temporary name, then the signal). Step 12's checkpoint lacks rank 3's file,

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed import ReduceOp
 from torchft import Manager
 from torchft import local_sgd as torchft_local_sgd
 from torchft.checkpointing import http_transport as torchft_http_transport
@@ -37,6 +38,7 @@ from ..comm.wire import Wire
 from ..runtime.memory import tensor_bytes
 from .outer import OuterUpdate, check_outer, outer_optimizer
 from .powersgd import PowerSGD, is_int
+from .quantize import QUANTIZERS, Int8Sum
 
 __all__ = ["TORCHFT_INTERNALS", "AdvertisedHTTPTransport", "StreamingDiLoCo", "require_torchft_internals"]
 
@@ -104,15 +106,22 @@ class _CompressedFragment(_StreamingDiLoCoFragment):
         on_update: Callable[[OuterUpdate], None] | None,
         *,
         keep_overlapped: bool = False,
+        quantizers: tuple[Int8Sum, Int8Sum] | None = None,
     ) -> _CompressedFragment:
         fragment.__class__ = cls
         fragment._codec, fragment._wire, fragment._on_update = codec, wire, on_update
+        # int8 codes: one coder for the P factors with the dense tensors, one for the Q factors
+        fragment._quantizer, fragment._q_quantizer = quantizers or (None, None)
+        fragment._coded = []  # (kind, name) of what the first int8 round carries, in order
+        fragment._scales = None  # (block maxima, their MAX all-reduce) of the first int8 round in flight
+        fragment._codes = None  # (int8 codes, block maxima) of the dense tensors, summed as perform_sync waits
+        fragment._q_codes = None  # (names, int8 codes, block maxima) of the Q factors, summed likewise
         fragment._factors = {}
         fragment._update = None
         fragment._pending = []  # (bucket views, its all-reduce) holding P factors, not yet turned into Q
         fragment._keep = keep_overlapped
         fragment._prepared = {}  # name → θ_local when the sync was prepared (keep_overlapped only)
-        if codec is not None:
+        if codec is not None or quantizers is not None:
             fragment._register_codec_state()
         return fragment
 
@@ -123,19 +132,30 @@ class _CompressedFragment(_StreamingDiLoCoFragment):
         """Heal Q with the fragment (a recovering replica must warm-start from the same Q); e restarts."""
         names = [n for n, _ in self._model_fragment.named_parameters()]
 
+        codec = self._codec
+
         def save() -> dict[str, torch.Tensor]:
-            return {n: self._codec.q[self._key(n)] for n in names if self._key(n) in self._codec.q}
+            if codec is None:
+                return {}
+            return {n: codec.q[self._key(n)] for n in names if self._key(n) in codec.q}
 
         def load(state: dict[str, torch.Tensor]) -> None:
             for n in names:
-                self._codec.error.pop(self._key(n), None)
+                if self._quantizer is not None:  # error feedback is this replica's own: a healed one restarts it
+                    self._quantizer.error.pop(self._key(n), None)
+                if codec is None:
+                    continue
+                codec.error.pop(self._key(n), None)
                 if n in state:
-                    self._codec.q[self._key(n)] = state[n].float().clone()
+                    codec.q[self._key(n)] = state[n].float().clone()
 
         self._manager.register_state_dict_fn(f"PowerSGD_{self._fragment_id}", load, save)
 
-    def _all_reduce(self, tensor: torch.Tensor):
-        return self._wire.all_reduce("dp", tensor, self._manager.num_participants(), self._manager.allreduce)
+    def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.AVG):
+        def reduce(t: torch.Tensor):
+            return self._manager.allreduce(t, reduce_op=op)
+
+        return self._wire.all_reduce("dp", tensor, self._manager.num_participants(), reduce)
 
     def prepare_sync(self) -> None:
         if self._keep:  # θ_local now: what the overlapped inner steps are measured from
@@ -152,15 +172,27 @@ class _CompressedFragment(_StreamingDiLoCoFragment):
         which torchft waits in ``perform_sync``. With τ ≥ 2 ``StreamingDiLoCo`` calls it ⌊τ/2⌋ inner
         steps after the prepare, so the P round trip overlaps inner steps instead of blocking the step
         that prepares the sync; with τ ≤ 1 ``perform_sync`` calls it before it waits.
+
+        With int8 codes (``dp.quantize``) every all-reduce carries int8 codes instead: the P factors and
+        the dense tensors (these with error feedback) go as one round, their block maxima all-reduced
+        here (MAX), the codes by ``finish_factors`` (SUM); then the Q factors likewise.
         """
-        items = []
+        items, coded = [], []
         for name, _ in self._model_fragment.named_parameters():
             grad = self._grads[name]
             if self._codec is not None and self._codec.compresses(grad.shape):
                 p = self._codec.p_factor(self._key(name), grad, consume=True)  # torchft's own temporary
-                items.append((("p", name), p))
+                (coded if self._quantizer is not None else items).append((("p", name), p))
+            elif self._quantizer is not None:
+                coded.append((("dense", name), grad))
             else:
                 items.append((("dense", name), grad))
+        if coded:
+            self._coded = [key for key, _ in coded]
+            keys = [self._key(name) + ("/P" if kind == "p" else "") for (kind, name), _ in coded]
+            factors = [key for key, ((kind, _), _) in zip(keys, coded) if kind == "p"]
+            scales = self._quantizer.start([(key, t) for key, (_, t) in zip(keys, coded)], without_feedback=factors)
+            self._scales = scales, self._all_reduce(scales, ReduceOp.MAX)
         for flat, views in _buckets(items):
             work = self._all_reduce(flat)
             for (kind, name), view in views:
@@ -172,9 +204,29 @@ class _CompressedFragment(_StreamingDiLoCoFragment):
                 self._allreduce_work.append(work)
 
     def finish_factors(self) -> None:
-        """Wait the P buckets in flight, compute each Q and send the Q buckets (nothing pending: no-op)."""
-        pending, self._pending = self._pending, []
+        """Wait the P buckets in flight, compute each Q and send the Q buckets (nothing pending: no-op).
+        With int8 codes: wait the first round's block maxima and send its codes; with P factors among
+        them, wait the codes too, decode P (and the dense tensors), then code and send Q."""
         orth, items = {}, []
+        if self._scales is not None:
+            (scales, work), self._scales = self._scales, None
+            work.wait()
+            codes = self._quantizer.codes(scales, self._manager.num_participants())
+            summed = self._all_reduce(codes, ReduceOp.SUM)
+            if not any(kind == "p" for kind, _ in self._coded):
+                self._allreduce_work.append(summed)
+                self._codes = codes, scales
+                return
+            summed.wait()  # Q = Mᵀ·orth(P̄) needs the averaged P now
+            for (kind, name), average in zip(self._coded, self._quantizer.decode(codes, scales)):
+                if kind == "p":
+                    orth[name], q = self._codec.q_factor(self._key(name), average)
+                    items.append((name, q))
+                else:  # its error feedback is kept when the sync commits (_set_grads)
+                    self._grads[name] = average.to(self._grads[name].dtype)
+            self._send_q_codes(orth, items)
+            return
+        pending, self._pending = self._pending, []
         for views, work in pending:
             work.wait()
             for (kind, name), p in views:
@@ -186,9 +238,23 @@ class _CompressedFragment(_StreamingDiLoCoFragment):
             for name, q in views:
                 self._factors[name] = (orth[name], q)  # q: a view of the bucket, averaged in place
 
+    def _send_q_codes(self, orth: dict[str, torch.Tensor], items: list[tuple[str, torch.Tensor]]) -> None:
+        """The Q factors as int8 codes, without error feedback of their own (PowerSGD's takes in what the
+        codes leave out): block maxima all-reduced (MAX) and waited, then the codes (SUM, waited by
+        ``perform_sync``)."""
+        coder = self._q_quantizer
+        keys = [self._key(name) + "/Q" for name, _ in items]
+        scales = coder.start([(key, q) for key, (_, q) in zip(keys, items)], without_feedback=keys)
+        self._all_reduce(scales, ReduceOp.MAX).wait()
+        codes = coder.codes(scales, self._manager.num_participants())
+        self._allreduce_work.append(self._all_reduce(codes, ReduceOp.SUM))
+        self._q_codes = [name for name, _ in items], codes, scales
+        for name, q in items:
+            self._factors[name] = (orth[name], q)  # Q: replaced by the decoded average in _set_grads
+
     def syncing(self) -> bool:
         """Whether this fragment has a sync in flight (all-reduces issued, not yet committed)."""
-        return bool(self._allreduce_work or self._pending)
+        return bool(self._allreduce_work or self._pending or self._scales is not None)
 
     def _merge_parameters(self) -> None:
         """After the outer step the fragment holds θ_global. torchft's merge lerps back towards θ_local
@@ -204,6 +270,16 @@ class _CompressedFragment(_StreamingDiLoCoFragment):
     def _set_grads(self) -> None:
         """On commit: decode Δ̄ through ``OuterUpdate`` (so observers replay it bitwise), close the rounds."""
         named = list(self._model_fragment.named_parameters())
+        if self._codes is not None:  # the int8 codes' sum, decoded to the average pseudo-gradients
+            codes, scales = self._codes
+            for (_, name), average in zip(self._coded, self._quantizer.decode(codes, scales)):
+                self._grads[name] = average.to(self._grads[name].dtype)
+        if self._q_codes is not None:
+            names, codes, scales = self._q_codes
+            for name, q in zip(names, self._q_quantizer.decode(codes, scales)):
+                self._factors[name] = (self._factors[name][0], q.to(self._factors[name][0].dtype))
+        if self._quantizer is not None and self._quantizer.busy():
+            self._quantizer.commit()  # the dense tensors' error feedback
         tensors: list[torch.Tensor] = []
         for name, _ in named:
             tensors.extend(self._factors[name] if name in self._factors else (self._grads[name],))
@@ -227,8 +303,12 @@ class _CompressedFragment(_StreamingDiLoCoFragment):
         finally:
             self._factors.clear()
             self._prepared = {}
+            self._codes = self._scales = self._q_codes = None
             if self._codec is not None:
                 self._codec.discard()
+            if self._quantizer is not None:
+                self._quantizer.discard()
+                self._q_quantizer.discard()
         update, self._update = self._update, None
         if committed and update is not None and self._on_update is not None:
             self._on_update(update)
@@ -253,8 +333,10 @@ class StreamingDiLoCo:
     fragment are dropped; ``keep_overlapped`` keeps them instead: θ_global + (θ_local − θ_local at the
     prepare). With τ ≥ 2 the PowerSGD P round trip overlaps the first ⌊τ/2⌋ of those steps and Q's
     the rest (the same numbers as waiting P at the prepare, later). ``powersgd_rank`` (r) None sends
-    Δθ dense, exactly torchft's averaging. Every all-reduce is booked on ``wire`` (``self.wire``, a
-    fresh ``Wire`` if None) under "dp". Every committed sync's ``OuterUpdate`` is kept until
+    Δθ dense, exactly torchft's averaging. ``quantize="int8"`` sends every all-reduce as int8 codes with
+    shared block scales (``dp.quantize``): the dense tensors with error feedback of their own, PowerSGD's
+    factors under PowerSGD's. Every all-reduce is booked on
+    ``wire`` (``self.wire``, a fresh ``Wire`` if None) under "dp". Every committed sync's ``OuterUpdate`` is kept until
     ``take_committed()`` (what a training loop reads after its optimizer step); ``on_outer_update``, if
     given, is also called with it inside the step.
 
@@ -282,8 +364,10 @@ class StreamingDiLoCo:
         seed: int = 0,
         fragment_update_alpha: float = 0.0,
         keep_overlapped: bool = False,
+        quantize: str | None = None,
     ) -> None:
         _validate(fragments, sync_every, fragment_sync_delay, outer_lr, outer_momentum, powersgd_rank)
+        require(quantize in (None, *QUANTIZERS), "quantize", quantize, f"be None or one of {list(QUANTIZERS)}")
         require(
             isinstance(fragment_update_alpha, (int, float)) and 0 <= fragment_update_alpha <= 1,
             "fragment_update_alpha",
@@ -305,6 +389,8 @@ class StreamingDiLoCo:
         self._finish_at = interval - fragment_sync_delay + fragment_sync_delay // 2 if fragment_sync_delay > 1 else None
         self._hook = None
         self.codec = PowerSGD(powersgd_rank, seed) if powersgd_rank is not None else None
+        self.quantizer = Int8Sum() if quantize is not None else None  # the dense tensors' error feedback is here
+        quantizers = None if quantize is None else (self.quantizer, Int8Sum())
         self.fragments = fragments
         outer = [outer_optimizer(f.parameters(), outer_lr, outer_momentum) for f in fragments]
         self._diloco = DiLoCo(
@@ -320,7 +406,14 @@ class StreamingDiLoCo:
         self._committed: list[OuterUpdate] = []
         self._on_outer_update = on_outer_update
         for fragment in self._diloco._fragments:
-            _CompressedFragment.adopt(fragment, self.codec, self.wire, self._on_commit, keep_overlapped=keep_overlapped)
+            _CompressedFragment.adopt(
+                fragment,
+                self.codec,
+                self.wire,
+                self._on_commit,
+                keep_overlapped=keep_overlapped,
+                quantizers=quantizers,
+            )
 
     def _on_commit(self, update: OuterUpdate) -> None:
         self._committed.append(update)
@@ -358,6 +451,8 @@ class StreamingDiLoCo:
         held = [[f.original_parameters, f._outer_optimizer.state] for f in self._diloco._fragments]
         if self.codec is not None:
             held.append([self.codec.q, self.codec.error])
+        if self.quantizer is not None:
+            held.append(self.quantizer.error)
         return tensor_bytes(held)
 
     def state_dict(self) -> dict:
@@ -384,6 +479,7 @@ class StreamingDiLoCo:
                 for f in fragments
             ],
             "codec": None if self.codec is None else {"q": dict(self.codec.q), "error": dict(self.codec.error)},
+            "int8_error": None if self.quantizer is None else dict(self.quantizer.error),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -405,6 +501,8 @@ class StreamingDiLoCo:
         if self.codec is not None and state["codec"] is not None:
             self.codec.q = {k: v.float().clone() for k, v in state["codec"]["q"].items()}
             self.codec.error = {k: v.float().clone() for k, v in state["codec"]["error"].items()}
+        if self.quantizer is not None and state.get("int8_error") is not None:
+            self.quantizer.error = {k: v.float().clone() for k, v in state["int8_error"].items()}
 
     def _finish_factors(self, *_: Any) -> None:
         """After torchft's step hook: at ``_finish_at`` turn the fragment's averaged P into Q."""

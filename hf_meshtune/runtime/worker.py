@@ -115,6 +115,7 @@ class FastWorker(StageWorker):
             outer_lr=cfg.dp_outer_lr,
             outer_momentum=cfg.dp_outer_momentum,
             powersgd_rank=cfg.dp_powersgd_rank,
+            quantize=cfg.dp_quantize,
             wire=self.wire,
             seed=cfg.mask_seed,
         )
