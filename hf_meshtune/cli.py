@@ -82,6 +82,12 @@ def _add_ledger_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="bfloat16", help="activation, gradient and parameter dtype")
     p.add_argument("--sync-every", type=int, default=20, help="DiLoCo outer period S (default 20)")
     p.add_argument("--powersgd-rank", type=rank_or_none, default=4, help="PowerSGD rank r, or 'none' (default 4)")
+    p.add_argument(
+        "--dp-quantize",
+        type=lambda v: None if v == "none" else v,
+        default=None,
+        help="int8: DP all-reduces as int8 codes (MeshConfig.dp_quantize), or 'none' (default: float, the paper's)",
+    )
     p.add_argument("--anchor-every", type=int, default=20, help="fast steps per anchor round A (default 20)")
     p.add_argument("--anchor-payload", default="gradient", help="gradient | factors (default gradient)")
     p.add_argument("--anchor-rank", type=int, default=8, help="rank of the anchor's factors (default 8)")
@@ -143,6 +149,7 @@ def run_ledger(args: argparse.Namespace) -> int:
         param_dtype=args.dtype,
         sync_every=args.sync_every,
         powersgd_rank=args.powersgd_rank,
+        dp_quantize=args.dp_quantize,
         anchor_every=args.anchor_every,
         anchor_payload=args.anchor_payload,
         anchor_rank=args.anchor_rank,
@@ -181,6 +188,7 @@ def _print_memory_ledger(args: argparse.Namespace, config, num_replicas: int, nu
         dtype=args.dtype,
         anchor=args.anchor,
         powersgd_rank=args.powersgd_rank,
+        dp_quantize=args.dp_quantize,
         boundary_codec=args.boundary_codec,
         gradient_checkpointing=args.gradient_checkpointing,
     )

@@ -53,10 +53,13 @@ QUALITY_CODEC = "outliers8+int8"
 GOVERNED = "governed"
 GOVERNED_LADDER = "outliers8+int3x8,outliers8+int4x8,outliers8+int8"
 CADENCES = ("fixed", "adaptive")
-# PowerSGD rank of the DP pseudo-gradients, both presets: on the WAN benchmark's fine-tune (benchmarks/wan/
-# dp_sweep.md) rank 4 ended at eval loss 1.45 against Dense's 0.85 and uncompressed DiLoCo's 0.90; rank 32 at
-# 0.96 for 8x rank 4's bytes, which at Llama-3.2-1B shapes is +510 B/token (4 % of the default's).
-DEFAULT_DP_POWERSGD_RANK = 32
+# PowerSGD rank and codes of the DP pseudo-gradients, both presets: on the WAN benchmark's fine-tune
+# (benchmarks/wan/dp_sweep.md) float32 rank 4 ended at eval loss 1.45 against Dense's 0.85 and uncompressed
+# DiLoCo's 0.90, float32 rank 32 at 0.96; rank 128 in int8 codes (dp.quantize) at 0.92 for float32 rank 32's
+# bytes. At Llama-3.2-1B shapes (bf16 gradients in the ledger) DP is 1,160 B/token against float rank 32's 572
+# (benchmarks/wan/ledger_1b.md: 9 % of the default's 13,508).
+DEFAULT_DP_POWERSGD_RANK = 128
+DEFAULT_DP_QUANTIZE = "int8"
 PRESETS = {
     "quality": {"boundary_codec": QUALITY_CODEC, "mask_ratio": 0.0, "anchor": False},
     "paper": {"boundary_codec": None, "mask_ratio": 0.95, "anchor": True},
@@ -228,11 +231,12 @@ class MeshArguments:
         metadata={"help": "PowerSGD rank of the DP pseudo-gradient; None (or 0, for command lines) = uncompressed."},
     )
     dp_quantize: str | None = field(
-        default=None,
+        default=DEFAULT_DP_QUANTIZE,
         metadata={
-            "help": "'int8': the DP pseudo-gradients that travel dense (all of them with dp_powersgd_rank=None) go "
-            "as int8 codes with a shared scale per 256 values and error feedback, summed in int8 by the "
-            "all-reduce: a quarter of the float32 bytes. None = float32."
+            "help": "'int8': every DP all-reduce (PowerSGD's factors, the tensors that go dense) carries int8 codes "
+            "with a shared scale per 256 values, summed in int8 by the ring: a quarter of float32's bytes; the "
+            "dense tensors keep error feedback of their own. None (or 'none', for command lines) = float32. "
+            "Streaming DiLoCo's sync only: the per-step baselines of RunSettings.dp_mode send float32 gradients."
         },
     )
     dp_fragments: int = field(
@@ -318,6 +322,8 @@ class MeshArguments:
         """Raise ``ValueError`` naming the field, its value and the rule for any bad knob."""
         if self.dp_powersgd_rank == 0:  # command lines cannot say None
             self.dp_powersgd_rank = None
+        if self.dp_quantize == "none":
+            self.dp_quantize = None
         _apply_preset(self)
         if self.num_stages is None:  # one source of truth for Y: the mesh this process was launched on
             self.num_stages = launched_stages() or DEFAULT_NUM_STAGES
@@ -384,6 +390,13 @@ class MeshArguments:
             "dp_quantize",
             self.dp_quantize,
             f"be None or one of {list(DP_QUANTIZERS)}",
+        )
+        fast = self.num_replicas - int(bool(self.anchor))
+        require(
+            self.dp_quantize is None or fast <= 127,
+            "dp_quantize",
+            self.dp_quantize,
+            f"be None with {fast} fast replicas (the int8 codes of n replicas sum inside int8 only for n <= 127)",
         )
         require(self.dp_outer_lr > 0, "dp_outer_lr", self.dp_outer_lr, "be > 0")
         require(0.0 <= self.dp_outer_momentum < 1.0, "dp_outer_momentum", self.dp_outer_momentum, "lie in [0, 1)")

@@ -266,13 +266,11 @@ def _circuits(
 
 
 def _dp_payload_bytes(shapes: Sequence[tuple[int, ...]], s: LedgerSettings) -> float:
-    """Bytes one replica contributes per DP sync: PowerSGD factors in ``grad_dtype``; the tensors that go
-    dense in ``grad_dtype``, or with ``dp_quantize="int8"`` as a byte per value plus a float32 maximum per
-    ``dp.quantize.BLOCK`` values (the blocks' padding at the end of each fragment is not counted)."""
-    dense = sum(math.prod(sh) for sh in shapes if dp_payload_numel(sh, s.powersgd_rank) == math.prod(sh))
-    factors = sum(dp_payload_numel(sh, s.powersgd_rank) for sh in shapes) - dense
-    per_dense = DTYPE_BYTES[s.grad_dtype] if s.dp_quantize is None else 1 + 4 / DP_QUANT_BLOCK
-    return factors * DTYPE_BYTES[s.grad_dtype] + dense * per_dense
+    """Bytes one replica contributes per DP sync: PowerSGD's factors and the tensors that go dense in
+    ``grad_dtype``, or with ``dp_quantize="int8"`` all of them as a byte per value plus a float32 maximum per
+    ``DP_QUANT_BLOCK`` values (the padding of each all-reduce to whole blocks is not counted: < 260 B a round)."""
+    payload = sum(dp_payload_numel(sh, s.powersgd_rank) for sh in shapes)
+    return payload * (DTYPE_BYTES[s.grad_dtype] if s.dp_quantize is None else 1 + 4 / DP_QUANT_BLOCK)
 
 
 def dense_reference(settings: LedgerSettings) -> LedgerSettings:
@@ -388,7 +386,7 @@ PAPER_POWERSGD_RANK = 4
 
 _DILOCO = {"sync_every": PAPER_SYNC_EVERY, "powersgd_rank": PAPER_POWERSGD_RANK}
 STANDARD_ROWS: dict[str, dict[str, Any]] = {
-    "Dense": {"mask_ratio": 0.0, "anchor": False, "sync_every": 1, "powersgd_rank": None},
+    "Dense": {"mask_ratio": 0.0, "anchor": False, "sync_every": 1, "powersgd_rank": None, "dp_quantize": None},
     "+DP": {"mask_ratio": 0.0, "anchor": False, **_DILOCO},
     "M95": {"mask_ratio": 0.95, "anchor": False, **_DILOCO},
     "M90+AP": {"mask_ratio": 0.90, "anchor": True, **_DILOCO},

@@ -54,6 +54,7 @@ class MemorySettings:
     anchor_microbatches: int | None = None
     dp_mode: str = "streaming_diloco"
     powersgd_rank: int | None = 4
+    dp_quantize: str | None = None  # "int8": the tensors that go dense keep a float32 error feedback
     spectral_rank: int | None = None
     boundary_codec: str | None = None
     mask_seed: int = 0
@@ -160,10 +161,11 @@ def _dp_bytes(train: list[nn.Parameter], powersgd, settings: MemorySettings) -> 
     if settings.dp_mode != "streaming_diloco" or settings.num_replicas - int(settings.anchor) < 1:
         return 0
     total = 2 * _nbytes(train)  # θ_global backup + outer momentum
-    if powersgd is not None:
-        for p in train:
-            if powersgd.compresses(p.shape):
-                total += p.numel() * 4 + p.shape[1] * powersgd.rank * 4  # error feedback + Q, float32
+    for p in train:
+        if powersgd is not None and powersgd.compresses(p.shape):
+            total += p.numel() * 4 + p.shape[1] * powersgd.rank * 4  # error feedback + Q, float32
+        elif settings.dp_quantize is not None:
+            total += p.numel() * 4  # the int8 codes' error feedback, float32 (dp.quantize)
     return total
 
 

@@ -65,14 +65,14 @@ def test_diloco_powersgd_by_hand():
 
 
 def test_int8_dp_by_hand():
-    """int8 pseudo-gradients: a byte per value that goes dense plus a float32 maximum per 256 values; PowerSGD's
-    factors stay in grad_dtype. The anchor is not in it (it gets the decoded average, ``params`` below)."""
+    """int8 codes: a byte per value of every DP all-reduce (PowerSGD's factors too) plus a float32 maximum per
+    256 values. The anchor is not in it (it gets the decoded average in grad_dtype)."""
     led = compute_ledger(SHAPES, H, tiny(sync_every=4, dp_quantize="int8"))
     # P = 72 dense elements at 1 + 4/256 B: dp = 2 * 2 * 72 * (1 + 1/64) / (3 * 10 * 4)
     assert led.dp == pytest.approx(2 * 2 * 72 * (1 + 1 / 64) / 120)
-    # r = 2: factors 24 + 24 at 2 B, the vector's 4 at 1 + 1/64 B
+    # r = 2: factors 24 + 24 and the vector's 4, all at 1 + 1/64 B
     led2 = compute_ledger(SHAPES, H, tiny(sync_every=4, powersgd_rank=2, dp_quantize="int8"))
-    assert led2.dp == pytest.approx(2 * 2 * (48 * 2 + 4 * (1 + 1 / 64)) / 120)
+    assert led2.dp == pytest.approx(2 * 2 * 52 * (1 + 1 / 64) / 120)
     assert led.dense_total == pytest.approx(99.2)  # the dense reference sends float gradients
 
 

@@ -262,6 +262,7 @@ MESH_CFG = dict(
     dp_sync_every=4,
     dp_fragments=2,
     dp_powersgd_rank=2,
+    dp_quantize=None,  # float32 factors: the bytes per sync below are r·(m+n)·4
     dp_outer_lr=0.7,
     dp_outer_momentum=0.9,
 )

@@ -39,6 +39,8 @@ FLAGS = [
     "2",
     "--dp_powersgd_rank",
     "2",
+    "--dp_quantize",  # float32 factors: the ledger's bytes are then exact (int8 rounds pad to whole blocks)
+    "none",
     "--logging_steps",
     "1",
     "--report_to",

@@ -234,11 +234,13 @@ def test_the_dp_sweep_md_is_written_from_its_committed_json(tmp_path):
     report = json.loads((ROOT / "benchmarks/wan/results/dp_sweep.json").read_text())
     write_report(report, tmp_path)
     assert (ROOT / "benchmarks/wan/results/dp_sweep.md").read_text() == (tmp_path / "dp_sweep.md").read_text()
-    # the default's rank is the sweep's row at S = 20 with DiLoCo's outer step, and it is measured there
-    from hf_meshtune.config import DEFAULT_DP_POWERSGD_RANK, MeshConfig
+    # the default's rank and codes are the sweep's row at S = 20 with DiLoCo's outer step, measured there
+    from hf_meshtune.config import DEFAULT_DP_POWERSGD_RANK, DEFAULT_DP_QUANTIZE, MeshConfig
 
-    assert MeshConfig().dp_powersgd_rank == DEFAULT_DP_POWERSGD_RANK
-    assert report["rows"][f"dp_r{DEFAULT_DP_POWERSGD_RANK}"]["row"]["powersgd_rank"] == DEFAULT_DP_POWERSGD_RANK
+    config = MeshConfig()
+    assert (config.dp_powersgd_rank, config.dp_quantize) == (DEFAULT_DP_POWERSGD_RANK, DEFAULT_DP_QUANTIZE)
+    row = report["rows"][f"dp_r{DEFAULT_DP_POWERSGD_RANK}_{DEFAULT_DP_QUANTIZE}"]["row"]
+    assert (row["powersgd_rank"], row["dp_quantize"], row["sync_every"]) == (128, "int8", 20)
 
 
 def test_the_dp_sweep_refuses_a_variant_it_does_not_have(capsys):

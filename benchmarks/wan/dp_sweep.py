@@ -1,13 +1,14 @@
 """Which DP sync keeps the fine-tune's quality, and at what bytes: the WAN benchmark's default row with its DP
 setting changed, side by side with Dense.
 
-    sudo .venv/bin/python -m benchmarks.wan.dp_sweep      # ≈ 20 min on 2 idle CPU cores; results/dp_sweep.{json,md}
+    sudo .venv/bin/python -m benchmarks.wan.dp_sweep      # ≈ 30 min on 2 idle CPU cores; results/dp_sweep.{json,md}
 
 Every variant (``rows.DP_SWEEP``) is the default row (outliers8+int8 boundaries, no anchor, 3 fast replicas ×
 2 stages) fine-tuning the pretrained tiny Llama on the arithmetic task for ``--steps`` steps, on compute-bound
 links (10 Gbit/s, no delay: quality does not depend on the link for these synchronous rows), with one DP
-setting changed: the PowerSGD rank r of the pseudo-gradients (none: uncompressed), the sync period S, and the
-outer step (DiLoCo's Nesterov SGD, η = 0.7, μ = 0.9, or parameter averaging, η = 1, μ = 0). Dense (a
+setting changed: the PowerSGD rank r of the pseudo-gradients (none: uncompressed), float32 or int8 codes
+(``dp_quantize``), the sync period S, and the outer step (DiLoCo's Nesterov SGD, η = 0.7, μ = 0.9, parameter
+averaging, η = 1, μ = 0, or η = 1.5, μ = 0, past the average). Dense (a
 gradient all-reduce every step) is the reference. Held-out loss along the run and exact match at the end
 (``run.evaluate``); DP bytes per fast token from the Wire (booked all-reduces). Runs are cached in the WAN
 benchmark's work folder (``run._run``) and ``dp_sweep.json`` is written after every variant.
@@ -49,7 +50,10 @@ def write_report(report: dict, out: Path) -> None:
         f"(outliers8+int8 boundaries, 3 fast replicas × 2 stages, the pretrained tiny Llama on the arithmetic task, "
         f"{report['steps']} steps, compute-bound links) with its DP setting changed; Dense all-reduces the "
         "gradients every step. DiLoCo syncs in 2 fragments (one every S/2 steps); Nesterov: outer η = 0.7, "
-        "μ = 0.9 (MeshConfig's); averaging: η = 1, μ = 0. Eval loss: held-out answer tokens at the last step; "
+        "μ = 0.9 (MeshConfig's); averaging: η = 1, μ = 0. The pseudo-gradients travel in float32, or as int8 codes "
+        "where the row says int8 (`dp_quantize`: every all-reduce, PowerSGD's factors included, a float32 scale "
+        "per 256 values); the library's default is rank 128 in int8. Eval loss: held-out answer tokens at the last "
+        "step; "
         f"exact match on {report['eval_items']} eval items. DP B/token: the all-reduces' ring traffic, booked by "
         "the Wire from the tensor sizes, per fast token, all processes together.",
         "",

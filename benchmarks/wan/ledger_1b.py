@@ -35,7 +35,7 @@ import transformers
 
 from hf_meshtune import ledger as L
 from hf_meshtune.boundary.masking import keep_count
-from hf_meshtune.config import DEFAULT_DP_POWERSGD_RANK
+from hf_meshtune.config import DEFAULT_DP_POWERSGD_RANK, DEFAULT_DP_QUANTIZE
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -116,7 +116,12 @@ def default_ledgers(config=None) -> dict[str, L.Ledger]:
     config = config if config is not None else L.PRESETS[PRESET]
 
     def row(base: str, codec: str, payload: str = "factors") -> L.Ledger:
-        merged = {**KNOBS, "anchor_payload": payload, "powersgd_rank": DEFAULT_DP_POWERSGD_RANK}
+        merged = {
+            **KNOBS,
+            "anchor_payload": payload,
+            "powersgd_rank": DEFAULT_DP_POWERSGD_RANK,
+            "dp_quantize": DEFAULT_DP_QUANTIZE,
+        }
         settings = L.settings_for_row(base, global_batch=GLOBAL_BATCH, seq_len=SEQ_LEN, **merged)
         return L.ledger_for_config(config, dataclasses.replace(settings, mask_ratio=0.0, boundary_codec=codec))
 
@@ -589,7 +594,8 @@ def markdown(data: Mapping[str, Any], wall_s: float) -> str:
         "",
         "The default codec (`preset=\"quality\"`), the governed ladder's levels and the ~20× codec, each in the "
         "paper row with its anchor and the library's default DP (DiLoCo S = 20 + PowerSGD r = "
-        f"{DEFAULT_DP_POWERSGD_RANK}, `MeshConfig.dp_powersgd_rank`; the paper rows above use r = 4; the anchor every "
+        f"{DEFAULT_DP_POWERSGD_RANK} in {DEFAULT_DP_QUANTIZE} codes, `MeshConfig.dp_powersgd_rank` and `dp_quantize`; "
+        "the paper rows above use float r = 4; the anchor every "
         "20 steps), the mask swapped for the codec; the anchor sends rank-8 factors unless marked. bf16 activations: "
         "a codec's payload "
         "is counted as its wire bytes (`compose.spec`), so its compression is against bf16.",

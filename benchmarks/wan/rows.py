@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from hf_meshtune._validation import require
-from hf_meshtune.config import DEFAULT_DP_POWERSGD_RANK
+from hf_meshtune.config import DEFAULT_DP_POWERSGD_RANK, DEFAULT_DP_QUANTIZE
 from hf_meshtune.ledger import PAPER_POWERSGD_RANK
 
 
@@ -44,22 +44,24 @@ class Row:
     sync_delay: int = 0  # MeshConfig.dp_sync_delay: inner steps a fragment's sync overlaps before it lands
     keep_overlapped: bool = False  # MeshConfig.dp_keep_overlapped: those steps kept on top of the new θ_global
     dp_buckets: bool = True  # False: one DiLoCo all-reduce per tensor, as before the buckets (dp.diloco.BUCKET_BYTES)
+    # MeshConfig.dp_quantize (the library's default: int8 codes on every DiLoCo all-reduce; None: float32)
+    dp_quantize: str | None = DEFAULT_DP_QUANTIZE
 
     @property
     def replicas(self) -> int:
         return 4 if self.anchor else 3
 
 
-# The library's DP (MeshConfig.dp_powersgd_rank) for its own rows; the paper row keeps the rank this benchmark
-# always gave it (the paper states 64x for its PowerSGD, not a rank); the PowerSGD hook peer keeps torch's
-# usual small rank.
+# The library's DP (MeshConfig.dp_powersgd_rank, dp_quantize) for its own rows; the paper row keeps the float32
+# rank this benchmark always gave it (the paper states 64x for its PowerSGD, not a rank); the PowerSGD hook peer
+# keeps torch's usual small rank. The peers and the paper row send float32 (dp_quantize=None).
 R_DP = DEFAULT_DP_POWERSGD_RANK
 R_PAPER = PAPER_POWERSGD_RANK
 
 ROWS: dict[str, Row] = {
-    "dense": Row("Dense", 0.0, False, "allreduce", None),
+    "dense": Row("Dense", 0.0, False, "allreduce", None, dp_quantize=None),
     "dp": Row("+DP", 0.0, False, "streaming_diloco", R_DP),
-    "m95_ap": Row("M95+AP (paper)", 0.95, True, "streaming_diloco", R_PAPER),
+    "m95_ap": Row("M95+AP (paper)", 0.95, True, "streaming_diloco", R_PAPER, dp_quantize=None),
     "default": Row("Default: outliers8+int8", 0.0, False, "streaming_diloco", R_DP, boundary_codec="outliers8+int8"),
     "default_ap": Row(
         "Default+AP (factors r=8)",
@@ -88,43 +90,53 @@ ROWS: dict[str, Row] = {
     "codec20": Row(
         "outliers8+spca32+int4", 0.0, False, "streaming_diloco", R_DP, boundary_codec="outliers8+spca32+int4"
     ),
-    "torchft_diloco": Row("torchft DiLoCo", 0.0, False, "streaming_diloco", None, peer=True),
-    "powersgd_hook": Row("PowerSGD hook (DDP)", 0.0, False, "powersgd_hook", 4, peer=True),
-    "int8_dense_dp": Row("int8 activations + DDP", 0.0, False, "allreduce", None, peer=True, boundary_codec="int8"),
+    "torchft_diloco": Row("torchft DiLoCo", 0.0, False, "streaming_diloco", None, peer=True, dp_quantize=None),
+    "powersgd_hook": Row("PowerSGD hook (DDP)", 0.0, False, "powersgd_hook", 4, peer=True, dp_quantize=None),
+    "int8_dense_dp": Row(
+        "int8 activations + DDP", 0.0, False, "allreduce", None, peer=True, boundary_codec="int8", dp_quantize=None
+    ),
 }
 
 
-def _dp_variant(rank: int | None, sync_every: int = 20, averaging: bool = False) -> Row:
+def _dp_variant(
+    rank: int | None, sync_every: int = 20, outer_lr: float = 0.7, momentum: float = 0.9, quantize: str | None = None
+) -> Row:
     """The default row (outliers8+int8 boundaries, no anchor) with one DP setting changed: PowerSGD rank r (None:
-    uncompressed), sync period S, and the outer step (DiLoCo's Nesterov SGD η = 0.7, μ = 0.9, or ``averaging``:
-    η = 1, μ = 0, the replicas' parameters averaged)."""
-    outer = "η=1, μ=0 (averaging)" if averaging else "η=0.7, μ=0.9"
+    uncompressed), sync period S, and the outer step: Nesterov SGD with lr η and momentum μ (MeshConfig's
+    η = 0.7, μ = 0.9; η = 1, μ = 0 averages the replicas' parameters; η > 1, μ = 0 extrapolates past the
+    average); ``quantize`` "int8": the pseudo-gradients that go dense go as int8 codes (MeshConfig.dp_quantize)."""
+    outer = "η=1, μ=0 (averaging)" if (outer_lr, momentum) == (1.0, 0.0) else f"η={outer_lr:g}, μ={momentum:g}"
     return Row(
-        f"S={sync_every}, r={rank or 'none'}, {outer}",
+        f"S={sync_every}, r={rank or 'none'}{', ' + quantize if quantize else ''}, {outer}",
         0.0,
         False,
         "streaming_diloco",
         rank,
         boundary_codec="outliers8+int8",
         sync_every=sync_every,
-        **({"outer_lr": 1.0, "outer_momentum": 0.0} if averaging else {}),
+        dp_quantize=quantize,
+        **({} if (outer_lr, momentum) == (0.7, 0.9) else {"outer_lr": outer_lr, "outer_momentum": momentum}),
     )
 
 
-# benchmarks/wan/dp_sweep.py: which DP sync keeps the fine-tune's quality, at what bytes
+# benchmarks/wan/dp_sweep.py: which DP sync keeps the fine-tune's quality, at what bytes (float32 unless int8)
 DP_SWEEP: dict[str, Row] = {
     "dp_r4": _dp_variant(4),
     "dp_r16": _dp_variant(16),
     "dp_r32": _dp_variant(32),
     "dp_r64": _dp_variant(64),
     "dp_none": _dp_variant(None),
-    "dp_s10_r8": _dp_variant(8, 10),
-    "dp_s10_r16": _dp_variant(16, 10),
-    "dp_s4_r4": _dp_variant(4, 4),
+    # syncing more often, and other outer steps, uncompressed (the ceiling a rank can reach)
+    "dp_s10_none": _dp_variant(None, 10),
     "dp_s4_none": _dp_variant(None, 4),
-    "dp_r4_avg": _dp_variant(4, averaging=True),
-    "dp_r32_avg": _dp_variant(32, averaging=True),
-    "dp_none_avg": _dp_variant(None, averaging=True),
+    "dp_none_avg": _dp_variant(None, outer_lr=1.0, momentum=0.0),
+    "dp_none_x15": _dp_variant(None, outer_lr=1.5, momentum=0.0),
+    # int8 codes (dp.quantize): a quarter of float32's bytes; PowerSGD's factors too, so 4x the rank for the
+    # bytes of float32 factors (rank 128 in int8: the library's default)
+    "dp_int8": _dp_variant(None, quantize="int8"),
+    "dp_r32_int8": _dp_variant(32, quantize="int8"),
+    "dp_r64_int8": _dp_variant(64, quantize="int8"),
+    "dp_r128_int8": _dp_variant(128, quantize="int8"),
 }
 ROWS |= DP_SWEEP
 

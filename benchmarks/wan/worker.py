@@ -80,6 +80,7 @@ def main() -> None:
         dp_sync_delay=row.sync_delay,
         dp_keep_overlapped=row.keep_overlapped,
         dp_powersgd_rank=row.powersgd_rank,
+        dp_quantize=row.dp_quantize,
         mask_seed=0,
         **{f"dp_{k}": v for k in ("outer_lr", "outer_momentum") if (v := getattr(row, k)) is not None},
     )

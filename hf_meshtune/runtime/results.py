@@ -274,6 +274,7 @@ def predicted_memory(trainer, topology: MeshTopology, seq_len: int) -> list[dict
         anchor=topology.anchor,
         anchor_microbatches=cfg.anchor_microbatches or args.gradient_accumulation_steps,
         powersgd_rank=cfg.dp_powersgd_rank,
+        dp_quantize=cfg.dp_quantize,
         spectral_rank=cfg.spectral_rank,
         boundary_codec=cfg.boundary_codec,
         mask_seed=cfg.mask_seed,

@@ -103,12 +103,6 @@ class RunSettings:
         require(self.dp_timeout_s > 0, "dp_timeout_s", self.dp_timeout_s, "be > 0 (seconds)")
         require(self.dp_mode in DP_MODES, "dp_mode", self.dp_mode, f"be one of {list(DP_MODES)}")
         require(
-            self.dp_mode == "streaming_diloco" or self.config.dp_quantize is None,
-            "dp_quantize",
-            self.config.dp_quantize,
-            f"be None with dp_mode={self.dp_mode!r} (int8 pseudo-gradients are Streaming DiLoCo's)",
-        )
-        require(
             self.dp_mode == "streaming_diloco" or not self.config.anchor,
             "dp_mode",
             self.dp_mode,
