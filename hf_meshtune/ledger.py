@@ -80,7 +80,7 @@ class LedgerSettings:
     param_dtype: str = "bfloat16"  # after the fields above, so positional construction of them still works
     boundary_codec: str | None = None  # a composed codec (compose.spec) instead of the mask p
     codec_refit_every: int = 0  # anchor rounds between refits of the codec's geometry (0: never)
-    dp_quantize: str | None = None  # "int8": DP tensors that go dense go as int8 codes + a float32 max per block
+    dp_quantize: str | None = None  # "int8": every DP all-reduce as int8 codes + a float32 max per block
 
     def __post_init__(self) -> None:
         _require_int("num_replicas", self.num_replicas, 1)
@@ -260,17 +260,16 @@ def _circuits(
     fast = s.fast_replicas
     payload = sum(dp_payload_numel(sh, s.powersgd_rank) for sh in shapes)
     # Ring all-reduce: each of X_f replicas sends 2·(X_f-1)/X_f of the payload, 2·(X_f-1)·P in all.
-    dp = 2 * (fast - 1) * _dp_payload_bytes(shapes, s) / (fast * s.tokens_per_step * s.sync_every)
+    dp = 2 * (fast - 1) * payload * _dp_value_bytes(s) / (fast * s.tokens_per_step * s.sync_every)
     anchor = _anchor_bytes_per_token(shapes, hidden_size, s, payload) if s.anchor else 0.0
     return float(boundary), float(boundary), float(dp), float(anchor), keep
 
 
-def _dp_payload_bytes(shapes: Sequence[tuple[int, ...]], s: LedgerSettings) -> float:
-    """Bytes one replica contributes per DP sync: PowerSGD's factors and the tensors that go dense in
-    ``grad_dtype``, or with ``dp_quantize="int8"`` all of them as a byte per value plus a float32 maximum per
-    ``DP_QUANT_BLOCK`` values (the padding of each all-reduce to whole blocks is not counted: < 260 B a round)."""
-    payload = sum(dp_payload_numel(sh, s.powersgd_rank) for sh in shapes)
-    return payload * (DTYPE_BYTES[s.grad_dtype] if s.dp_quantize is None else 1 + 4 / DP_QUANT_BLOCK)
+def _dp_value_bytes(s: LedgerSettings) -> float:
+    """Bytes per value of a DP all-reduce (PowerSGD's factors and the tensors that go dense alike):
+    ``grad_dtype``'s, or with ``dp_quantize="int8"`` a byte plus a float32 maximum per ``DP_QUANT_BLOCK``
+    values (the padding of each all-reduce to whole blocks is not counted: < 260 B a round)."""
+    return DTYPE_BYTES[s.grad_dtype] if s.dp_quantize is None else 1 + 4 / DP_QUANT_BLOCK
 
 
 def dense_reference(settings: LedgerSettings) -> LedgerSettings:
@@ -335,7 +334,7 @@ def settings_from_knobs(knobs: Any, *, dtype: str, tokens_per_step: int, **overr
         "param_dtype": dtype,
         "sync_every": knobs.dp_sync_every,
         "powersgd_rank": knobs.dp_powersgd_rank,
-        "dp_quantize": getattr(knobs, "dp_quantize", None),
+        "dp_quantize": knobs.dp_quantize,
         "anchor": knobs.anchor,
         "anchor_every": knobs.anchor_every,
         "anchor_payload": knobs.anchor_payload,

@@ -335,10 +335,10 @@ class StreamingDiLoCo:
     the rest (the same numbers as waiting P at the prepare, later). ``powersgd_rank`` (r) None sends
     Δθ dense, exactly torchft's averaging. ``quantize="int8"`` sends every all-reduce as int8 codes with
     shared block scales (``dp.quantize``): the dense tensors with error feedback of their own, PowerSGD's
-    factors under PowerSGD's. Every all-reduce is booked on
-    ``wire`` (``self.wire``, a fresh ``Wire`` if None) under "dp". Every committed sync's ``OuterUpdate`` is kept until
-    ``take_committed()`` (what a training loop reads after its optimizer step); ``on_outer_update``, if
-    given, is also called with it inside the step.
+    factors under PowerSGD's. Every all-reduce is booked on ``wire`` (``self.wire``, a fresh ``Wire`` if
+    None) under "dp". Every committed sync's ``OuterUpdate`` is kept until ``take_committed()`` (what a
+    training loop reads after its optimizer step); ``on_outer_update``, if given, is also called with it
+    inside the step.
 
     Example:
         >>> manager = make_manager(replica=r, stage=s, num_stages=Y, lighthouse_addr=addr,

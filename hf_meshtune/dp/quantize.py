@@ -55,7 +55,6 @@ class Int8Sum:
         """M = Δ + e of every (key, Δ); returns the float32 max |M| of each block (all-reduce it with MAX).
         Keys in ``without_feedback`` are coded without error feedback (PowerSGD's factors: PowerSGD's own
         error feedback, on the decoded approximation, takes in what their codes left out)."""
-        require(len(items) > 0, "int8 pseudo-gradients", 0, "be at least one tensor")
         self._keys = [key for key, _ in items]
         self._shapes = [delta.shape for _, delta in items]
         self._without = set(without_feedback)
