@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from ._validation import require
+from .config import DP_QUANTIZERS
 from .runtime.memory import MEMORY_PARTS
 
 __all__ = ["MemorySettings", "format_memory_table", "predict_memory"]
@@ -65,6 +66,12 @@ class MemorySettings:
             value = getattr(self, name)
             require(isinstance(value, int) and value >= 1, name, value, "be an int >= 1")
         require(isinstance(getattr(torch, self.dtype, None), torch.dtype), "dtype", self.dtype, "name a torch dtype")
+        require(
+            self.dp_quantize in (None, *DP_QUANTIZERS),
+            "dp_quantize",
+            self.dp_quantize,
+            f"be None or one of {list(DP_QUANTIZERS)}",
+        )
         require(
             not self.anchor or self.num_replicas >= 2,
             "num_replicas",

@@ -2031,6 +2031,10 @@ def _cases() -> list[Case]:
             "meshtune ledger: error: --anchor-payload='svd' is invalid: it must be one of ['gradient', 'factors']",
         ),
         _cli(
+            "meshtune ledger --dp-quantize int4",
+            "meshtune ledger: error: --dp-quantize='int4' is invalid: it must be None or one of ['int8']",
+        ),
+        _cli(
             "meshtune ledger --anchor-rank 0",
             "meshtune ledger: error: --anchor-rank=0 is invalid: it must be an integer >= 1",
         ),

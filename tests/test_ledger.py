@@ -292,6 +292,8 @@ def test_cli_default_table_has_paper_column(capsys):
         (["--rows", "Dense,M99"], "--rows='M99' is invalid: it must"),
         (["--preset", "gpt-5"], "--preset='gpt-5' is invalid: it must"),
         (["--rows", ","], "--rows=',' is invalid: it must name at least one of"),
+        (["--dp-quantize", "int4"], "--dp-quantize='int4' is invalid: it must be None or one of ['int8']"),
+        (["--memory", "--dp-quantize", "int4"], "--dp-quantize='int4' is invalid: it must be None or one of ['int8']"),
         (
             ["--config", "/nonexistent/model"],
             "--config='/nonexistent/model' is invalid: it must be an existing config.json",
