@@ -67,6 +67,16 @@ def _poll(done, limit_s: float) -> None:
         time.sleep(0.05)
 
 
+def _publish(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` whole: a watcher that sees the file never reads it empty or half written (the
+    temporary name starts with a dot, so no watcher's pattern matches it)."""
+    folder, name = os.path.split(path)
+    temporary = os.path.join(folder, f".{name}.tmp")
+    with open(temporary, "w") as handle:
+        handle.write(text)
+    os.replace(temporary, path)
+
+
 def _progress_names(out: str) -> list[str]:
     folder = os.path.join(out, "progress")
     return os.listdir(folder) if os.path.isdir(folder) else []
@@ -178,17 +188,13 @@ def main(out: str, steps: int, overrides: dict) -> None:
     groups = topology.build_groups(timeout_s=timeout)
     rank, restart = groups.rank, os.environ.get("MESHTUNE_RESTART", "0")
     os.makedirs(os.path.join(out, "progress"), exist_ok=True)
-    with open(os.path.join(out, "progress", f"pid{rank}.g{restart}"), "w") as handle:  # every role, e.g. the anchor
-        handle.write(str(os.getpid()))
+    _publish(os.path.join(out, "progress", f"pid{rank}.g{restart}"), str(os.getpid()))  # every role, e.g. the anchor
     pace = float(os.environ.get("STEP_SECONDS", "0"))
     hold_at = int(os.environ.get("HOLD_FOR_RESTART_AT", "0"))
 
     class Progress(StageCallback):
         def on_step_end(self, view) -> None:
-            path = os.path.join(out, "progress", f"r{rank}.g{restart}")
-            with open(f"{path}.tmp", "w") as handle:
-                handle.write(f"{os.getpid()} {view.step}")
-            os.replace(f"{path}.tmp", path)
+            _publish(os.path.join(out, "progress", f"r{rank}.g{restart}"), f"{os.getpid()} {view.step}")
             with open(os.path.join(out, "progress", f"t{rank}.g{restart}"), "a") as handle:  # the timeline
                 handle.write(f"{view.step} {time.time():.3f}\n")
             if pace:
