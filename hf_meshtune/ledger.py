@@ -224,8 +224,8 @@ def _anchor_bytes_per_token(
     fast, T = s.fast_replicas, s.tokens_per_step
     round_tokens = fast * T * s.anchor_every  # fast tokens processed per anchor round
     pipeline = s.anchor_tokens * 2 * (s.num_stages - 1) * hidden_size * DTYPE_BYTES[s.activation_dtype]
-    if s.dp_compressed:  # it applies the reduced outer update: P·b_dp once per sync
-        params = dp_payload * DTYPE_BYTES[s.grad_dtype] / (fast * T * s.sync_every)
+    if s.dp_compressed:  # it applies the reduced outer update: P·b_dp once per sync, coded as the ring's
+        params = dp_payload * _dp_value_bytes(s) / (fast * T * s.sync_every)
     else:  # it pulls a full snapshot of the trainable params every round
         params = sum(math.prod(sh) for sh in shapes) * DTYPE_BYTES[s.param_dtype] / round_tokens
     per_replica = sum(anchor_payload_numel(sh, s.anchor_payload, s.anchor_rank) for sh in shapes)
@@ -268,7 +268,8 @@ def _circuits(
 def _dp_value_bytes(s: LedgerSettings) -> float:
     """Bytes per value of a DP all-reduce (PowerSGD's factors and the tensors that go dense alike):
     ``grad_dtype``'s, or with ``dp_quantize="int8"`` a byte plus a float32 maximum per ``DP_QUANT_BLOCK``
-    values (the padding of each all-reduce to whole blocks is not counted: < 260 B a round)."""
+    values (the padding of each all-reduce to whole blocks is not counted: < 260 B a round). The anchor
+    is forwarded each sync in the same codes (plus 4 bytes, the count of replicas, not counted either)."""
     return DTYPE_BYTES[s.grad_dtype] if s.dp_quantize is None else 1 + 4 / DP_QUANT_BLOCK
 
 

@@ -1055,6 +1055,19 @@ def follower_given_unknown_fragment() -> None:
     follower.apply(OuterUpdate(fragment=3, step=1, tensors=[]))
 
 
+def int8_sync_unpacked(words: int, participants: float = 3.0) -> Callable[[], object]:
+    """A trigger: an anchor-link payload of ``words`` float32 words read as an int8 sync of 1,000 values."""
+
+    def trigger() -> None:
+        from hf_meshtune.dp.quantize import Int8Codes
+
+        payload = torch.zeros(words)
+        payload[0] = participants
+        Int8Codes.unpack(payload, [1000])
+
+    return trigger
+
+
 def diloco(fragments: object = None, **kwargs: object) -> Callable[[], object]:
     """A trigger: ``StreamingDiLoCo(manager, fragments, inner, ...)``; every check runs before the manager is used."""
     from hf_meshtune.dp.diloco import StreamingDiLoCo
@@ -3956,6 +3969,22 @@ def _cases() -> list[Case]:
             follower_given_unknown_fragment,
             ValueError,
             "update.fragment=3 is invalid: it must lie in [0, 1)",
+        ),
+        Case(
+            INTERNALS,
+            "an int8 outer update of the wrong size on the anchor link",
+            "`Int8Codes.unpack`",
+            int8_sync_unpacked(100),
+            ValueError,
+            "int8 sync size=100 is invalid: it must equal 261 words for rounds of [1000] values",
+        ),
+        Case(
+            INTERNALS,
+            "an int8 outer update coded by 0 replicas",
+            "`Int8Codes.unpack`",
+            int8_sync_unpacked(261, 0.0),
+            ValueError,
+            "int8 sync participants=0 is invalid: it must lie in [1, 127]",
         ),
         Case(
             INTERNALS,

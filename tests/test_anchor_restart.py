@@ -3,7 +3,7 @@ restarts with it (``comm.pairlink``).
 
 A real 3×2 mesh on ``meshtune launch --max-restarts 1`` (``tests/scripts/mesh_run.py``): fast replicas 0
 and 1, the anchor replica 2, each replica a gloo world of its own, Streaming DiLoCo + PowerSGD through
-a torchft lighthouse, the anchor's gradients over one gloo pair per (anchor stage, fast stage). Two
+a torchft lighthouse (int8 codes), the anchor's gradients over one gloo pair per (anchor stage, fast stage). Two
 runs: fast replica 0's stage 1 (mesh rank 1, the stage that forwards every outer update to the anchor)
 is SIGKILLed at step 10, or the anchor's stage 1 (mesh rank 5) is.
 """
@@ -25,7 +25,9 @@ pytestmark = pytest.mark.slow  # real launches with kills and restarts
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS, KILL_AT, EVERY = 60, 10, 4
-ANCHOR = '{"anchor": true, "anchor_every": %d}' % EVERY
+# int8 DiLoCo codes: the updates fast replica 0 forwards travel as their codes (dp.quantize.Int8Codes), which
+# the anchor must replay bitwise across a restart of either end
+ANCHOR = '{"anchor": true, "anchor_every": %d, "dp_quantize": "int8"}' % EVERY
 
 
 def _step(out: Path, rank: int) -> int:

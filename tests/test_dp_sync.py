@@ -655,6 +655,56 @@ def test_a_follower_loading_a_sync_mid_run_then_replaying_the_rest_ends_on_globa
                 assert torch.equal(got, want), (done, f)
 
 
+@pytest.mark.parametrize("fixture", ["int8_run", "powersgd_int8_run"])
+def test_an_int8_update_travels_to_the_anchor_as_its_codes_and_the_follower_ends_on_global_parameters(fixture, request):
+    """With int8 codes fast replica 0 forwards each committed sync as it travelled (``Int8Codes.pack``):
+    the anchor rebuilds the replicas' tensors bitwise from it and its follower ends on θ_global exactly,
+    the payload is a byte per value (a quarter of the float32 tensors) plus the block maxima."""
+    from hf_meshtune.anchor.follower import read_update, update_numel
+
+    run = request.getfixturevalue(fixture)
+    rank = RANK if fixture == "powersgd_int8_run" else None
+    shapes = [[torch.Size(s) for s in fragment] for fragment in run[0]["shapes"]]
+    follower = OuterFollower(_fragments(_model(0)), outer_lr=LR, outer_momentum=MU)
+    for sync in run[0]["syncs"]:
+        update = sync["update"]
+        assert update.codes is not None and update.codes.participants == 3
+        payload = update.codes.pack().clone()  # what the link carries: float32 words
+        fragment = shapes[update.fragment]
+        assert payload.numel() == update_numel(fragment, rank, "int8")
+        rebuilt = read_update(payload, update.fragment, update.step, fragment, rank, "int8")
+        assert len(rebuilt.tensors) == len(update.tensors)
+        assert all(torch.equal(a, b) for a, b in zip(rebuilt.tensors, update.tensors))
+        rounds = update.codes.rounds  # a byte per code, 4 per block of 256 and 4 for the count of replicas
+        assert len(rounds) == (2 if rank else 1)
+        assert all(c.dtype == torch.int8 and c.numel() == 256 * m.numel() for c, m in rounds)
+        assert payload.numel() * 4 == 4 + sum(c.numel() + 4 * m.numel() for c, m in rounds)
+        follower.apply(rebuilt)
+    for f in range(FRAGMENTS):
+        for got, want in zip(_flat(follower.fragments)[f], run[0]["global"][f]):
+            assert torch.equal(got, want), f
+
+
+def test_int8_codes_pack_every_byte_as_it_is_and_refuse_a_payload_of_the_wrong_size():
+    """The codes travel as the bytes of float32 words: all 256 byte values, NaN and infinity patterns among
+    the words, come back unchanged through a copy, and a payload that does not fit the rounds is refused."""
+    from hf_meshtune.dp.quantize import Int8Codes, coded_words
+
+    codes = torch.arange(-128, 128, dtype=torch.int8).repeat(4)  # 1,024 codes: 4 blocks
+    codes[:4] = torch.tensor([1, 0, -128, 127], dtype=torch.int8)  # 0x7f800001 little-endian: a signalling NaN
+    scales = torch.rand(4)
+    sent = Int8Codes(5, [(codes, scales)]).pack()
+    assert sent.numel() == coded_words([1000]) == 1 + 256 + 4 and torch.isnan(sent[1])
+    got = Int8Codes.unpack(torch.cat([sent[:100], sent[100:]]), [1000])  # copied, as a link's chunks are
+    ((back, back_scales),) = got.rounds
+    assert got.participants == 5 and torch.equal(back, codes) and torch.equal(back_scales, scales)
+    with pytest.raises(ValueError, match=r"int8 sync size=261 is invalid: it must equal 326 words for rounds"):
+        Int8Codes.unpack(sent, [1000, 10])
+    sent[0] = 0.0
+    with pytest.raises(ValueError, match=r"int8 sync participants=0 is invalid: it must lie in \[1, 127\]"):
+        Int8Codes.unpack(sent, [1000])
+
+
 def test_a_sync_holds_two_tensors_per_parameter_of_every_fragment(powersgd_run):
     from hf_meshtune.anchor.follower import sync_shapes
 

@@ -66,7 +66,7 @@ def test_diloco_powersgd_by_hand():
 
 def test_int8_dp_by_hand():
     """int8 codes: a byte per value of every DP all-reduce (PowerSGD's factors too) plus a float32 maximum per
-    256 values. The anchor is not in it (it gets the decoded average in grad_dtype)."""
+    256 values."""
     led = compute_ledger(SHAPES, H, tiny(sync_every=4, dp_quantize="int8"))
     # P = 72 dense elements at 1 + 4/256 B: dp = 2 * 2 * 72 * (1 + 1/64) / (3 * 10 * 4)
     assert led.dp == pytest.approx(2 * 2 * 72 * (1 + 1 / 64) / 120)
@@ -96,6 +96,12 @@ def test_anchor_gradient_payload_by_hand():
     # Dense reference: same 4 x 3 mesh and global batch, X_f * T = 30 tokens over 4 replicas:
     # T_ref = round(7.5) = 8; pp = 2 * 10 * 2 = 40 each way; dp = 2 * 3 * 72 * 2 / (4 * 8) = 27.
     assert led.dense_total == pytest.approx(107.0)
+
+
+def test_the_anchor_is_forwarded_int8_outer_updates_in_their_codes():
+    led = compute_ledger(SHAPES, H, anchored(anchor_payload="gradient", dp_quantize="int8"))
+    # (ii) the outer update as the ring carried it: P = 52 values at 1 + 4/256 B per sync / (X_f * T * S)
+    assert led.anchor == pytest.approx(PIPELINE + 52 * (1 + 1 / 64) / 120 + 408 / 150)
 
 
 def test_anchor_factor_payload_by_hand():

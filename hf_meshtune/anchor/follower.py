@@ -8,17 +8,20 @@ replicas' θ_global after every sync, bitwise on the same kernels.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
 from torch import nn
 
 from .._validation import require
+from ..comm.messages import unflatten
 from ..dp.outer import OuterUpdate, apply_outer_step, check_outer, outer_optimizer
 from ..dp.powersgd import PowerSGD
+from ..dp.quantize import Int8Codes, coded_words
 from ..runtime.memory import tensor_bytes
 
-__all__ = ["OuterFollower", "sync_shapes", "update_shapes"]
+__all__ = ["OuterFollower", "read_update", "sync_shapes", "update_numel", "update_shapes"]
 
 
 class OuterFollower:
@@ -50,7 +53,9 @@ class OuterFollower:
         params = self._params[update.fragment]
         kept = [p.grad for p in params]
         grads = update.pseudo_gradients([p.shape for p in params])
-        apply_outer_step(params, [g.to(p.device) for p, g in zip(params, grads)], self._optimizers[update.fragment])
+        apply_outer_step(
+            params, [g.to(p.device, p.dtype) for p, g in zip(params, grads)], self._optimizers[update.fragment]
+        )
         for p, g in zip(params, kept):
             p.grad = g
 
@@ -96,3 +101,39 @@ def update_shapes(shapes: Sequence[torch.Size], rank: int | None) -> list[tuple[
         else:
             out.append(tuple(shape))
     return out
+
+
+def _rounds(shapes: Sequence[torch.Size], rank: int | None) -> list[int]:
+    """Values of each int8 round of a sync (``dp.diloco``): the P factors with the dense tensors, then the Q
+    factors."""
+    codec = PowerSGD(rank) if rank is not None else None
+    first = second = 0
+    for shape in shapes:
+        if codec is not None and codec.compresses(shape):
+            first, second = first + shape[0] * rank, second + shape[1] * rank
+        else:
+            first += math.prod(shape)
+    return [first, second]
+
+
+def update_numel(shapes: Sequence[torch.Size], rank: int | None, quantize: str | None) -> int:
+    """Float32 words of a fragment's outer update on the anchor link: its wire tensors (``update_shapes``), or
+    with int8 codes the packed codes (``dp.quantize.Int8Codes.pack``)."""
+    if quantize is not None:
+        return coded_words(_rounds(shapes, rank))
+    return sum(math.prod(shape) for shape in update_shapes(shapes, rank))
+
+
+def read_update(
+    payload: torch.Tensor,
+    fragment: int,
+    step: int,
+    shapes: Sequence[torch.Size],
+    rank: int | None,
+    quantize: str | None,
+) -> OuterUpdate:
+    """The ``OuterUpdate`` of fragment ``fragment`` from its anchor-link payload (``AnchorLink.forward``)."""
+    if quantize is not None:
+        codes = Int8Codes.unpack(payload, _rounds(shapes, rank))
+        return OuterUpdate.from_codes(fragment, step, codes, shapes, rank)
+    return OuterUpdate(fragment=fragment, step=step, tensors=unflatten(payload, update_shapes(shapes, rank)), rank=rank)

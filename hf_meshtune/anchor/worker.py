@@ -51,7 +51,6 @@ from ..comm.messages import (
 from ..comm.pacing import chunks, pace_for
 from ..comm.pairlink import PairLinks
 from ..config import codec_ladder, codec_refit_every, composed_codec, is_governed, require_saved_knobs
-from ..dp.outer import OuterUpdate
 from ..optim.spectral import anchor_momentum
 from ..runtime.checkpoint import read_rank_state
 from ..runtime.results import MeshResult
@@ -59,7 +58,7 @@ from ..runtime.settings import Batches, RunSettings
 from ..runtime.stage import StageWorker
 from ..topology import MeshGroups
 from .circuit import rng_state, set_rng_state
-from .follower import OuterFollower, sync_shapes, update_shapes
+from .follower import OuterFollower, read_update, sync_shapes, update_numel
 from .geometry import refit_message
 from .governor import FidelityGovernor
 from .link import first_lockstep_snapshot
@@ -138,8 +137,8 @@ class AnchorWorker(StageWorker):
             raise MalformedHeader(
                 f"updates header fragment={header.fragment} is invalid: it must lie in [0, {len(self.fragment_shapes)})"
             )
-        shapes = update_shapes(self.fragment_shapes[header.fragment], self.settings.config.dp_powersgd_rank)
-        return sum(math.prod(shape) for shape in shapes)
+        cfg = self.settings.config
+        return update_numel(self.fragment_shapes[header.fragment], cfg.dp_powersgd_rank, cfg.dp_quantize)
 
     def _apply(self, message) -> None:
         header, payload = message
@@ -152,9 +151,11 @@ class AnchorWorker(StageWorker):
             self.awaits_sync = False
             self.syncs.append(header.step)
             return
-        rank = self.settings.config.dp_powersgd_rank
-        tensors = unflatten(payload, update_shapes(self.fragment_shapes[header.fragment], rank))
-        self.follower.apply(OuterUpdate(fragment=header.fragment, step=header.step, tensors=tensors, rank=rank))
+        cfg = self.settings.config
+        shapes = self.fragment_shapes[header.fragment]
+        self.follower.apply(
+            read_update(payload, header.fragment, header.step, shapes, cfg.dp_powersgd_rank, cfg.dp_quantize)
+        )
         self.applied_step = header.step
 
     def _advance_to(self, target: int) -> None:

@@ -38,7 +38,7 @@ from ..comm.wire import Wire
 from ..runtime.memory import tensor_bytes
 from .outer import OuterUpdate, check_outer, outer_optimizer
 from .powersgd import PowerSGD, is_int
-from .quantize import QUANTIZERS, Int8Sum
+from .quantize import QUANTIZERS, Int8Codes, Int8Sum
 
 __all__ = ["TORCHFT_INTERNALS", "AdvertisedHTTPTransport", "StreamingDiLoCo", "require_torchft_internals"]
 
@@ -116,6 +116,8 @@ class _CompressedFragment(_StreamingDiLoCoFragment):
         fragment._scales = None  # (block maxima, their MAX all-reduce) of the first int8 round in flight
         fragment._codes = None  # (int8 codes, block maxima) of the dense tensors, summed as perform_sync waits
         fragment._q_codes = None  # (names, int8 codes, block maxima) of the Q factors, summed likewise
+        fragment._rounds = []  # (summed codes, block maxima) of every int8 round of the sync in flight
+        fragment._participants = 0  # replicas coding the sync in flight (int8)
         fragment._factors = {}
         fragment._update = None
         fragment._pending = []  # (bucket views, its all-reduce) holding P factors, not yet turned into Q
@@ -211,8 +213,10 @@ class _CompressedFragment(_StreamingDiLoCoFragment):
         if self._scales is not None:
             (scales, work), self._scales = self._scales, None
             work.wait()
-            codes = self._quantizer.codes(scales, self._manager.num_participants())
+            self._participants = self._manager.num_participants()
+            codes = self._quantizer.codes(scales, self._participants)
             summed = self._all_reduce(codes, ReduceOp.SUM)
+            self._rounds = [(codes, scales)]  # summed in place: the sync as it travelled (OuterUpdate.codes)
             if not any(kind == "p" for kind, _ in self._coded):
                 self._allreduce_work.append(summed)
                 self._codes = codes, scales
@@ -246,9 +250,10 @@ class _CompressedFragment(_StreamingDiLoCoFragment):
         keys = [self._key(name) + "/Q" for name, _ in items]
         scales = coder.start([(key, q) for key, (_, q) in zip(keys, items)], without_feedback=keys)
         self._all_reduce(scales, ReduceOp.MAX).wait()
-        codes = coder.codes(scales, self._manager.num_participants())
+        codes = coder.codes(scales, self._participants)
         self._allreduce_work.append(self._all_reduce(codes, ReduceOp.SUM))
         self._q_codes = [name for name, _ in items], codes, scales
+        self._rounds.append((codes, scales))
         for name, q in items:
             self._factors[name] = (orth[name], q)  # Q: replaced by the decoded average in _set_grads
 
@@ -288,6 +293,7 @@ class _CompressedFragment(_StreamingDiLoCoFragment):
             self._manager.current_step(),
             tensors,
             self._codec.rank if self._codec is not None else None,
+            Int8Codes(self._participants, self._rounds) if self._rounds else None,
         )
         for (name, _), grad in zip(named, update.pseudo_gradients([p.shape for _, p in named])):
             if name in self._factors:
@@ -304,6 +310,7 @@ class _CompressedFragment(_StreamingDiLoCoFragment):
             self._factors.clear()
             self._prepared = {}
             self._codes = self._scales = self._q_codes = None
+            self._rounds = []
             if self._codec is not None:
                 self._codec.discard()
             if self._quantizer is not None:

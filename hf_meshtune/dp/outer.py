@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from .._validation import require
-from .powersgd import PowerSGD, decode
+from .powersgd import PowerSGD, decode, orth_factor
+from .quantize import Int8Codes
 
 __all__ = ["OuterUpdate", "apply_outer_step", "check_outer", "outer_optimizer"]
 
@@ -39,13 +40,36 @@ class OuterUpdate:
     syncs of this stage have committed so far, this one included; fragment ``(step-1) % F`` is the one
     synced. ``tensors`` follow the fragment's parameter order: (P orthonormalised, Q averaged) for a
     compressed parameter, the averaged pseudo-gradient for a dense one. ``rank`` is r (None: no
-    compression).
+    compression). ``codes``: with int8 codes (``dp.quantize``), the sync as it travelled, a quarter of
+    the tensors' bytes: what the anchor is sent (``from_codes`` rebuilds the tensors from it).
     """
 
     fragment: int
     step: int
     tensors: list[torch.Tensor]
     rank: int | None = None
+    codes: Int8Codes | None = None
+
+    @classmethod
+    def from_codes(
+        cls, fragment: int, step: int, codes: Int8Codes, shapes: Sequence[Sequence[int]], rank: int | None
+    ) -> OuterUpdate:
+        """The update the replicas committed, rebuilt from its int8 codes with their arithmetic: the first
+        round decoded (P̄ and the dense averages), P̄ orthonormalised (``powersgd.orth_factor``), the
+        second round decoded (Q̄). Bitwise the replicas' tensors on the same kernels, in float32."""
+        codec = PowerSGD(rank) if rank is not None else None
+        squeezed = [codec is not None and codec.compresses(shape) for shape in shapes]
+        first = codes.average(0, [(s[0], rank) if c else tuple(s) for s, c in zip(shapes, squeezed)])
+        factors = [(s[1], rank) for s, c in zip(shapes, squeezed) if c]
+        second = iter(codes.average(1, factors) if factors else [])
+        tensors: list[torch.Tensor] = []
+        for average, compressed in zip(first, squeezed):
+            if compressed:
+                orth = orth_factor(average)
+                tensors += [orth, next(second).to(orth.dtype)]
+            else:
+                tensors.append(average)
+        return cls(fragment, step, tensors, rank, codes)
 
     def pseudo_gradients(self, shapes: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         """The averaged pseudo-gradient Δ̄ of each parameter, exactly as the replicas applied it.

@@ -40,6 +40,11 @@ def power_iteration(
     return p, all_reduce(m.T @ p)
 
 
+def orth_factor(p_avg: torch.Tensor) -> torch.Tensor:
+    """orth(P̄) in P̄'s dtype, computed in float32: the P every replica (and the anchor) decodes with."""
+    return _orthonormalise(p_avg.float()).to(p_avg.dtype)
+
+
 def decode(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """P·Qᵀ in float32, returned in the factors' dtype: the rank-r pseudo-gradient every replica applies."""
     return (p.float() @ q.float().T).to(p.dtype)
@@ -89,7 +94,7 @@ class PowerSGD:
 
     def q_factor(self, key: str, p_avg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """From the averaged P: (orth(P), Q = Mᵀ·orth(P)); Q goes to the second all-reduce."""
-        p = _orthonormalise(p_avg.float()).to(p_avg.dtype)
+        p = orth_factor(p_avg)
         return p, (self._m[key].T @ p.float()).to(p_avg.dtype)
 
     def commit(self, key: str, approx: torch.Tensor, q_avg: torch.Tensor) -> None:

@@ -16,7 +16,9 @@ Error feedback makes the rounding unbiased over syncs: what one sync rounds away
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +26,7 @@ import torch.nn.functional as F
 from .._validation import require
 from ..config import DP_QUANT_BLOCK, DP_QUANTIZERS
 
-__all__ = ["BLOCK", "QUANTIZERS", "Int8Sum"]
+__all__ = ["BLOCK", "QUANTIZERS", "Int8Codes", "Int8Sum", "coded_words"]
 
 BLOCK = DP_QUANT_BLOCK  # values per shared scale: the scales add 4 / 256 bytes per value (1.6 % of the codes)
 QUANTIZERS = DP_QUANTIZERS
@@ -34,6 +36,74 @@ def levels(participants: int) -> int:
     """L = ⌊127 / n⌋: the largest code, so that n codes sum inside int8."""
     require(1 <= participants <= 127, "participants", participants, "lie in [1, 127] for int8 pseudo-gradients")
     return 127 // participants
+
+
+def average(summed: torch.Tensor, scales: torch.Tensor, participants: int, shapes, block: int = BLOCK) -> list:
+    """The average Σq · s / (n · L) of summed codes (padded to whole blocks), as float32 tensors of ``shapes``."""
+    n = participants
+    flat = (summed.float().view(-1, block) * (scales.float().unsqueeze(1) / (n * levels(n)))).reshape(-1)
+    out, start = [], 0
+    for shape in shapes:
+        size = math.prod(shape)
+        out.append(flat[start : start + size].view(*shape))
+        start += size
+    return out
+
+
+def _padded(numel: int, block: int) -> int:
+    return -(-numel // block) * block
+
+
+def coded_words(numels: Sequence[int], block: int = BLOCK) -> int:
+    """Float32 words of ``Int8Codes.pack`` for rounds of ``numels`` values: the count of replicas, then per
+    round its codes padded to whole blocks (4 to a word) and a word per block (its maximum)."""
+    return 1 + sum(_padded(n, block) // 4 + _padded(n, block) // block for n in numels if n)
+
+
+@dataclass
+class Int8Codes:
+    """A committed int8 sync as it travelled: per all-reduce round (the P factors with the dense tensors,
+    then the Q factors if PowerSGD compresses any) its summed int8 codes and float32 block maxima, and the
+    number of replicas n that coded it. An observer decodes it with the replicas' own arithmetic
+    (``average``), so it needs a quarter of the bytes of the decoded float32 tensors."""
+
+    participants: int
+    rounds: list[tuple[torch.Tensor, torch.Tensor]]
+
+    def average(self, round_index: int, shapes) -> list[torch.Tensor]:
+        codes, scales = self.rounds[round_index]
+        return average(codes, scales, self.participants, shapes, codes.numel() // scales.numel())
+
+    def pack(self) -> torch.Tensor:
+        """One float32 tensor of the sync (the anchor link's payload): n, then each round's codes (their
+        bytes, 4 to a word) and block maxima. The code words are bytes, never arithmetic: they travel
+        and are copied as they are."""
+        parts = [torch.tensor([float(self.participants)])]
+        for codes, scales in self.rounds:
+            parts += [codes.contiguous().view(torch.float32), scales.float()]
+        return torch.cat(parts)
+
+    @classmethod
+    def unpack(cls, words: torch.Tensor, numels: Sequence[int], block: int = BLOCK) -> Int8Codes:
+        """The inverse of ``pack`` for rounds of ``numels`` values (a round of 0 values was not sent)."""
+        require(
+            words.numel() == coded_words(numels, block),
+            "int8 sync size",
+            words.numel(),
+            f"equal {coded_words(numels, block)} words for rounds of {list(numels)} values",
+        )
+        participants = int(words[0].item())
+        require(1 <= participants <= 127, "int8 sync participants", participants, "lie in [1, 127]")
+        rounds, start = [], 1
+        for n in numels:
+            if not n:
+                continue
+            padded = _padded(n, block)
+            codes = words[start : start + padded // 4].contiguous().view(torch.int8)
+            start += padded // 4
+            rounds.append((codes, words[start : start + padded // block]))
+            start += padded // block
+        return cls(participants, rounds)
 
 
 class Int8Sum:
@@ -79,15 +149,7 @@ class Int8Sum:
 
     def decode(self, summed: torch.Tensor, scales: torch.Tensor) -> list[torch.Tensor]:
         """The average Σq · s / (n · L), as float32 tensors of the started shapes."""
-        n = self._participants
-        avg = summed.float().view(-1, self.block) * (scales.float().unsqueeze(1) / (n * levels(n)))
-        flat = avg.reshape(-1)
-        out, start = [], 0
-        for shape in self._shapes:
-            size = shape.numel()
-            out.append(flat[start : start + size].view(shape))
-            start += size
-        return out
+        return average(summed, scales, self._participants, self._shapes, self.block)
 
     def commit(self) -> None:
         """The sync was applied: e ← M − q · s / L for every tensor of the round with error feedback."""
