@@ -250,3 +250,17 @@ def test_the_dp_sweep_refuses_a_variant_it_does_not_have(capsys):
         main(["--only", "dense,dp_r5"])
     assert exit_.value.code == 2
     assert "--only ['dp_r5']: name variants of ['dense', 'dp_r4', 'dp_r16'" in capsys.readouterr().err
+
+
+def test_equal_quality_counts_the_first_saved_step_at_the_target_and_refuses_bad_budgets(capsys):
+    from benchmarks.wan.equal_quality import main, reached
+
+    curve = {0: 6.2, 10: 1.1, 20: 0.85, 30: 0.84, 40: 0.86}
+    assert (reached(curve, 0.85), reached(curve, 0.845), reached(curve, 0.8)) == (20, 30, None)
+    with pytest.raises(SystemExit) as exit_:
+        main(["--budgets", "80,5"])
+    assert exit_.value.code == 2
+    assert "--budgets '80,5': give step counts of at least 10" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--rows", "default_ap"])
+    assert "--rows ['default_ap']: name synchronous rows timed in" in capsys.readouterr().err

@@ -1,0 +1,218 @@
+"""How much sooner than Dense a row reaches Dense's final quality when it may train longer: the WAN benchmark's
+80-step table leaves the figure undefined (no compressed row reaches Dense's final held-out loss in 80 steps),
+so here the default row, and the peer a user would pick instead (torchft DiLoCo), train with longer step
+budgets, each with the benchmark's own schedule stretched over the budget (warm-up a tenth, cosine to 0.1×),
+on the same data in the same order, next to Dense's 80 steps in the same run.
+
+    sudo .venv/bin/python -m benchmarks.wan.equal_quality   # ≈ 25 min on 2 idle CPU cores, after run.py
+
+Quality does not depend on the links for these synchronous rows, so every run trains on compute-bound links
+(10 Gbit/s, no delay) and is timed with its row's steady-state step on the shaped links from the committed
+``results/wan.json`` (same machine, same code: run.py's shaped timing window). Time to Dense's quality for one
+budget = the first saved step (every 10) whose held-out loss is at or below Dense's final loss × that step
+time; a row's figure is its best budget's. Dense's own time is its 80 steps at its shaped step time.
+Runs are cached in the WAN benchmark's work folder (``run._run``: the 80-step runs are run.py's own quality
+runs, the others phase ``budget<B>``); ``equal_quality.json`` is written after every run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from hf_meshtune.apps.assets import cache_dir
+
+from . import netns
+from .rows import ROWS, Shape
+from .run import COMPUTE_LINKS, RESULTS, _fmt, _run, cpu_machine, evaluate, final_loss, generated_by, load_data
+
+DENSE_STEPS = 80  # run.py's steps: Dense's final quality is the target
+BUDGETS = (80, 100, 120, 160)
+ROW_NAMES = ("default", "torchft_diloco")
+
+
+def reached(curve: dict[int, float], target: float) -> int | None:
+    """First saved step whose held-out loss is at or below ``target`` (None: not within the run)."""
+    return next((s for s in sorted(curve) if curve[s] <= target), None)
+
+
+def summarize(report: dict, shaped: dict) -> dict:
+    """Per row and budget: final loss, first step at Dense's final loss, the time that takes on the shaped
+    links; per row, its best budget and the speedup over Dense at Dense's final quality."""
+    dense_curve = {int(k): v for k, v in report["runs"]["dense"][str(DENSE_STEPS)]["eval_loss"].items()}
+    target = dense_curve[DENSE_STEPS]
+    dense_time = DENSE_STEPS * shaped["dense"]["step_seconds"]
+    rows = {}
+    for name, budgets in report["runs"].items():
+        if name == "dense":
+            continue
+        step_s = shaped[name]["step_seconds"]
+        per_budget = {}
+        for budget, ev in budgets.items():
+            curve = {int(k): v for k, v in ev["eval_loss"].items()}
+            step = reached(curve, target)
+            per_budget[budget] = {
+                "final_eval_loss": final_loss(ev),
+                "exact_match": ev["exact_match"],
+                "steps_to_dense_quality": step,
+                "time_to_quality_s": None if step is None else step * step_s,
+            }
+        times = [(b["time_to_quality_s"], budget) for budget, b in per_budget.items() if b["time_to_quality_s"]]
+        best = min(times) if times else None
+        rows[name] = {
+            "label": ROWS[name].label,
+            "peer": ROWS[name].peer,
+            "shaped_step_seconds": step_s,
+            "budgets": per_budget,
+            "best_budget": None if best is None else best[1],
+            "time_to_quality_s": None if best is None else best[0],
+            "speedup_at_dense_quality": None if best is None else dense_time / best[0],
+        }
+    return {
+        "target_eval_loss": target,
+        "dense_time_to_quality_s": dense_time,
+        "dense_shaped_step_seconds": shaped["dense"]["step_seconds"],
+        "rows": rows,
+    }
+
+
+def write_report(report: dict, summary: dict, out: Path) -> None:
+    lines = [
+        "# Time to Dense's final quality with longer step budgets",
+        "",
+        generated_by("equal_quality", report) + f", {report['seconds'] / 60:.0f} min. Target: Dense's held-out "
+        f"loss after its {DENSE_STEPS} steps, {summary['target_eval_loss']:.4f} (this run; results/wan.json's "
+        f"Dense: {report['wan_dense_final']:.4f}). Dense's time to it: {DENSE_STEPS} × "
+        f"{summary['dense_shaped_step_seconds']:.3f} s = {summary['dense_time_to_quality_s']:,.1f} s on the "
+        "shaped links. Every other run trains the row for the budget's steps with the benchmark's schedule "
+        "stretched over them (warm-up a tenth, cosine to 0.1×), same data and order, on compute-bound links; "
+        "its time = the first saved step (every 10) at or below the target × the row's steady-state step on "
+        "the shaped links (results/wan.json, run.py's timing window). Speedup = Dense's time over the row's "
+        "best budget's.",
+        "",
+        "| row | budget (steps) | final eval loss | exact match | steps to Dense's loss | shaped step s | "
+        "time to Dense's loss (s) | speedup at Dense's quality |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    dense_ev = report["runs"]["dense"][str(DENSE_STEPS)]
+    lines.append(
+        f"| Dense | {DENSE_STEPS} | {final_loss(dense_ev):.4f} | {dense_ev['exact_match']:.0%} | {DENSE_STEPS} | "
+        f"{summary['dense_shaped_step_seconds']:.3f} | {summary['dense_time_to_quality_s']:,.1f} | 1.00× |"
+    )
+    for name, r in summary["rows"].items():
+        for budget, b in r["budgets"].items():
+            best = budget == r["best_budget"]
+            speedup = summary["dense_time_to_quality_s"] / b["time_to_quality_s"] if b["time_to_quality_s"] else None
+            lines.append(
+                f"| {r['label']}{' (peer)' if r['peer'] else ''} | {budget} | {b['final_eval_loss']:.4f} | "
+                f"{b['exact_match']:.0%} | {_fmt(b['steps_to_dense_quality'], 'd', 'not reached')} | "
+                f"{r['shaped_step_seconds']:.3f} | {_fmt(b['time_to_quality_s'], ',.1f')} | "
+                f"{'**' if best else ''}{_fmt(speedup, '.2f')}{'×' if speedup else ''}{'**' if best else ''} |"
+            )
+    lines += ["", "Held-out loss along each run (steps 0, 10, …):", ""]
+    for name, budgets in report["runs"].items():
+        for budget, ev in budgets.items():
+            curve = ", ".join(f"{v:.3f}" for _, v in sorted((int(k), v) for k, v in ev["eval_loss"].items()))
+            lines.append(f"- {ROWS[name].label}, {budget} steps: {curve}")
+    lines.append("")
+    (out / "equal_quality.md").write_text("\n".join(lines))
+    _plot(report, summary, out)
+
+
+def _plot(report: dict, summary: dict, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.8))
+    steps_s = {"dense": summary["dense_shaped_step_seconds"]}
+    steps_s |= {name: r["shaped_step_seconds"] for name, r in summary["rows"].items()}
+    for name, budgets in report["runs"].items():
+        for budget, ev in budgets.items():
+            curve = sorted((int(k), v) for k, v in ev["eval_loss"].items() if int(k) > 0)
+            ax.plot(
+                [s * steps_s[name] for s, _ in curve],
+                [v for _, v in curve],
+                marker=".",
+                label=f"{ROWS[name].label}, {budget} steps",
+            )
+    ax.axhline(summary["target_eval_loss"], color="gray", ls="--", lw=0.8, label="Dense final")
+    ax.set_xscale("log")
+    ax.set_ylim(top=1.6)
+    ax.set_xlabel("simulated wall-clock on the shaped links (s) = step × steady-state step time")
+    ax.set_ylabel("held-out loss on the answer tokens (dense model)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "equal_quality.png", dpi=110)
+    plt.close(fig)
+
+
+def _budgets(text: str) -> list[int] | None:
+    """The step budgets in ``--budgets`` (None: not a list of step counts of at least 10)."""
+    try:
+        budgets = [int(b) for b in text.split(",") if b]
+    except ValueError:
+        return None
+    return budgets if budgets and all(b >= 10 for b in budgets) else None
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.wan.equal_quality")
+    parser.add_argument("--work", default=str(cache_dir() / "wan"), help="run folders and token data (shared)")
+    parser.add_argument("--budgets", default=",".join(map(str, BUDGETS)), help="step budgets, comma-separated")
+    parser.add_argument("--rows", default=",".join(ROW_NAMES), help="rows trained at every budget")
+    parser.add_argument("--save-every", type=int, default=10)
+    parser.add_argument("--eval-items", type=int, default=Shape().n_eval)
+    parser.add_argument("--out", default=str(RESULTS))
+    parser.add_argument("--report", action="store_true", help="only rebuild the table and plot from OUT's json")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    wan = json.loads((out / "wan.json").read_text())
+    shaped = wan["phases"]["shaped"]
+    names = [n for n in args.rows.split(",") if n]
+    unusable = [n for n in names if n not in shaped or "error" in shaped[n] or ROWS[n].anchor]
+    if unusable:
+        parser.error(f"--rows {unusable}: name synchronous rows timed in {out / 'wan.json'}")
+    if args.report:
+        report = json.loads((out / "equal_quality.json").read_text())
+        write_report(report, summarize(report, shaped), out)
+        return
+    budgets = _budgets(args.budgets)
+    if budgets is None:
+        parser.error(f"--budgets {args.budgets!r}: give step counts of at least 10, comma-separated, e.g. 80,120")
+    netns.require_root()
+    work = Path(args.work)
+    data_path, data = load_data(work)
+    report = {
+        "machine": cpu_machine(),
+        "eval_items": args.eval_items,
+        "wan_dense_final": final_loss(wan["eval"]["dense"]),
+        "runs": {},
+    }
+    started = time.perf_counter()
+    plan = [("dense", DENSE_STEPS)] + [(name, budget) for name in names for budget in budgets]
+    netns.up(8, COMPUTE_LINKS["rate_mbit"], COMPUTE_LINKS["delay_ms"])
+    try:
+        for name, budget in plan:
+            # run.py's own quality runs are these at 80 steps: its cached runs are kept (run._run)
+            phase = "compute" if budget == DENSE_STEPS else f"budget{budget}"
+            result = _run(phase, name, work, data_path, budget, args.save_every, COMPUTE_LINKS)
+            if "error" in result:
+                raise RuntimeError(f"{name}, {budget} steps: {result['error']}")
+            ev = evaluate(str(work / phase / name), data, args.eval_items)
+            report["runs"].setdefault(name, {})[str(budget)] = ev
+            report["seconds"] = time.perf_counter() - started
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "equal_quality.json").write_text(json.dumps(report, indent=1))
+            if len(report["runs"]) > 1:
+                write_report(report, summarize(report, shaped), out)
+            print(f"[equal_quality] {name}, {budget} steps: eval loss {final_loss(ev):.4f}", flush=True)
+    finally:
+        netns.down()
+
+
+if __name__ == "__main__":
+    main()
