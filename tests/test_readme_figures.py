@@ -110,6 +110,9 @@ def test_the_soak_table_is_its_committed_run():
     assert all(row in _rows(written) for row in quoted), quoted  # and every row the README quotes is the run's
 
 
+EQUAL_QUALITY = "\n### Time to Dense's quality with a longer step budget\n"
+
+
 def test_the_wan_report_is_its_committed_run_and_the_readme_rounds_its_numbers(tmp_path):
     from benchmarks.wan.run import write_report
 
@@ -121,7 +124,8 @@ def test_the_wan_report_is_its_committed_run_and_the_readme_rounds_its_numbers(t
     source = {row.split("|")[1].strip(): row for row in _rows(written)}
     labels = {"torch PowerSGD hook (DDP)": "PowerSGD hook (DDP)"}
     checked = 0
-    for row in _rows(_section("## WAN benchmark: measured throughput over shaped links")):
+    main_table = _section("## WAN benchmark: measured throughput over shaped links").split(EQUAL_QUALITY)[0]
+    for row in _rows(main_table):
         label = row.split("|")[1].strip()
         match = next((s for name, s in source.items() if name.startswith(labels.get(label, label))), None)
         if match is None or label in ("", "row"):
@@ -250,6 +254,21 @@ def test_the_dp_sweep_refuses_a_variant_it_does_not_have(capsys):
         main(["--only", "dense,dp_r5"])
     assert exit_.value.code == 2
     assert "--only ['dp_r5']: name variants of ['dense', 'dp_r4', 'dp_r16'" in capsys.readouterr().err
+
+
+def test_the_equal_quality_table_is_its_committed_run_and_the_readme_quotes_it(tmp_path):
+    from benchmarks.wan.equal_quality import summarize, write_report
+
+    results = ROOT / "benchmarks/wan/results"
+    report = json.loads((results / "equal_quality.json").read_text())
+    shaped = json.loads((results / "wan.json").read_text())["phases"]["shaped"]
+    summary = summarize(report, shaped)
+    write_report(report, summary, tmp_path)
+    written = (tmp_path / "equal_quality.md").read_text()
+    assert (results / "equal_quality.md").read_text() == written
+    # the target is the WAN table's Dense (the same run again), and the README quotes the whole table
+    assert summary["target_eval_loss"] == report["wan_dense_final"]
+    assert _rows(_section(EQUAL_QUALITY.strip()).split("\n## ")[0]) == _rows(written)  # up to the next section
 
 
 def test_equal_quality_counts_the_first_saved_step_at_the_target_and_refuses_bad_budgets(capsys):
