@@ -4,7 +4,7 @@ so here the default row, and the peer a user would pick instead (torchft DiLoCo)
 budgets, each with the benchmark's own schedule stretched over the budget (warm-up a tenth, cosine to 0.1×),
 on the same data in the same order, next to Dense's 80 steps in the same run.
 
-    sudo .venv/bin/python -m benchmarks.wan.equal_quality   # ≈ 25 min on 2 idle CPU cores, after run.py
+    sudo .venv/bin/python -m benchmarks.wan.equal_quality   # ≈ 21 min on 2 idle CPU cores (≈ 16 after run.py)
 
 Quality does not depend on the links for these synchronous rows, so every run trains on compute-bound links
 (10 Gbit/s, no delay) and is timed with its row's steady-state step on the shaped links from the committed

@@ -10,6 +10,6 @@ PY=${PYTHON:-.venv/bin/python}
 "$PY" -m benchmarks.wan.micro          # masking share of a step, SpectralAdamW vs AdamW, optimizer memory (~4 min)
 "$PY" -m benchmarks.wan.dp_sweep       # which DP sync keeps the fine-tune's quality, at what bytes (~30 min)
 "$PY" -m benchmarks.wan.run            # every row fine-tunes on shaped links: tokens/s, bytes/token, quality (~50 min)
-"$PY" -m benchmarks.wan.equal_quality  # longer step budgets: time to Dense's final quality (~17 min; after run: its runs and timings)
+"$PY" -m benchmarks.wan.equal_quality  # longer step budgets: time to Dense's final quality (~16 min; after run: its runs and timings)
 "$PY" -m benchmarks.wan.anchor_pacing  # fast step times without the anchor, with it, with its link capped (~11 min; after run: its links)
 "$PY" -m benchmarks.wan.throughput     # where the default's shaped step goes: more microbatches, overlapped DP syncs (~25 min)
