@@ -283,3 +283,14 @@ def test_equal_quality_counts_the_first_saved_step_at_the_target_and_refuses_bad
     with pytest.raises(SystemExit):
         main(["--rows", "default_ap"])
     assert "--rows ['default_ap']: name synchronous rows timed in" in capsys.readouterr().err
+
+
+def test_the_throughput_md_is_written_from_its_committed_json(tmp_path):
+    from benchmarks.wan.throughput import write_report
+    from hf_meshtune.config import DEFAULT_DP_POWERSGD_RANK, DEFAULT_DP_QUANTIZE
+
+    report = json.loads((ROOT / "benchmarks/wan/results/throughput.json").read_text())
+    write_report(report, tmp_path)
+    assert (ROOT / "benchmarks/wan/results/throughput.md").read_text() == (tmp_path / "throughput.md").read_text()
+    # it measured the library's default DP, as the README says
+    assert report["dp"] == {"rank": DEFAULT_DP_POWERSGD_RANK, "quantize": DEFAULT_DP_QUANTIZE}

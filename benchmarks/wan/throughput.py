@@ -1,13 +1,14 @@
 """Where the default row's step goes on shaped links, and what more microbatches and overlapped DP syncs change.
 
-    sudo .venv/bin/python -m benchmarks.wan.throughput   # ≈ 20 min on 2 idle cores; results/throughput.{json,md}
+    sudo .venv/bin/python -m benchmarks.wan.throughput   # ≈ 25 min on 2 idle cores; results/throughput.{json,md}
 
 The WAN benchmark's default row is compute-bound by its bytes (the ideal its bytes allow is its compute-bound
-speed), yet on the shaped links it ran at 58 % of it. Two costs that the bytes-only ideal does not see:
+speed), yet on the shaped links it runs at well under it (``wan.md``'s share of ideal). Two costs that the
+bytes-only ideal does not see:
 
 - **The pipeline's crossings.** Stage 1 cannot start before the first microbatch's activations have crossed
   the link, stage 0 cannot finish before the last microbatch's gradients have; with 2 microbatches one crossing
-  (118 kB at 5.19 Mbit/s: 0.18 s) is longer than a microbatch's compute, so the links set the step. More,
+  (118 kB: 0.23 s at 4.14 Mbit/s) is longer than a microbatch's compute, so the links set the step. More,
   smaller microbatches put less of a crossing on that path, at the price of smaller matrix products.
 - **The DiLoCo sync's step.** A fragment sync's all-reduces run over the shaped links inside one step; with
   ``dp_sync_delay`` = τ the averaged update lands τ inner steps later and its all-reduces overlap them (the
@@ -53,14 +54,15 @@ def by_position(out: Path, row: str, warm: int) -> list[float]:
 
 
 def write_report(report: dict, out: Path) -> None:
-    links = report["links"]
+    links, dp = report["links"], report["dp"]
     lines = [
         "# The default row's step on shaped links: more microbatches, overlapped DP syncs",
         "",
         generated_by("throughput", report) + f", {report.get('seconds', 0) / 60:.0f} min. "
         f"Shaped links: {links['rate_mbit']:.3f} Mbit/s, one-way delay {links['delay_ms']:.2f} ms ({links['source']})"
-        f"; compute-bound: 10 Gbit/s, no delay. The default row (outliers8+int8 boundaries, DiLoCo + rank-32 "
-        "PowerSGD, S = 20 in 2 fragments, 3 fast replicas × 2 stages, the pretrained tiny Llama on the arithmetic "
+        f"; compute-bound: 10 Gbit/s, no delay. The default row (outliers8+int8 boundaries, DiLoCo + rank-"
+        f"{dp['rank']} PowerSGD in {dp['quantize'] + ' codes' if dp['quantize'] else 'float32'}, S = 20 in 2 "
+        "fragments, 3 fast replicas × 2 stages, the pretrained tiny Llama on the arithmetic "
         f"task), 8 rows × 104 positions per replica step in every variant; quality from a {report['steps']}-step "
         f"compute-bound run, shaped tokens/s from a {report['window']}-step window. Share: shaped over compute-bound "
         "tokens/s (for these rows the ideal their bytes allow is their compute-bound speed).",
@@ -104,6 +106,7 @@ def main(argv: list[str] | None = None) -> None:
         "window": args.window,
         "links": links,
         "machine": cpu_machine(),
+        "dp": {"rank": ROWS["default"].powersgd_rank, "quantize": ROWS["default"].dp_quantize},
     }
     report.setdefault("rows", {})
     started = time.perf_counter()
