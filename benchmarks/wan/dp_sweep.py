@@ -31,7 +31,7 @@ from .run import COMPUTE_LINKS, RESULTS, _run, cpu_machine, evaluate, final_loss
 
 def _line(name: str, result: dict, ev: dict, dense_final: float | None) -> str:
     final = final_loss(ev)
-    gap = "" if dense_final is None else f"{(final - dense_final) / dense_final:+.1%}"
+    gap = "" if dense_final is None or name.startswith("dense") else f"{(final - dense_final) / dense_final:+.1%}"
     b = result["bytes_per_token"]
     return (
         f"| {ROWS[name].label} | {final:.4f} | {gap} | {ev['exact_match']:.0%} | {b['dp']:,.1f} | {b['total']:,.0f} |"
@@ -39,8 +39,10 @@ def _line(name: str, result: dict, ev: dict, dense_final: float | None) -> str:
 
 
 def write_report(report: dict, out: Path) -> None:
-    dense = report["rows"].get("dense")
-    dense_final = None if dense is None else final_loss(dense["eval"])
+    # each row against Dense at its own lr
+    dense = {
+        row["row"].get("lr"): final_loss(row["eval"]) for n, row in report["rows"].items() if n.startswith("dense")
+    }
     lines = [
         "# DP sync on the fine-tune: quality against bytes",
         "",
@@ -50,7 +52,9 @@ def write_report(report: dict, out: Path) -> None:
         f"(outliers8+int8 boundaries, 3 fast replicas × 2 stages, the pretrained tiny Llama on the arithmetic task, "
         f"{report['steps']} steps, compute-bound links) with its DP setting changed; Dense all-reduces the "
         "gradients every step. DiLoCo syncs in 2 fragments (one every S/2 steps); Nesterov: outer η = 0.7, "
-        "μ = 0.9 (MeshConfig's); averaging: η = 1, μ = 0. The pseudo-gradients travel in float32, or as int8 codes "
+        f"μ = 0.9 (MeshConfig's); averaging: η = 1, μ = 0. Every row's inner AdamW peaks at lr {Shape().lr:g} "
+        "(the quality benchmark's) unless it names another; vs Dense: against Dense at the same lr. The "
+        "pseudo-gradients travel in float32, or as int8 codes "
         "where the row says int8 (`dp_quantize`: every all-reduce, PowerSGD's factors included, a float32 scale "
         "per 256 values); the library's default is rank 128 in int8. Eval loss: held-out answer tokens at the last "
         "step; "
@@ -61,7 +65,7 @@ def write_report(report: dict, out: Path) -> None:
         "|---|---:|---:|---:|---:|---:|",
     ]
     for name, row in report["rows"].items():
-        lines.append(_line(name, row["run"], row["eval"], dense_final))
+        lines.append(_line(name, row["run"], row["eval"], dense.get(row["row"].get("lr"))))
     lines += ["", "Eval loss along the run (steps 0, 10, …):", ""]
     for name, row in report["rows"].items():
         curve = ", ".join(f"{v:.3f}" for _, v in sorted((int(k), v) for k, v in row["eval"]["eval_loss"].items()))
@@ -85,11 +89,14 @@ def main(argv: list[str] | None = None) -> None:
     netns.require_root()
     work, out = Path(args.work), Path(args.out)
     data_path, data = load_data(work)
+    path = out / "dp_sweep.json"
+    # --only adds to (or replaces rows of) the committed report
+    kept = json.loads(path.read_text())["rows"] if args.only and path.exists() else {}
     report = {
         "steps": args.steps,
         "eval_items": args.eval_items,
         "machine": cpu_machine(),
-        "rows": {},
+        "rows": {n: kept[n] for n in ["dense", *DP_SWEEP] if n in kept},
     }
     started = time.perf_counter()
     netns.up(8, COMPUTE_LINKS["rate_mbit"], COMPUTE_LINKS["delay_ms"])
@@ -101,9 +108,10 @@ def main(argv: list[str] | None = None) -> None:
             ev = evaluate(str(work / "compute" / name), data, args.eval_items)
             slim = {k: v for k, v in result.items() if k not in ("losses", "kernel_per_process")}
             report["rows"][name] = {"row": dataclasses.asdict(ROWS[name]), "run": slim, "eval": ev}
+            report["rows"] = {n: report["rows"][n] for n in ["dense", *DP_SWEEP] if n in report["rows"]}
             report["seconds"] = time.perf_counter() - started
             out.mkdir(parents=True, exist_ok=True)
-            (out / "dp_sweep.json").write_text(json.dumps(report, indent=1))
+            path.write_text(json.dumps(report, indent=1))
             write_report(report, out)
             print(f"[dp_sweep] {name}: eval loss {final_loss(ev):.4f}", flush=True)
     finally:

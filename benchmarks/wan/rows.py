@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -46,6 +46,7 @@ class Row:
     dp_buckets: bool = True  # False: one DiLoCo all-reduce per tensor, as before the buckets (dp.diloco.BUCKET_BYTES)
     # MeshConfig.dp_quantize (the library's default: int8 codes on every DiLoCo all-reduce; None: float32)
     dp_quantize: str | None = DEFAULT_DP_QUANTIZE
+    lr: float | None = None  # the inner optimizer's peak lr (None: Shape.lr)
 
     @property
     def replicas(self) -> int:
@@ -99,15 +100,22 @@ ROWS: dict[str, Row] = {
 
 
 def _dp_variant(
-    rank: int | None, sync_every: int = 20, outer_lr: float = 0.7, momentum: float = 0.9, quantize: str | None = None
+    rank: int | None,
+    sync_every: int = 20,
+    outer_lr: float = 0.7,
+    momentum: float = 0.9,
+    quantize: str | None = None,
+    lr: float | None = None,
 ) -> Row:
     """The default row (outliers8+int8 boundaries, no anchor) with one DP setting changed: PowerSGD rank r (None:
     uncompressed), sync period S, and the outer step: Nesterov SGD with lr η and momentum μ (MeshConfig's
     η = 0.7, μ = 0.9; η = 1, μ = 0 averages the replicas' parameters; η > 1, μ = 0 extrapolates past the
-    average); ``quantize`` "int8": the pseudo-gradients that go dense go as int8 codes (MeshConfig.dp_quantize)."""
+    average); ``quantize`` "int8": the pseudo-gradients that go dense go as int8 codes (MeshConfig.dp_quantize);
+    ``lr``: the inner optimizer's peak lr (None: Shape.lr)."""
     outer = "η=1, μ=0 (averaging)" if (outer_lr, momentum) == (1.0, 0.0) else f"η={outer_lr:g}, μ={momentum:g}"
     return Row(
-        f"S={sync_every}, r={rank or 'none'}{', ' + quantize if quantize else ''}, {outer}",
+        f"S={sync_every}, r={rank or 'none'}{', ' + quantize if quantize else ''}, {outer}"
+        + (f", lr {lr:g}" if lr else ""),
         0.0,
         False,
         "streaming_diloco",
@@ -115,6 +123,7 @@ def _dp_variant(
         boundary_codec="outliers8+int8",
         sync_every=sync_every,
         dp_quantize=quantize,
+        lr=lr,
         **({} if (outer_lr, momentum) == (0.7, 0.9) else {"outer_lr": outer_lr, "outer_momentum": momentum}),
     )
 
@@ -137,8 +146,26 @@ DP_SWEEP: dict[str, Row] = {
     "dp_r32_int8": _dp_variant(32, quantize="int8"),
     "dp_r64_int8": _dp_variant(64, quantize="int8"),
     "dp_r128_int8": _dp_variant(128, quantize="int8"),
+    # the lr is the quality benchmark's (Shape.lr), tuned for neither Dense nor DiLoCo: both at 2x, 4x and 8x it
+    "dense_lr1e-3": Row("Dense, lr 0.001", 0.0, False, "allreduce", None, dp_quantize=None, lr=1e-3),
+    "dp_r128_int8_lr1e-3": _dp_variant(128, quantize="int8", lr=1e-3),
+    "dense_lr2e-3": Row("Dense, lr 0.002", 0.0, False, "allreduce", None, dp_quantize=None, lr=2e-3),
+    "dp_r128_int8_lr2e-3": _dp_variant(128, quantize="int8", lr=2e-3),
+    "dense_lr4e-3": Row("Dense, lr 0.004", 0.0, False, "allreduce", None, dp_quantize=None, lr=4e-3),
+    "dp_r128_int8_lr4e-3": _dp_variant(128, quantize="int8", lr=4e-3),
 }
 ROWS |= DP_SWEEP
+
+
+def _at_lr(name: str, lr: float) -> Row:
+    """Row ``name`` with its inner optimizer's peak lr at ``lr`` instead of Shape.lr."""
+    return replace(ROWS[name], label=f"{ROWS[name].label}, lr {lr:g}", lr=lr)
+
+
+# benchmarks/wan/equal_quality.py: the rows it trains for longer budgets, also at the lr of DP_SWEEP's grid that
+# ends both Dense and the default lowest after 80 steps (0.002)
+EQUAL_QUALITY_ROWS: dict[str, Row] = {f"{name}_lr2e-3": _at_lr(name, 2e-3) for name in ("default", "torchft_diloco")}
+ROWS |= EQUAL_QUALITY_ROWS
 
 
 # benchmarks/wan/throughput.py: the default row with its replica step cut into more, smaller microbatches and/or

@@ -112,7 +112,7 @@ def main() -> None:
         microbatches=microbatches,
         seq_len=shape.seq_len,
         max_steps=args.steps,
-        lr=shape.lr,
+        lr=row.lr or shape.lr,
         weight_decay=0.0,
         max_grad_norm=1.0,
         scheduler=scheduler,
