@@ -256,19 +256,27 @@ def test_the_dp_sweep_refuses_a_variant_it_does_not_have(capsys):
     assert "--only ['dp_r5']: name variants of ['dense', 'dp_r4', 'dp_r16'" in capsys.readouterr().err
 
 
-def test_the_equal_quality_table_is_its_committed_run_and_the_readme_quotes_it(tmp_path):
-    from benchmarks.wan.equal_quality import summarize, write_report
+def test_the_equal_quality_tables_are_their_committed_run_and_the_readme_quotes_them(tmp_path):
+    from benchmarks.wan.equal_quality import DENSE_NAMES, summarize, write_report
 
     results = ROOT / "benchmarks/wan/results"
     report = json.loads((results / "equal_quality.json").read_text())
     shaped = json.loads((results / "wan.json").read_text())["phases"]["shaped"]
-    summary = summarize(report, shaped)
-    write_report(report, summary, tmp_path)
+    write_report(report, shaped, tmp_path)
     written = (tmp_path / "equal_quality.md").read_text()
     assert (results / "equal_quality.md").read_text() == written
-    # the target is the WAN table's Dense (the same run again), and the README quotes the whole table
-    assert summary["target_eval_loss"] == report["wan_dense_final"]
-    assert _rows(_section(EQUAL_QUALITY.strip()).split("\n## ")[0]) == _rows(written)  # up to the next section
+    # the WAN table's Dense ran again here to the same loss; tuned Dense is the lowest over dp_sweep's lr grid,
+    # whose runs ended at the same losses there
+    tuned, base = summarize(report, shaped), summarize(report, shaped, "dense")
+    assert base["target_eval_loss"] == report["wan_dense_final"]
+    sweep = json.loads((results / "dp_sweep.json").read_text())["rows"]
+    losses = {name: sweep[name]["eval"]["eval_loss"]["80"] for name in DENSE_NAMES}
+    assert tuned["dense_final_losses"] == losses and tuned["target_eval_loss"] == min(losses.values())
+    # the README quotes the tuned target's table whole, and no row that is not the run's
+    tables = written.split("**Target: ")[1:]
+    quoted = _rows(_section(EQUAL_QUALITY.strip()).split("\n## ")[0])  # up to the next section
+    assert [row for row in quoted if row in _rows(tables[0])] == _rows(tables[0])
+    assert all(row in _rows(written) for row in quoted), quoted
 
 
 def test_equal_quality_counts_the_first_saved_step_at_the_target_and_refuses_bad_budgets(capsys):

@@ -2,17 +2,19 @@
 80-step table leaves the figure undefined (no compressed row reaches Dense's final held-out loss in 80 steps),
 so here the default row, and the peer a user would pick instead (torchft DiLoCo), train with longer step
 budgets, each with the benchmark's own schedule stretched over the budget (warm-up a tenth, cosine to 0.1×),
-on the same data in the same order, next to Dense's 80 steps in the same run.
+on the same data in the same order, at the benchmark's lr and at higher ones (``rows.EQUAL_QUALITY_ROWS``).
+Dense trains its 80 steps at every lr of dp_sweep's grid (``DENSE_NAMES``): the benchmark's lr is tuned for
+neither, so the target is tuned Dense's final loss (its best lr), with Dense at the WAN table's lr beside it.
 
-    sudo .venv/bin/python -m benchmarks.wan.equal_quality   # ≈ 21 min on 2 idle CPU cores (≈ 16 after run.py)
+    sudo .venv/bin/python -m benchmarks.wan.equal_quality   # ≈ 44 min on 2 idle CPU cores (≈ 40 after dp_sweep, run)
 
 Quality does not depend on the links for these synchronous rows, so every run trains on compute-bound links
 (10 Gbit/s, no delay) and is timed with its row's steady-state step on the shaped links from the committed
-``results/wan.json`` (same machine, same code: run.py's shaped timing window). Time to Dense's quality for one
-budget = the first saved step (every 10) whose held-out loss is at or below Dense's final loss × that step
-time; a row's figure is its best budget's. Dense's own time is its 80 steps at its shaped step time.
-Runs are cached in the WAN benchmark's work folder (``run._run``: the 80-step runs are run.py's own quality
-runs, the others phase ``budget<B>``); ``equal_quality.json`` is written after every run.
+``results/wan.json`` (same machine, same code: run.py's shaped timing window; the lr does not change a step's
+cost). Time to a target for one budget = the first saved step (every 10) whose held-out loss is at or below
+it × that step time; a row's figure is its best budget's. Dense's own time is its 80 steps at its shaped step.
+Runs are cached in the WAN benchmark's work folder (``run._run``: the 80-step runs are run.py's and dp_sweep's
+own, the others phase ``budget<B>``); ``equal_quality.json`` is written after every run.
 """
 
 from __future__ import annotations
@@ -29,8 +31,14 @@ from .rows import ROWS, Shape
 from .run import COMPUTE_LINKS, RESULTS, _fmt, _run, cpu_machine, evaluate, final_loss, generated_by, load_data
 
 DENSE_STEPS = 80  # run.py's steps: Dense's final quality is the target
+DENSE_NAMES = ("dense", "dense_lr1e-3", "dense_lr2e-3", "dense_lr4e-3")  # Dense over dp_sweep's lr grid
 BUDGETS = (80, 100, 120, 160)
-ROW_NAMES = ("default", "torchft_diloco")
+ROW_NAMES = ("default_lr2e-3", "torchft_diloco_lr2e-3", "default", "torchft_diloco")
+
+
+def timed_as(name: str) -> str:
+    """The WAN table's row whose shaped step time a run of ``name`` takes (its lr does not change a step's cost)."""
+    return name.split("_lr")[0]
 
 
 def reached(curve: dict[int, float], target: float) -> int | None:
@@ -38,21 +46,25 @@ def reached(curve: dict[int, float], target: float) -> int | None:
     return next((s for s in sorted(curve) if curve[s] <= target), None)
 
 
-def summarize(report: dict, shaped: dict) -> dict:
-    """Per row and budget: final loss, first step at Dense's final loss, the time that takes on the shaped
-    links; per row, its best budget and the speedup over Dense at Dense's final quality."""
-    dense_curve = {int(k): v for k, v in report["runs"]["dense"][str(DENSE_STEPS)]["eval_loss"].items()}
-    target = dense_curve[DENSE_STEPS]
+def _curve(ev: dict) -> dict[int, float]:
+    return {int(k): v for k, v in ev["eval_loss"].items()}
+
+
+def summarize(report: dict, shaped: dict, dense_name: str | None = None) -> dict:
+    """Against Dense's final loss (``dense_name``'s; None: the best over Dense's lrs): per row and budget, the
+    first step at it and the time that takes on the shaped links; per row, its best budget and the speedup."""
+    dense_runs = {n: final_loss(report["runs"][n][str(DENSE_STEPS)]) for n in DENSE_NAMES if n in report["runs"]}
+    dense_name = dense_name or min(dense_runs, key=dense_runs.get)
+    target = dense_runs[dense_name]
     dense_time = DENSE_STEPS * shaped["dense"]["step_seconds"]
     rows = {}
     for name, budgets in report["runs"].items():
-        if name == "dense":
+        if name in DENSE_NAMES:
             continue
-        step_s = shaped[name]["step_seconds"]
+        step_s = shaped[timed_as(name)]["step_seconds"]
         per_budget = {}
         for budget, ev in budgets.items():
-            curve = {int(k): v for k, v in ev["eval_loss"].items()}
-            step = reached(curve, target)
+            step = reached(_curve(ev), target)
             per_budget[budget] = {
                 "final_eval_loss": final_loss(ev),
                 "exact_match": ev["exact_match"],
@@ -71,6 +83,8 @@ def summarize(report: dict, shaped: dict) -> dict:
             "speedup_at_dense_quality": None if best is None else dense_time / best[0],
         }
     return {
+        "dense": dense_name,
+        "dense_final_losses": dense_runs,
         "target_eval_loss": target,
         "dense_time_to_quality_s": dense_time,
         "dense_shaped_step_seconds": shaped["dense"]["step_seconds"],
@@ -78,30 +92,19 @@ def summarize(report: dict, shaped: dict) -> dict:
     }
 
 
-def write_report(report: dict, summary: dict, out: Path) -> None:
+def _table(report: dict, summary: dict) -> list[str]:
     lines = [
-        "# Time to Dense's final quality with longer step budgets",
-        "",
-        generated_by("equal_quality", report) + f", {report['seconds'] / 60:.0f} min. Target: Dense's held-out "
-        f"loss after its {DENSE_STEPS} steps, {summary['target_eval_loss']:.4f} (this run; results/wan.json's "
-        f"Dense: {report['wan_dense_final']:.4f}). Dense's time to it: {DENSE_STEPS} × "
-        f"{summary['dense_shaped_step_seconds']:.3f} s = {summary['dense_time_to_quality_s']:,.1f} s on the "
-        "shaped links. Every other run trains the row for the budget's steps with the benchmark's schedule "
-        "stretched over them (warm-up a tenth, cosine to 0.1×), same data and order, on compute-bound links; "
-        "its time = the first saved step (every 10) at or below the target × the row's steady-state step on "
-        "the shaped links (results/wan.json, run.py's timing window). Speedup = Dense's time over the row's "
-        "best budget's.",
-        "",
-        "| row | budget (steps) | final eval loss | exact match | steps to Dense's loss | shaped step s | "
-        "time to Dense's loss (s) | speedup at Dense's quality |",
+        "| row | budget (steps) | final eval loss | exact match | steps to the target | shaped step s | "
+        "time to the target (s) | speedup at the target |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    dense_ev = report["runs"]["dense"][str(DENSE_STEPS)]
+    dense_ev = report["runs"][summary["dense"]][str(DENSE_STEPS)]
     lines.append(
-        f"| Dense | {DENSE_STEPS} | {final_loss(dense_ev):.4f} | {dense_ev['exact_match']:.0%} | {DENSE_STEPS} | "
-        f"{summary['dense_shaped_step_seconds']:.3f} | {summary['dense_time_to_quality_s']:,.1f} | 1.00× |"
+        f"| {ROWS[summary['dense']].label} | {DENSE_STEPS} | {final_loss(dense_ev):.4f} | "
+        f"{dense_ev['exact_match']:.0%} | {DENSE_STEPS} | {summary['dense_shaped_step_seconds']:.3f} | "
+        f"{summary['dense_time_to_quality_s']:,.1f} | 1.00× |"
     )
-    for name, r in summary["rows"].items():
+    for r in summary["rows"].values():
         for budget, b in r["budgets"].items():
             best = budget == r["best_budget"]
             speedup = summary["dense_time_to_quality_s"] / b["time_to_quality_s"] if b["time_to_quality_s"] else None
@@ -111,40 +114,72 @@ def write_report(report: dict, summary: dict, out: Path) -> None:
                 f"{r['shaped_step_seconds']:.3f} | {_fmt(b['time_to_quality_s'], ',.1f')} | "
                 f"{'**' if best else ''}{_fmt(speedup, '.2f')}{'×' if speedup else ''}{'**' if best else ''} |"
             )
-    lines += ["", "Held-out loss along each run (steps 0, 10, …):", ""]
+    return lines
+
+
+def write_report(report: dict, shaped: dict, out: Path) -> None:
+    tuned, base = summarize(report, shaped), summarize(report, shaped, "dense")
+    grid = ", ".join(f"{ROWS[n].lr or Shape().lr:g}: {v:.4f}" for n, v in tuned["dense_final_losses"].items())
+    lines = [
+        "# Time to Dense's final quality with longer step budgets",
+        "",
+        generated_by("equal_quality", report) + f", {report['seconds'] / 60:.0f} min. Dense trains its "
+        f"{DENSE_STEPS} steps at each peak lr of the grid (final held-out loss by lr: {grid}; results/wan.json's "
+        f"Dense, lr {Shape().lr:g}: {report['wan_dense_final']:.4f}). Dense's time to its final loss: {DENSE_STEPS} × "
+        f"{tuned['dense_shaped_step_seconds']:.3f} s = {tuned['dense_time_to_quality_s']:,.1f} s on the shaped "
+        "links, whatever the lr. Every other run trains the row for the budget's steps with the benchmark's "
+        "schedule stretched over them (warm-up a tenth, cosine to 0.1×), same data and order, on compute-bound "
+        "links, at the lr its label names (else the benchmark's); its time = the first saved step (every 10) at "
+        "or below the target × the row's steady-state step on the shaped links (results/wan.json, run.py's timing "
+        "window). Speedup = Dense's time over the row's best budget's.",
+        "",
+        f"**Target: tuned Dense** (its best lr of the grid, {ROWS[tuned['dense']].lr or Shape().lr:g}), "
+        f"{tuned['target_eval_loss']:.4f}:",
+        "",
+        *_table(report, tuned),
+        "",
+        f"**Target: Dense at the WAN table's lr** ({Shape().lr:g}), {base['target_eval_loss']:.4f}:",
+        "",
+        *_table(report, base),
+        "",
+        "Held-out loss along each run (steps 0, 10, …):",
+        "",
+    ]
     for name, budgets in report["runs"].items():
         for budget, ev in budgets.items():
-            curve = ", ".join(f"{v:.3f}" for _, v in sorted((int(k), v) for k, v in ev["eval_loss"].items()))
+            curve = ", ".join(f"{v:.3f}" for _, v in sorted(_curve(ev).items()))
             lines.append(f"- {ROWS[name].label}, {budget} steps: {curve}")
     lines.append("")
     (out / "equal_quality.md").write_text("\n".join(lines))
-    _plot(report, summary, out)
+    _plot(report, tuned, base, out)
 
 
-def _plot(report: dict, summary: dict, out: Path) -> None:
+def _plot(report: dict, tuned: dict, base: dict, out: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4.8))
-    steps_s = {"dense": summary["dense_shaped_step_seconds"]}
-    steps_s |= {name: r["shaped_step_seconds"] for name, r in summary["rows"].items()}
+    fig, ax = plt.subplots(figsize=(9, 5.4))
     for name, budgets in report["runs"].items():
+        dense = name in DENSE_NAMES
+        step_s = tuned["dense_shaped_step_seconds"] if dense else tuned["rows"][name]["shaped_step_seconds"]
         for budget, ev in budgets.items():
-            curve = sorted((int(k), v) for k, v in ev["eval_loss"].items() if int(k) > 0)
+            curve = sorted((s, v) for s, v in _curve(ev).items() if s > 0)
             ax.plot(
-                [s * steps_s[name] for s, _ in curve],
+                [s * step_s for s, _ in curve],
                 [v for _, v in curve],
                 marker=".",
+                lw=1,
                 label=f"{ROWS[name].label}, {budget} steps",
             )
-    ax.axhline(summary["target_eval_loss"], color="gray", ls="--", lw=0.8, label="Dense final")
+    ax.axhline(tuned["target_eval_loss"], color="black", ls="--", lw=0.8, label="tuned Dense final")
+    ax.axhline(base["target_eval_loss"], color="gray", ls=":", lw=0.8, label=f"Dense final at lr {Shape().lr:g}")
     ax.set_xscale("log")
-    ax.set_ylim(top=1.6)
+    ax.set_ylim(0.65, 1.6)
     ax.set_xlabel("simulated wall-clock on the shaped links (s) = step × steady-state step time")
     ax.set_ylabel("held-out loss on the answer tokens (dense model)")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=6, ncol=2)
     fig.tight_layout()
     fig.savefig(out / "equal_quality.png", dpi=110)
     plt.close(fig)
@@ -163,7 +198,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.wan.equal_quality")
     parser.add_argument("--work", default=str(cache_dir() / "wan"), help="run folders and token data (shared)")
     parser.add_argument("--budgets", default=",".join(map(str, BUDGETS)), help="step budgets, comma-separated")
-    parser.add_argument("--rows", default=",".join(ROW_NAMES), help="rows trained at every budget")
+    parser.add_argument(
+        "--rows", default=",".join(ROW_NAMES), help="rows trained at every budget (a name ending _lr<x>: that lr)"
+    )
     parser.add_argument("--save-every", type=int, default=10)
     parser.add_argument("--eval-items", type=int, default=Shape().n_eval)
     parser.add_argument("--out", default=str(RESULTS))
@@ -173,12 +210,15 @@ def main(argv: list[str] | None = None) -> None:
     wan = json.loads((out / "wan.json").read_text())
     shaped = wan["phases"]["shaped"]
     names = [n for n in args.rows.split(",") if n]
-    unusable = [n for n in names if n not in shaped or "error" in shaped[n] or ROWS[n].anchor]
+    unusable = [
+        n
+        for n in names
+        if n not in ROWS or timed_as(n) not in shaped or "error" in shaped[timed_as(n)] or ROWS[n].anchor
+    ]
     if unusable:
         parser.error(f"--rows {unusable}: name synchronous rows timed in {out / 'wan.json'}")
     if args.report:
-        report = json.loads((out / "equal_quality.json").read_text())
-        write_report(report, summarize(report, shaped), out)
+        write_report(json.loads((out / "equal_quality.json").read_text()), shaped, out)
         return
     budgets = _budgets(args.budgets)
     if budgets is None:
@@ -186,6 +226,7 @@ def main(argv: list[str] | None = None) -> None:
     netns.require_root()
     work = Path(args.work)
     data_path, data = load_data(work)
+    path = out / "equal_quality.json"
     report = {
         "machine": cpu_machine(),
         "eval_items": args.eval_items,
@@ -193,7 +234,7 @@ def main(argv: list[str] | None = None) -> None:
         "runs": {},
     }
     started = time.perf_counter()
-    plan = [("dense", DENSE_STEPS)] + [(name, budget) for name in names for budget in budgets]
+    plan = [(name, DENSE_STEPS) for name in DENSE_NAMES] + [(name, budget) for name in names for budget in budgets]
     netns.up(8, COMPUTE_LINKS["rate_mbit"], COMPUTE_LINKS["delay_ms"])
     try:
         for name, budget in plan:
@@ -206,9 +247,9 @@ def main(argv: list[str] | None = None) -> None:
             report["runs"].setdefault(name, {})[str(budget)] = ev
             report["seconds"] = time.perf_counter() - started
             out.mkdir(parents=True, exist_ok=True)
-            (out / "equal_quality.json").write_text(json.dumps(report, indent=1))
-            if len(report["runs"]) > 1:
-                write_report(report, summarize(report, shaped), out)
+            path.write_text(json.dumps(report, indent=1))
+            if len(report["runs"]) > len(DENSE_NAMES):
+                write_report(report, shaped, out)
             print(f"[equal_quality] {name}, {budget} steps: eval loss {final_loss(ev):.4f}", flush=True)
     finally:
         netns.down()
