@@ -280,7 +280,8 @@ def test_the_equal_quality_tables_are_their_committed_run_and_the_readme_quotes_
 
 
 def test_equal_quality_counts_the_first_saved_step_at_the_target_and_refuses_bad_budgets(capsys):
-    from benchmarks.wan.equal_quality import main, reached
+    from benchmarks.wan.equal_quality import main
+    from benchmarks.wan.run import first_step_at as reached
 
     curve = {0: 6.2, 10: 1.1, 20: 0.85, 30: 0.84, 40: 0.86}
     assert (reached(curve, 0.85), reached(curve, 0.845), reached(curve, 0.8)) == (20, 30, None)

@@ -38,6 +38,11 @@ def _line(name: str, result: dict, ev: dict, dense_final: float | None) -> str:
     )
 
 
+def _ordered(rows: dict) -> dict:
+    """``rows`` in the sweep's order (Dense, then DP_SWEEP's), whichever run first."""
+    return {n: rows[n] for n in ["dense", *DP_SWEEP] if n in rows}
+
+
 def write_report(report: dict, out: Path) -> None:
     # each row against Dense at its own lr
     dense = {
@@ -96,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
         "steps": args.steps,
         "eval_items": args.eval_items,
         "machine": cpu_machine(),
-        "rows": {n: kept[n] for n in ["dense", *DP_SWEEP] if n in kept},
+        "rows": _ordered(kept),
     }
     started = time.perf_counter()
     netns.up(8, COMPUTE_LINKS["rate_mbit"], COMPUTE_LINKS["delay_ms"])
@@ -108,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
             ev = evaluate(str(work / "compute" / name), data, args.eval_items)
             slim = {k: v for k, v in result.items() if k not in ("losses", "kernel_per_process")}
             report["rows"][name] = {"row": dataclasses.asdict(ROWS[name]), "run": slim, "eval": ev}
-            report["rows"] = {n: report["rows"][n] for n in ["dense", *DP_SWEEP] if n in report["rows"]}
+            report["rows"] = _ordered(report["rows"])
             report["seconds"] = time.perf_counter() - started
             out.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(report, indent=1))

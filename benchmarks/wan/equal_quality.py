@@ -28,7 +28,18 @@ from hf_meshtune.apps.assets import cache_dir
 
 from . import netns
 from .rows import ROWS, Shape
-from .run import COMPUTE_LINKS, RESULTS, _fmt, _run, cpu_machine, evaluate, final_loss, generated_by, load_data
+from .run import (
+    COMPUTE_LINKS,
+    RESULTS,
+    _fmt,
+    _run,
+    cpu_machine,
+    evaluate,
+    final_loss,
+    first_step_at,
+    generated_by,
+    load_data,
+)
 
 DENSE_STEPS = 80  # run.py's steps: Dense's final quality is the target
 DENSE_NAMES = ("dense", "dense_lr1e-3", "dense_lr2e-3", "dense_lr4e-3")  # Dense over dp_sweep's lr grid
@@ -39,11 +50,6 @@ ROW_NAMES = ("default_lr2e-3", "torchft_diloco_lr2e-3", "default", "torchft_dilo
 def timed_as(name: str) -> str:
     """The WAN table's row whose shaped step time a run of ``name`` takes (its lr does not change a step's cost)."""
     return name.split("_lr")[0]
-
-
-def reached(curve: dict[int, float], target: float) -> int | None:
-    """First saved step whose held-out loss is at or below ``target`` (None: not within the run)."""
-    return next((s for s in sorted(curve) if curve[s] <= target), None)
 
 
 def _curve(ev: dict) -> dict[int, float]:
@@ -64,7 +70,7 @@ def summarize(report: dict, shaped: dict, dense_name: str | None = None) -> dict
         step_s = shaped[timed_as(name)]["step_seconds"]
         per_budget = {}
         for budget, ev in budgets.items():
-            step = reached(_curve(ev), target)
+            step = first_step_at(_curve(ev), target)
             per_budget[budget] = {
                 "final_eval_loss": final_loss(ev),
                 "exact_match": ev["exact_match"],
@@ -207,6 +213,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--report", action="store_true", help="only rebuild the table and plot from OUT's json")
     args = parser.parse_args(argv)
     out = Path(args.out)
+    path = out / "equal_quality.json"
     wan = json.loads((out / "wan.json").read_text())
     shaped = wan["phases"]["shaped"]
     names = [n for n in args.rows.split(",") if n]
@@ -218,7 +225,7 @@ def main(argv: list[str] | None = None) -> None:
     if unusable:
         parser.error(f"--rows {unusable}: name synchronous rows timed in {out / 'wan.json'}")
     if args.report:
-        write_report(json.loads((out / "equal_quality.json").read_text()), shaped, out)
+        write_report(json.loads(path.read_text()), shaped, out)
         return
     budgets = _budgets(args.budgets)
     if budgets is None:
@@ -226,7 +233,6 @@ def main(argv: list[str] | None = None) -> None:
     netns.require_root()
     work = Path(args.work)
     data_path, data = load_data(work)
-    path = out / "equal_quality.json"
     report = {
         "machine": cpu_machine(),
         "eval_items": args.eval_items,
@@ -238,7 +244,7 @@ def main(argv: list[str] | None = None) -> None:
     netns.up(8, COMPUTE_LINKS["rate_mbit"], COMPUTE_LINKS["delay_ms"])
     try:
         for name, budget in plan:
-            # run.py's own quality runs are these at 80 steps: its cached runs are kept (run._run)
+            # the 80-step runs are run.py's and dp_sweep's own quality runs: cached ones are kept (run._run)
             phase = "compute" if budget == DENSE_STEPS else f"budget{budget}"
             result = _run(phase, name, work, data_path, budget, args.save_every, COMPUTE_LINKS)
             if "error" in result:

@@ -99,6 +99,11 @@ ROWS: dict[str, Row] = {
 }
 
 
+def _at_lr(name: str, lr: float) -> Row:
+    """Row ``name`` with its inner optimizer's peak lr at ``lr`` instead of Shape.lr."""
+    return replace(ROWS[name], label=f"{ROWS[name].label}, lr {lr:g}", lr=lr)
+
+
 def _dp_variant(
     rank: int | None,
     sync_every: int = 20,
@@ -147,19 +152,14 @@ DP_SWEEP: dict[str, Row] = {
     "dp_r64_int8": _dp_variant(64, quantize="int8"),
     "dp_r128_int8": _dp_variant(128, quantize="int8"),
     # the lr is the quality benchmark's (Shape.lr), tuned for neither Dense nor DiLoCo: both at 2x, 4x and 8x it
-    "dense_lr1e-3": Row("Dense, lr 0.001", 0.0, False, "allreduce", None, dp_quantize=None, lr=1e-3),
+    "dense_lr1e-3": _at_lr("dense", 1e-3),
     "dp_r128_int8_lr1e-3": _dp_variant(128, quantize="int8", lr=1e-3),
-    "dense_lr2e-3": Row("Dense, lr 0.002", 0.0, False, "allreduce", None, dp_quantize=None, lr=2e-3),
+    "dense_lr2e-3": _at_lr("dense", 2e-3),
     "dp_r128_int8_lr2e-3": _dp_variant(128, quantize="int8", lr=2e-3),
-    "dense_lr4e-3": Row("Dense, lr 0.004", 0.0, False, "allreduce", None, dp_quantize=None, lr=4e-3),
+    "dense_lr4e-3": _at_lr("dense", 4e-3),
     "dp_r128_int8_lr4e-3": _dp_variant(128, quantize="int8", lr=4e-3),
 }
 ROWS |= DP_SWEEP
-
-
-def _at_lr(name: str, lr: float) -> Row:
-    """Row ``name`` with its inner optimizer's peak lr at ``lr`` instead of Shape.lr."""
-    return replace(ROWS[name], label=f"{ROWS[name].label}, lr {lr:g}", lr=lr)
 
 
 # benchmarks/wan/equal_quality.py: the rows it trains for longer budgets, also at the lr of DP_SWEEP's grid that

@@ -468,8 +468,7 @@ def summarize(report: dict) -> dict:
     for name in [n for n in ROWS if n in shaped and n in compute and n in curves and n not in failed]:
         run_ = shaped[name]
         curve = curves[name]
-        reached = [s for s in sorted(curve) if curve[s] <= target]
-        steps_to = reached[0] if reached else None
+        steps_to = first_step_at(curve, target)
         # bytes per token do not depend on timing: take them from the row's long run (its quality run),
         # where one-off costs (the PowerSGD hook's dense warm-up steps) are amortised as in training
         long_run = shaped[name] if name in ANCHOR_ROWS else compute[name]
@@ -523,6 +522,11 @@ def summarize(report: dict) -> dict:
             else None
         )
     return {"target_eval_loss": target, "rows": rows, "failed": failed}
+
+
+def first_step_at(curve: dict[int, float], target: float) -> int | None:
+    """First saved step whose held-out loss is at or below ``target`` (None: not within the run)."""
+    return next((s for s in sorted(curve) if curve[s] <= target), None)
 
 
 def _steps_to(curve: list[tuple[int, float]], loss: float) -> float | None:
