@@ -1,15 +1,16 @@
 """Which DP sync keeps the fine-tune's quality, and at what bytes: the WAN benchmark's default row with its DP
 setting changed, side by side with Dense.
 
-    sudo .venv/bin/python -m benchmarks.wan.dp_sweep      # ≈ 30 min on 2 idle CPU cores; results/dp_sweep.{json,md}
+    sudo .venv/bin/python -m benchmarks.wan.dp_sweep      # ≈ 55 min on 2 idle CPU cores; results/dp_sweep.{json,md}
 
 Every variant (``rows.DP_SWEEP``) is the default row (outliers8+int8 boundaries, no anchor, 3 fast replicas ×
 2 stages) fine-tuning the pretrained tiny Llama on the arithmetic task for ``--steps`` steps, on compute-bound
 links (10 Gbit/s, no delay: quality does not depend on the link for these synchronous rows), with one DP
 setting changed: the PowerSGD rank r of the pseudo-gradients (none: uncompressed), float32 or int8 codes
 (``dp_quantize``), the sync period S, and the outer step (DiLoCo's Nesterov SGD, η = 0.7, μ = 0.9, parameter
-averaging, η = 1, μ = 0, or η = 1.5, μ = 0, past the average). Dense (a
-gradient all-reduce every step) is the reference. Held-out loss along the run and exact match at the end
+averaging, η = 1, μ = 0, or η = 1.5, μ = 0, past the average), and the inner AdamW's peak lr: the
+quality benchmark's 0.0005 and 0.001–0.004, with the outer steps compared again at the best lr. Dense (a
+gradient all-reduce every step, at each lr) is the reference. Held-out loss along the run and exact match at the end
 (``run.evaluate``); DP bytes per fast token from the Wire (booked all-reduces). Runs are cached in the WAN
 benchmark's work folder (``run._run``) and ``dp_sweep.json`` is written after every variant.
 """

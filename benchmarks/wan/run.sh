@@ -8,7 +8,7 @@ cd "$(dirname "$0")/../.."
 PY=${PYTHON:-.venv/bin/python}
 "$PY" -m benchmarks.wan.ledger_1b      # 1B-shape byte ledger next to the paper's row (seconds)
 "$PY" -m benchmarks.wan.micro          # masking share of a step, SpectralAdamW vs AdamW, optimizer memory (~4 min)
-"$PY" -m benchmarks.wan.dp_sweep       # which DP sync keeps the fine-tune's quality, at what bytes, at what lr (~42 min)
+"$PY" -m benchmarks.wan.dp_sweep       # which DP sync keeps the fine-tune's quality, at what bytes, at what lr (~55 min)
 "$PY" -m benchmarks.wan.run            # every row fine-tunes on shaped links: tokens/s, bytes/token, quality (~50 min)
 "$PY" -m benchmarks.wan.equal_quality  # longer step budgets, 2 lrs: time to tuned Dense's final quality (~40 min; after dp_sweep, run)
 "$PY" -m benchmarks.wan.anchor_pacing  # fast step times without the anchor, with it, with its link capped (~11 min; after run: its links)
