@@ -294,6 +294,19 @@ def test_equal_quality_counts_the_first_saved_step_at_the_target_and_refuses_bad
     assert "--rows ['default_ap']: name synchronous rows timed in" in capsys.readouterr().err
 
 
+def test_equal_quality_times_a_row_as_the_wan_row_with_its_bytes_and_flops(capsys):
+    from benchmarks.wan.equal_quality import main, timed_as
+
+    # the lr and the outer step change neither: timed as the row they change
+    assert timed_as("default_lr2e-3") == timed_as("dp_r128_int8_avg_lr2e-3") == "default"
+    assert (timed_as("torchft_diloco_lr2e-3"), timed_as("dense_lr4e-3")) == ("torchft_diloco", "dense")
+    # syncing twice as often, or another rank, sends other bytes: no WAN row was timed with them
+    assert timed_as("dp_s10_r128_int8_avg_lr2e-3") is None and timed_as("dp_r64_int8") is None
+    with pytest.raises(SystemExit):
+        main(["--rows", "default,dp_s10_r128_int8_avg_lr2e-3"])
+    assert "--rows ['dp_s10_r128_int8_avg_lr2e-3']: name synchronous rows timed in" in capsys.readouterr().err
+
+
 def test_the_throughput_md_is_written_from_its_committed_json(tmp_path):
     from benchmarks.wan.throughput import write_report
     from hf_meshtune.config import DEFAULT_DP_POWERSGD_RANK, DEFAULT_DP_QUANTIZE

@@ -2,19 +2,22 @@
 80-step table leaves the figure undefined (no compressed row reaches Dense's final held-out loss in 80 steps),
 so here the default row, and the peer a user would pick instead (torchft DiLoCo), train with longer step
 budgets, each with the benchmark's own schedule stretched over the budget (warm-up a tenth, cosine to 0.1×),
-on the same data in the same order, at the benchmark's lr and at higher ones (``rows.EQUAL_QUALITY_ROWS``).
-Dense trains its 80 steps at every lr of dp_sweep's grid (``DENSE_NAMES``): the benchmark's lr is tuned for
-neither, so the target is tuned Dense's final loss (its best lr), with Dense at the WAN table's lr beside it.
+on the same data in the same order, at the benchmark's lr and at 0.002 (``rows.EQUAL_QUALITY_ROWS``), and
+the default at 0.002 with dp_sweep's best outer step there (averaging, η = 1, μ = 0, instead of MeshConfig's
+Nesterov η = 0.7, μ = 0.9). Dense trains its 80 steps at every lr of dp_sweep's grid (``DENSE_NAMES``): the
+benchmark's lr is tuned for neither, so the target is tuned Dense's final loss (its best lr), with Dense at the
+WAN table's lr beside it.
 
-    sudo .venv/bin/python -m benchmarks.wan.equal_quality   # ≈ 44 min on 2 idle CPU cores (≈ 40 after dp_sweep, run)
+    sudo .venv/bin/python -m benchmarks.wan.equal_quality   # ≈ 76 min on 2 idle CPU cores (≈ 65 after dp_sweep, run)
 
 Quality does not depend on the links for these synchronous rows, so every run trains on compute-bound links
 (10 Gbit/s, no delay) and is timed with its row's steady-state step on the shaped links from the committed
-``results/wan.json`` (same machine, same code: run.py's shaped timing window; the lr does not change a step's
-cost). Time to a target for one budget = the first saved step (every 10) whose held-out loss is at or below
-it × that step time; a row's figure is its best budget's. Dense's own time is its 80 steps at its shaped step.
-Runs are cached in the WAN benchmark's work folder (``run._run``: the 80-step runs are run.py's and dp_sweep's
-own, the others phase ``budget<B>``); ``equal_quality.json`` is written after every run.
+``results/wan.json`` (same machine, same code: run.py's shaped timing window; neither the lr nor the outer
+step changes a step's bytes or FLOPs, ``timed_as``). Time to a target for one budget = the first saved step
+(every 10) whose held-out loss is at or below it × that step time; a row's figure is its best budget's.
+Dense's own time is its 80 steps at its shaped step. Runs are cached in the WAN benchmark's work folder
+(``run._run``: the 80-step runs are run.py's and dp_sweep's own, the others phase ``budget<B>``);
+``equal_quality.json`` is written after every run.
 """
 
 from __future__ import annotations
@@ -22,15 +25,18 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from hf_meshtune.apps.assets import cache_dir
 
 from . import netns
-from .rows import ROWS, Shape
+from .rows import ROWS, Row, Shape
 from .run import (
+    ANCHOR_ROWS,
     COMPUTE_LINKS,
     RESULTS,
+    SYNC_ROWS,
     _fmt,
     _run,
     cpu_machine,
@@ -43,13 +49,22 @@ from .run import (
 
 DENSE_STEPS = 80  # run.py's steps: Dense's final quality is the target
 DENSE_NAMES = ("dense", "dense_lr1e-3", "dense_lr2e-3", "dense_lr4e-3")  # Dense over dp_sweep's lr grid
-BUDGETS = (80, 100, 120, 160)
-ROW_NAMES = ("default_lr2e-3", "torchft_diloco_lr2e-3", "default", "torchft_diloco")
+BUDGETS = (80, 100, 120, 160, 240)
+# the default at 0.002 with dp_sweep's best outer step there (averaging: η = 1, μ = 0) besides MeshConfig's
+ROW_NAMES = ("dp_r128_int8_avg_lr2e-3", "default_lr2e-3", "torchft_diloco_lr2e-3", "default", "torchft_diloco")
 
 
-def timed_as(name: str) -> str:
-    """The WAN table's row whose shaped step time a run of ``name`` takes (its lr does not change a step's cost)."""
-    return name.split("_lr")[0]
+def _cost(row: Row) -> Row:
+    """What sets a row's step time: the row less its label, peak lr and outer step (none of them changes a byte
+    or a FLOP), its sync period spelled out."""
+    return replace(
+        row, label="", lr=None, outer_lr=None, outer_momentum=None, sync_every=row.sync_every or Shape().sync_every
+    )
+
+
+def timed_as(name: str) -> str | None:
+    """The WAN table's row whose shaped step time a run of ``name`` takes (None: none costs the same)."""
+    return next((n for n in SYNC_ROWS + ANCHOR_ROWS if _cost(ROWS[n]) == _cost(ROWS[name])), None)
 
 
 def _curve(ev: dict) -> dict[int, float]:
@@ -170,22 +185,25 @@ def _plot(report: dict, tuned: dict, base: dict, out: Path) -> None:
     for name, budgets in report["runs"].items():
         dense = name in DENSE_NAMES
         step_s = tuned["dense_shaped_step_seconds"] if dense else tuned["rows"][name]["shaped_step_seconds"]
-        for budget, ev in budgets.items():
-            curve = sorted((s, v) for s, v in _curve(ev).items() if s > 0)
-            ax.plot(
-                [s * step_s for s, _ in curve],
-                [v for _, v in curve],
-                marker=".",
-                lw=1,
-                label=f"{ROWS[name].label}, {budget} steps",
-            )
-    ax.axhline(tuned["target_eval_loss"], color="black", ls="--", lw=0.8, label="tuned Dense final")
+        # one curve per row: its best budget against tuned Dense, else its longest
+        budget = str(DENSE_STEPS) if dense else tuned["rows"][name]["best_budget"] or max(budgets, key=int)
+        curve = sorted((s, v) for s, v in _curve(budgets[budget]).items() if s > 0)
+        ax.plot(
+            [s * step_s for s, _ in curve],
+            [v for _, v in curve],
+            marker=".",
+            lw=1,
+            ls="--" if dense else "-",
+            label=f"{ROWS[name].label}, {budget} steps",
+        )
+    ax.axhline(tuned["target_eval_loss"], color="black", ls="-.", lw=0.8, label="tuned Dense final")
     ax.axhline(base["target_eval_loss"], color="gray", ls=":", lw=0.8, label=f"Dense final at lr {Shape().lr:g}")
     ax.set_xscale("log")
-    ax.set_ylim(0.65, 1.6)
+    ax.set_ylim(0.35, 1.6)
     ax.set_xlabel("simulated wall-clock on the shaped links (s) = step × steady-state step time")
     ax.set_ylabel("held-out loss on the answer tokens (dense model)")
-    ax.legend(fontsize=6, ncol=2)
+    ax.set_title("each row's best budget against tuned Dense (else its longest)", fontsize=9)
+    ax.legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(out / "equal_quality.png", dpi=110)
     plt.close(fig)
