@@ -169,6 +169,8 @@ DP_SWEEP: dict[str, Row] = {
     "dp_s10_r128_int8_avg_lr2e-3": _dp_variant(128, 10, outer_lr=1.0, momentum=0.0, quantize="int8", lr=2e-3),
     "dp_r128_int8_avg_lr1e-3": _dp_variant(128, outer_lr=1.0, momentum=0.0, quantize="int8", lr=1e-3),
     "dp_r128_int8_avg_lr4e-3": _dp_variant(128, outer_lr=1.0, momentum=0.0, quantize="int8", lr=4e-3),
+    # and with the pseudo-gradients whole (int8 codes, no PowerSGD): what rank 128 costs under averaging
+    "dp_int8_avg_lr2e-3": _dp_variant(None, outer_lr=1.0, momentum=0.0, quantize="int8", lr=2e-3),
 }
 ROWS |= DP_SWEEP
 
