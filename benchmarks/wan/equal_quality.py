@@ -223,7 +223,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--work", default=str(cache_dir() / "wan"), help="run folders and token data (shared)")
     parser.add_argument("--budgets", default=",".join(map(str, BUDGETS)), help="step budgets, comma-separated")
     parser.add_argument(
-        "--rows", default=",".join(ROW_NAMES), help="rows trained at every budget (a name ending _lr<x>: that lr)"
+        "--rows",
+        default=",".join(ROW_NAMES),
+        help="rows of rows.ROWS trained at every budget, each timed as the WAN row that costs the same (timed_as)",
     )
     parser.add_argument("--save-every", type=int, default=10)
     parser.add_argument("--eval-items", type=int, default=Shape().n_eval)
@@ -235,11 +237,8 @@ def main(argv: list[str] | None = None) -> None:
     wan = json.loads((out / "wan.json").read_text())
     shaped = wan["phases"]["shaped"]
     names = [n for n in args.rows.split(",") if n]
-    unusable = [
-        n
-        for n in names
-        if n not in ROWS or timed_as(n) not in shaped or "error" in shaped[timed_as(n)] or ROWS[n].anchor
-    ]
+    timed = {n: timed_as(n) for n in names if n in ROWS}
+    unusable = [n for n in names if timed.get(n) not in shaped or "error" in shaped[timed[n]] or ROWS[n].anchor]
     if unusable:
         parser.error(f"--rows {unusable}: name synchronous rows timed in {out / 'wan.json'}")
     if args.report:
