@@ -550,6 +550,13 @@ def _unresolvable_host() -> None:
         listen_address()
 
 
+def _foreign_dp_host() -> None:
+    from hf_meshtune.comm.listen import dp_gloo_device
+
+    with environ(MESHTUNE_DP_HOST="192.0.2.7"):
+        dp_gloo_device()
+
+
 def _secret_in(tmp: Path, content: str | None, **env: str | None) -> None:
     """``secret_key()`` with ``<tmp>/secret`` holding ``content`` (None: no such file) named by MESHTUNE_SECRET_FILE."""
     from hf_meshtune.comm.gate import secret_key
@@ -1860,6 +1867,16 @@ def _cases() -> list[Case]:
             ValueError,
             "MESHTUNE_HOST='no-such-host.invalid' is invalid: it must resolve to an address of this machine for the "
             "mesh's servers to listen on",
+        ),
+        Case(
+            RANKS,
+            "MESHTUNE_DP_HOST=192.0.2.7 (not an address of this machine)",
+            "`comm.listen.dp_gloo_device` (the DiLoCo sync's process group of every fast process)",
+            _foreign_dp_host,
+            ValueError,
+            "MESHTUNE_DP_HOST='192.0.2.7' is invalid: it must be an address of this machine (it resolves to "
+            "192.0.2.7, which cannot be bound here: Cannot assign requested address; the DiLoCo sync's gloo pairs "
+            "bind to it)",
         ),
         Case(
             RANKS,

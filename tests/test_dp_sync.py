@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import io
 import math
+import os
+import subprocess
 
 import pytest
 import torch
 from torch import nn
 
 from hf_meshtune.anchor.follower import OuterFollower
+from hf_meshtune.comm.listen import DP_HOST_ENV
 from hf_meshtune.comm.wire import Wire
 from hf_meshtune.dp.diloco import StreamingDiLoCo
 from hf_meshtune.dp.ft import host_replica_store, make_manager, start_lighthouse
@@ -56,8 +59,11 @@ def _train_stage(
     sync_every: int = SYNC_EVERY,
     steps: int = STEPS,
     quantize: str | None = None,
+    dp_hosts: bool = False,
 ) -> bytes:
     replica, stage = divmod(rank, num_stages)
+    if dp_hosts:  # each process's DiLoCo pairs on an address of its own (the launcher's children: own env)
+        os.environ[DP_HOST_ENV] = _dp_host(rank)
     store = host_replica_store(replica, stage, host="127.0.0.1")
     manager = make_manager(
         replica=replica,
@@ -120,13 +126,26 @@ def _train_stage(
             inner.step()
             inner.zero_grad()
             record["post"].append(_flat(fragments))
+            record.setdefault("dp_messages", []).append(wire.messages["dp"])  # all-reduces issued so far
             # what fast replica 0 sends a rejoining anchor (a SYNC), with the number of syncs it already holds
             record["sync_states"].append((len(record["syncs"]), diloco.sync_tensors()))
     record["global"] = [diloco.global_parameters(i) for i in range(FRAGMENTS)]
+    record["connections"] = _established()  # the DP group's pairs are still connected here
     record["shapes"] = [[tuple(p.shape) for p in f.parameters()] for f in fragments]
     manager.shutdown(wait=False)
     torch.distributed.barrier()  # stage 0 hosts its replica's store: nobody leaves before all are done
     return _pack(record)
+
+
+def _dp_host(rank: int) -> str:
+    return f"127.0.0.{2 + rank}"
+
+
+def _established() -> list[tuple[str, str]]:
+    """(local, remote) address of every established TCP socket of this network namespace, as the kernel reports
+    them over netlink (``ss``; /proc/net/tcp misses sockets on some kernels here)."""
+    out = subprocess.run(["ss", "-Htn", "state", "established"], capture_output=True, text=True, check=True).stdout
+    return [tuple(end.rsplit(":", 1)[0].strip("[]") for end in line.split()[2:4]) for line in out.splitlines()]
 
 
 def _pack(record: dict) -> bytes:
@@ -172,8 +191,9 @@ def overlap_run():
 
 @pytest.fixture(scope="module")
 def int8_run():
-    """3 replicas × 1 stage, int8 pseudo-gradients (no PowerSGD), τ = 1: each sync's codes overlap one step."""
-    return [by_stage[0] for by_stage in _run(launch, 3, 1, None, 1, False, SYNC_EVERY, STEPS, "int8")]
+    """3 replicas × 1 stage, int8 pseudo-gradients (no PowerSGD), τ = 1: each sync's codes overlap one step; each
+    process's DiLoCo pairs on an address of its own ($MESHTUNE_DP_HOST = 127.0.0.2, .3, .4)."""
+    return [by_stage[0] for by_stage in _run(launch, 3, 1, None, 1, False, SYNC_EVERY, STEPS, "int8", True)]
 
 
 @pytest.fixture(scope="module")
@@ -441,7 +461,21 @@ def test_powersgd_with_int8_codes_sends_factors_and_dense_tensors_as_bytes_in_fo
             assert sync["handed"] - before["handed"] == sum(b * BLOCK + 4 * b for b in blocks)  # codes + maxima
             # the first round's maxima and codes, then the Q factors' maxima and codes
             assert sync["messages"] - before["messages"] == 4
+            # the first round's codes leave with the maxima in the step that prepares the sync (τ = 1 step before
+            # it commits), so they travel while the overlapped step runs
+            assert run["dp_messages"][sync["step"] - 2] - before["messages"] == 2
             before = sync
+
+
+def test_the_diloco_pairs_connect_the_addresses_meshtune_dp_host_names(int8_run):
+    """Every pair of replicas' DP group is connected at an address $MESHTUNE_DP_HOST names: what a network filter
+    on those addresses needs to tell the sync's traffic from the pipeline's (the sync's math: the int8 tests).
+    On loopback the connecting end's source is 127.0.0.1 whatever it binds, so the check is the listening end:
+    one socket at a DP address per pair of replicas; with the variable ignored there would be none."""
+    hosts = {_dp_host(r) for r in range(len(int8_run))}
+    seen = int8_run[0]["connections"]  # one network namespace: every process sees every connection
+    at_dp = [(local, remote) for local, remote in seen if local in hosts]
+    assert len(at_dp) == len(hosts) * (len(hosts) - 1) // 2, seen
 
 
 def test_an_int8_sync_sends_a_byte_per_value_and_four_per_block_in_two_all_reduces(int8_run):
@@ -513,6 +547,19 @@ def test_powersgd_bytes_per_sync_match_rank(powersgd_run):
             assert sync["messages"] - before["messages"] == (2 if compressed else 1)
             before = sync
     assert [len(run["shapes"][0]) for run in powersgd_run] == [2] * n
+
+
+def test_the_p_round_gets_the_overlapped_steps_in_proportion_to_its_values():
+    from hf_meshtune.dp.diloco import p_round_steps
+
+    tall, wide = nn.Linear(256, 4096, bias=False), nn.Linear(1024, 256, bias=False)  # weights [4096,256], [256,1024]
+    codec = PowerSGD(128, 0)
+    assert codec.compresses(tall.weight.shape) and codec.compresses(wide.weight.shape)
+    # P + dense : Q values, by hand: tall 4096·128 : 256·128 (P 94 %); wide 256·128 : 1024·128 (P 20 %)
+    assert [p_round_steps([tall], codec, tau) for tau in (0, 1, 2, 5, 9)] == [0, 1, 1, 4, 8]  # Q keeps one step
+    assert [p_round_steps([wide], codec, tau) for tau in (2, 5, 9)] == [1, 1, 2]  # round(9 · 0.2) = 2
+    both = nn.Sequential(tall, nn.LayerNorm(256), wide)  # (524,288 + 512 + 32,768) : (32,768 + 131,072)
+    assert p_round_steps([both[:2], both[2:]], codec, 5) == round(5 * 557_568 / 721_408)
 
 
 def test_buckets_flatten_runs_of_one_dtype_up_to_the_cap_and_average_every_view_in_place(monkeypatch):
@@ -821,7 +868,7 @@ def test_diloco_state_is_refused_mid_sync_and_for_another_fragment_count():
 
     def fragment(work: list, pending: list) -> _CompressedFragment:
         made = _CompressedFragment.__new__(_CompressedFragment)
-        made._allreduce_work, made._pending, made._scales = work, pending, None
+        made._allreduce_work, made._pending, made._first_round = work, pending, None
         return made
 
     diloco = StreamingDiLoCo.__new__(StreamingDiLoCo)

@@ -228,6 +228,20 @@ def test_a_launched_process_knocks_first_and_a_wrong_secret_stops_it(gate, monke
         guard.stop()
 
 
+def test_a_process_with_a_dp_host_knocks_from_it_too(gate, monkeypatch):
+    """Its DiLoCo pairs connect from $MESHTUNE_DP_HOST: the guards of the other processes must admit it."""
+    monkeypatch.setattr(gate_module, "_GUARD", [])
+    monkeypatch.setattr(gate_module, "_listening_sockets", lambda: iter(()))  # leave pytest's own listeners be
+    monkeypatch.setenv("MESHTUNE_GATE", gate.address)
+    monkeypatch.setenv("MESHTUNE_SECRET", SECRET)
+    monkeypatch.setenv("MESHTUNE_DP_HOST", "127.0.0.4")
+    guard = guard_launched_process()
+    try:
+        assert sorted(gate.admitted()) == ["127.0.0.1", "127.0.0.4"]
+    finally:
+        guard.stop()
+
+
 @pytest.mark.slow
 def test_a_mesh_launched_with_a_secret_keeps_strangers_out_through_a_restart(tmp_path):
     """3×2, the anchor on, one job per replica: every listening socket of every process (stores,

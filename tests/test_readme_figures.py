@@ -257,11 +257,11 @@ def test_the_dp_sweep_refuses_a_variant_it_does_not_have(capsys):
 
 
 def test_the_equal_quality_tables_are_their_committed_run_and_the_readme_quotes_them(tmp_path):
-    from benchmarks.wan.equal_quality import DENSE_NAMES, summarize, write_report
+    from benchmarks.wan.equal_quality import DENSE_NAMES, step_times, summarize, write_report
 
     results = ROOT / "benchmarks/wan/results"
     report = json.loads((results / "equal_quality.json").read_text())
-    shaped = json.loads((results / "wan.json").read_text())["phases"]["shaped"]
+    shaped = step_times(results)
     write_report(report, shaped, tmp_path)
     written = (tmp_path / "equal_quality.md").read_text()
     assert (results / "equal_quality.md").read_text() == written
@@ -269,6 +269,12 @@ def test_the_equal_quality_tables_are_their_committed_run_and_the_readme_quotes_
     # whose runs ended at the same losses there
     tuned, base = summarize(report, shaped), summarize(report, shaped, "dense")
     assert base["target_eval_loss"] == report["wan_dense_final"]
+    # each row's step time is its timing row's, from the file that timed it
+    files = {f: json.loads((results / f).read_text()) for f in ("wan.json", "throughput.json")}
+    for r in tuned["rows"].values():
+        timing = files[r["timed_in"]]
+        expected = (timing["phases"]["shaped"] if r["timed_in"] == "wan.json" else timing["rows"])[r["timed_as"]]
+        assert r["shaped_step_seconds"] == expected.get("shaped", expected)["step_seconds"]
     sweep = json.loads((results / "dp_sweep.json").read_text())["rows"]
     losses = {name: sweep[name]["eval"]["eval_loss"]["80"] for name in DENSE_NAMES}
     assert tuned["dense_final_losses"] == losses and tuned["target_eval_loss"] == min(losses.values())
@@ -300,6 +306,8 @@ def test_equal_quality_times_a_row_as_the_wan_row_with_its_bytes_and_flops(capsy
     # the lr and the outer step change neither: timed as the row they change
     assert timed_as("default_lr2e-3") == timed_as("dp_r128_int8_avg_lr2e-3") == "default"
     assert (timed_as("torchft_diloco_lr2e-3"), timed_as("dense_lr4e-3")) == ("torchft_diloco", "dense")
+    # an overlapped sync at low priority is timed by the throughput benchmark's variant that runs it
+    assert timed_as("dp_r128_int8_avg_lr2e-3_overlap_low") == "default_overlap_keep_low"
     # syncing twice as often, or another rank, sends other bytes: no WAN row was timed with them
     assert timed_as("dp_s10_r128_int8_avg_lr2e-3") is None and timed_as("dp_r64_int8") is None
     with pytest.raises(SystemExit):

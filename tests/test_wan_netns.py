@@ -164,6 +164,31 @@ def test_a_mesh_row_trains_across_namespaces_and_the_wire_matches_the_kernel_cou
     ]
 
 
+def test_a_low_priority_sync_sends_the_dp_bytes_and_nothing_else_from_the_low_priority_class(star, tmp_path):
+    """With dp_low_priority each process's DiLoCo pairs bind its node's second address (MESHTUNE_DP_HOST), and
+    the links' filter puts what goes to those addresses in the class served last: per process, that class's
+    payload is the Wire's DP bytes (gloo's framing over them, ≤ 10 %), the other class's is the rest."""
+    from benchmarks.wan.mesh import run_row
+    from benchmarks.wan.rows import ROWS, Shape, prepare_data, scratch_model
+    from benchmarks.wan.run import read_run
+
+    assert ROWS["default_low"].dp_low_priority and ROWS["default_low"].dp_mode == "streaming_diloco"
+    star.up(6, rate_mbit=200.0, delay_ms=0.0)
+    prepare_data(Shape(), str(tmp_path / "data.pt"), load=scratch_model)
+    steps = Shape().sync_every // Shape().fragments  # the first fragment's sync ends the run
+    run_row("default_low", str(tmp_path / "run"), str(tmp_path / "data.pt"), steps, timeout_s=300)
+    result = read_run(str(tmp_path / "run"), "default_low")
+    assert result["steps"] == steps and result["bytes_per_token"]["dp"] > 0
+    for c in result["kernel_per_process"]:
+        assert 1.0 <= c["low_over_dp"] <= 1.10, c
+        rest = c["payload"] - c["low_priority_payload"]
+        assert 1.0 <= rest / (c["wire"] - c["dp_wire"]) <= 1.10, c
+    # the hub's ports, the nodes' downlinks, classify the same packets on their way in
+    hub = sum(star.low_priority_sent(star.hub_ns(), f"p{i}")["bytes"] for i in range(6))
+    sent = sum(star.low_priority_sent(star.node_ns(i))["bytes"] for i in range(6))
+    assert hub == pytest.approx(sent, rel=0.02)
+
+
 def test_netns_refuses_a_row_larger_than_the_network(star, tmp_path):
     from benchmarks.wan.mesh import run_row
 

@@ -31,7 +31,7 @@ from pathlib import Path
 from hf_meshtune.apps.assets import cache_dir
 
 from . import netns
-from .rows import ROWS, Row, Shape
+from .rows import ROWS, THROUGHPUT_ROWS, Row, Shape
 from .run import (
     ANCHOR_ROWS,
     COMPUTE_LINKS,
@@ -51,7 +51,14 @@ DENSE_STEPS = 80  # run.py's steps: Dense's final quality is the target
 DENSE_NAMES = ("dense", "dense_lr1e-3", "dense_lr2e-3", "dense_lr4e-3")  # Dense over dp_sweep's lr grid
 BUDGETS = (80, 100, 120, 160, 240)
 # the default at 0.002 with dp_sweep's best outer step there (averaging: η = 1, μ = 0) besides MeshConfig's
-ROW_NAMES = ("dp_r128_int8_avg_lr2e-3", "default_lr2e-3", "torchft_diloco_lr2e-3", "default", "torchft_diloco")
+ROW_NAMES = (
+    "dp_r128_int8_avg_lr2e-3_overlap_low",
+    "dp_r128_int8_avg_lr2e-3",
+    "default_lr2e-3",
+    "torchft_diloco_lr2e-3",
+    "default",
+    "torchft_diloco",
+)
 
 
 def _cost(row: Row) -> Row:
@@ -63,8 +70,26 @@ def _cost(row: Row) -> Row:
 
 
 def timed_as(name: str) -> str | None:
-    """The WAN table's row whose shaped step time a run of ``name`` takes (None: none costs the same)."""
-    return next((n for n in SYNC_ROWS + ANCHOR_ROWS if _cost(ROWS[n]) == _cost(ROWS[name])), None)
+    """The row whose shaped step time a run of ``name`` takes (None: none costs the same): a row of the WAN
+    table, else a variant of the throughput benchmark (``rows.THROUGHPUT_ROWS``: the DP sync overlapped, at low
+    priority, ...), timed by the same window on the same links."""
+    candidates = SYNC_ROWS + ANCHOR_ROWS + list(THROUGHPUT_ROWS)
+    return next((n for n in candidates if _cost(ROWS[n]) == _cost(ROWS[name])), None)
+
+
+def step_times(out: Path) -> dict[str, dict]:
+    """Every timed row's steady-state step on the shaped links: the WAN table's (``wan.json``'s shaped phase),
+    then the throughput variants' (``throughput.json``), each with the file it comes from."""
+    wan = json.loads((out / "wan.json").read_text())["phases"]["shaped"]
+    times = {n: r | {"source": "wan.json"} for n, r in wan.items()}
+    path = out / "throughput.json"
+    if path.exists():
+        for n, r in json.loads(path.read_text())["rows"].items():
+            if n in THROUGHPUT_ROWS:
+                times[n] = r["shaped"] | {"source": "throughput.json"}
+            elif n == "default":  # the default row timed in that run too: the two files' machine speeds differ
+                times["default in throughput.json"] = r["shaped"] | {"source": "throughput.json"}
+    return times
 
 
 def _curve(ev: dict) -> dict[int, float]:
@@ -82,7 +107,8 @@ def summarize(report: dict, shaped: dict, dense_name: str | None = None) -> dict
     for name, budgets in report["runs"].items():
         if name in DENSE_NAMES:
             continue
-        step_s = shaped[timed_as(name)]["step_seconds"]
+        timed = shaped[timed_as(name)]
+        step_s = timed["step_seconds"]
         per_budget = {}
         for budget, ev in budgets.items():
             step = first_step_at(_curve(ev), target)
@@ -98,6 +124,11 @@ def summarize(report: dict, shaped: dict, dense_name: str | None = None) -> dict
             "label": ROWS[name].label,
             "peer": ROWS[name].peer,
             "shaped_step_seconds": step_s,
+            "timed_as": timed_as(name),
+            "timed_in": timed["source"],
+            "default_step_there": shaped.get(
+                "default" if timed["source"] == "wan.json" else f"default in {timed['source']}", {}
+            ).get("step_seconds"),
             "budgets": per_budget,
             "best_budget": None if best is None else best[1],
             "time_to_quality_s": None if best is None else best[0],
@@ -153,6 +184,7 @@ def write_report(report: dict, shaped: dict, out: Path) -> None:
         "links, at the lr its label names (else the benchmark's); its time = the first saved step (every 10) at "
         "or below the target × the row's steady-state step on the shaped links (results/wan.json, run.py's timing "
         "window). Speedup = Dense's time over the row's best budget's.",
+        *_provenance(report, tuned),
         "",
         f"**Target: tuned Dense** (its best lr of the grid, {ROWS[tuned['dense']].lr or Shape().lr:g}), "
         f"{tuned['target_eval_loss']:.4f}:",
@@ -173,6 +205,26 @@ def write_report(report: dict, shaped: dict, out: Path) -> None:
     lines.append("")
     (out / "equal_quality.md").write_text("\n".join(lines))
     _plot(report, tuned, base, out)
+
+
+def _provenance(report: dict, summary: dict) -> list[str]:
+    """Sentences on runs timed outside wan.json and on runs kept from an earlier invocation (``--keep``)."""
+    lines = []
+    for r in summary["rows"].values():
+        if r["timed_in"] != "wan.json":
+            lines.append(
+                f"{r['label']} is timed as `{r['timed_as']}` ({ROWS[r['timed_as']].label}) in results/{r['timed_in']}:"
+                f" a timing window of the same length on the same links, {r['shaped_step_seconds']:.3f} s a step (the "
+                f"default row there: {_fmt(r['default_step_there'], '.3f')} s; in wan.json: "
+                f"{_fmt(summary['rows'].get('default', {}).get('shaped_step_seconds'), '.3f')} s)."
+            )
+    if "kept_from" in report:
+        k = report["kept_from"]
+        lines.append(
+            f"Rows not trained in this invocation (`--keep`) were trained by an earlier one ({k['date']}, "
+            f"{k['seconds'] / 60:.0f} min) of the same settings."
+        )
+    return [" ".join(lines)] if lines else []
 
 
 def _plot(report: dict, tuned: dict, base: dict, out: Path) -> None:
@@ -231,16 +283,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--eval-items", type=int, default=Shape().n_eval)
     parser.add_argument("--out", default=str(RESULTS))
     parser.add_argument("--report", action="store_true", help="only rebuild the table and plot from OUT's json")
+    parser.add_argument(
+        "--keep",
+        action="store_true",
+        help="keep the runs OUT's json holds of rows --rows does not name (and of Dense) instead of training them",
+    )
     args = parser.parse_args(argv)
     out = Path(args.out)
     path = out / "equal_quality.json"
     wan = json.loads((out / "wan.json").read_text())
-    shaped = wan["phases"]["shaped"]
+    shaped = step_times(out)
     names = [n for n in args.rows.split(",") if n]
     timed = {n: timed_as(n) for n in names if n in ROWS}
     unusable = [n for n in names if timed.get(n) not in shaped or "error" in shaped[timed[n]] or ROWS[n].anchor]
     if unusable:
-        parser.error(f"--rows {unusable}: name synchronous rows timed in {out / 'wan.json'}")
+        parser.error(f"--rows {unusable}: name synchronous rows timed in {out / 'wan.json'} or throughput.json")
     if args.report:
         write_report(json.loads(path.read_text()), shaped, out)
         return
@@ -256,8 +313,15 @@ def main(argv: list[str] | None = None) -> None:
         "wan_dense_final": final_loss(wan["eval"]["dense"]),
         "runs": {},
     }
+    seconds = 0.0
+    if args.keep and path.exists():  # the other rows' runs as an earlier invocation left them
+        kept = json.loads(path.read_text())
+        report["runs"] = {n: r for n, r in kept["runs"].items() if n not in names}
+        report["kept_from"] = kept.get("kept_from", kept["machine"] | {"seconds": kept["seconds"]})
+        seconds = kept["seconds"]
     started = time.perf_counter()
-    plan = [(name, DENSE_STEPS) for name in DENSE_NAMES] + [(name, budget) for name in names for budget in budgets]
+    dense = [(name, DENSE_STEPS) for name in DENSE_NAMES if name not in report["runs"]]
+    plan = dense + [(name, budget) for name in names for budget in budgets]
     netns.up(8, COMPUTE_LINKS["rate_mbit"], COMPUTE_LINKS["delay_ms"])
     try:
         for name, budget in plan:
@@ -268,7 +332,7 @@ def main(argv: list[str] | None = None) -> None:
                 raise RuntimeError(f"{name}, {budget} steps: {result['error']}")
             ev = evaluate(str(work / phase / name), data, args.eval_items)
             report["runs"].setdefault(name, {})[str(budget)] = ev
-            report["seconds"] = time.perf_counter() - started
+            report["seconds"] = seconds + time.perf_counter() - started
             out.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(report, indent=1))
             if len(report["runs"]) > len(DENSE_NAMES):

@@ -46,6 +46,7 @@ def run_row(
             MASTER_ADDR=netns.node_ip(0),
             GLOO_SOCKET_IFNAME="eth0",
             MESHTUNE_HOST=netns.node_ip(rank),
+            **({"MESHTUNE_DP_HOST": netns.node_dp_ip(rank)} if row.dp_low_priority else {}),
             OMP_NUM_THREADS="1",
             TOKENIZERS_PARALLELISM="false",
         )

@@ -6,9 +6,13 @@
 
 Topology (a star, as nodes behind their own internet uplinks):
 
-    node i: namespace ``mtw-n{i}``, interface ``eth0`` = 10.77.0.{10+i}/24
+    node i: namespace ``mtw-n{i}``, interface ``eth0`` = 10.77.0.{10+i}/24 and 10.77.1.{10+i}/24
        │ veth, tbf rate R on eth0 (uplink) and on its hub end ``p{i}`` (downlink)
     hub: namespace ``mtw-hub``; a switch joins every ``p{i}``
+
+Each node's second address is its low-priority one (``node_dp_ip``): under each tbf, packets to a
+10.77.1.x address wait while any other packet is queued (``_shape``), so a process that binds its
+DiLoCo sync there (``MESHTUNE_DP_HOST``) has the link's idle time between pipeline crossings for it.
 
 Bandwidth is the kernel's token bucket (``tc qdisc ... tbf``), on both directions of every link.
 Latency: netem is not in this kernel, so with ``--delay-ms D > 0`` the hub's switch is a user-space
@@ -38,6 +42,7 @@ from hf_meshtune._validation import require
 
 PREFIX_ENV = "MESHTUNE_NETNS_PREFIX"  # another prefix builds a second, independent star (tests)
 SUBNET = "10.77.0"
+DP_SUBNET = "10.77.1"  # every node's second address: traffic to it waits for the link's other traffic
 MTU = 9000
 
 
@@ -59,6 +64,11 @@ def node_ns(i: int) -> str:
 
 def node_ip(i: int) -> str:
     return f"{SUBNET}.{10 + i}"
+
+
+def node_dp_ip(i: int) -> str:
+    """Node ``i``'s low-priority address (``MESHTUNE_DP_HOST``): what is sent to it goes after everything else."""
+    return f"{DP_SUBNET}.{10 + i}"
 
 
 @dataclass
@@ -121,26 +131,70 @@ def read_state() -> Links | None:
         return None
 
 
-def _shape(ns: str, dev: str, rate_mbit: float) -> None:
-    """tbf at ``rate_mbit`` on ``dev``'s egress; a deep queue (2 s at the rate) so TCP sees delay, not loss."""
+def _shape(ns: str, dev: str, rate_mbit: float, *, first: bool = False) -> None:
+    """tbf at ``rate_mbit`` on ``dev``'s egress; a deep queue (2 s at the rate) so TCP sees delay, not loss.
+
+    Under the tbf two classes, served in strict order (an HTB whose classes never run out of rate, so it only
+    orders them): packets to a node's low-priority address (``DP_SUBNET``) wait in the second while the
+    first has any, everything else goes in the first. With no traffic to those addresses the link is the
+    single FIFO of before. Each class is a byte FIFO of the queue's depth. ``first``: build the classes
+    (``up``); otherwise only the rate changes (``set_rate``).
+    """
     rate_bit = int(rate_mbit * 1e6)
     burst = max(2 * MTU + 100, rate_bit // 8 // 100)  # ≥ two frames, ≥ 10 ms at the rate
     limit = max(4 * burst, rate_bit // 8 * 2)
+    tbf = ["tbf", "rate", f"{rate_bit}bit", "burst", str(burst), "limit", str(limit)]
+    _tc(ns, "qdisc", "replace" if first else "change", "dev", dev, "root", "handle", "1:", *tbf)
+    if not first:
+        return
+    _tc(ns, "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:", "htb", "default", "1")
+    for band in (1, 2):  # prio 0 before prio 1; 100 Gbit/s: the tbf above sets the rate, not these
+        _tc(
+            ns,
+            "class",
+            "add",
+            "dev",
+            dev,
+            "parent",
+            "10:",
+            "classid",
+            f"10:{band}",
+            "htb",
+            "rate",
+            "100gbit",
+            "prio",
+            str(band - 1),
+        )
+        _tc(ns, "qdisc", "add", "dev", dev, "parent", f"10:{band}", "bfifo", "limit", str(limit))
     _tc(
         ns,
-        "qdisc",
-        "replace",
+        "filter",
+        "add",
         "dev",
         dev,
-        "root",
-        "tbf",
-        "rate",
-        f"{rate_bit}bit",
-        "burst",
-        str(burst),
-        "limit",
-        str(limit),
+        "parent",
+        "10:",
+        "protocol",
+        "ip",
+        "prio",
+        "1",
+        "u32",
+        "match",
+        "ip",
+        "dst",
+        f"{DP_SUBNET}.0/24",
+        "flowid",
+        "10:2",
     )
+
+
+def low_priority_sent(ns: str | None = None, dev: str = "eth0") -> dict[str, int]:
+    """Bytes and packets ``dev`` has sent from its low-priority class (frames, Ethernet headers included): the
+    kernel's qdisc counters, in namespace ``ns`` (None: this process's own, as a worker inside a node reads it)."""
+    cmd = ["tc", "-s", "-j", "qdisc", "show", "dev", dev]
+    out = subprocess.run((["ip", "netns", "exec", ns] if ns else []) + cmd, check=True, capture_output=True, text=True)
+    low = next(q for q in json.loads(out.stdout) if q.get("parent") == "10:2")
+    return {"bytes": low["bytes"], "packets": low["packets"]}
 
 
 def up(nodes: int, rate_mbit: float, delay_ms: float = 0.0) -> Links:
@@ -179,6 +233,7 @@ def up(nodes: int, rate_mbit: float, delay_ms: float = 0.0) -> Links:
             ns=hub_ns(),
         )
         _ip("addr", "add", f"{node_ip(i)}/24", "dev", "eth0", ns=ns)
+        _ip("addr", "add", f"{node_dp_ip(i)}/24", "dev", "eth0", ns=ns)
         _ip("link", "set", "eth0", "up", ns=ns)
         _ip("link", "set", f"p{i}", "up", ns=hub_ns())
         if delay_ms == 0:
@@ -186,8 +241,8 @@ def up(nodes: int, rate_mbit: float, delay_ms: float = 0.0) -> Links:
         else:
             _run_in(ns, ["offloads-off", "eth0"])
             _run_in(hub_ns(), ["offloads-off", f"p{i}"])
-        _shape(ns, "eth0", rate_mbit)
-        _shape(hub_ns(), f"p{i}", rate_mbit)
+        _shape(ns, "eth0", rate_mbit, first=True)
+        _shape(hub_ns(), f"p{i}", rate_mbit, first=True)
     links = Links(nodes, rate_mbit, delay_ms)
     if delay_ms > 0:
         ports = ",".join(f"p{i}" for i in range(nodes))

@@ -44,6 +44,9 @@ class Row:
     sync_delay: int = 0  # MeshConfig.dp_sync_delay: inner steps a fragment's sync overlaps before it lands
     keep_overlapped: bool = False  # MeshConfig.dp_keep_overlapped: those steps kept on top of the new θ_global
     dp_buckets: bool = True  # False: one DiLoCo all-reduce per tensor, as before the buckets (dp.diloco.BUCKET_BYTES)
+    # True: the DiLoCo sync on each node's low-priority address ($MESHTUNE_DP_HOST = netns.node_dp_ip): the links
+    # send its packets only while no other packet waits (netns._shape)
+    dp_low_priority: bool = False
     # MeshConfig.dp_quantize (the library's default: int8 codes on every DiLoCo all-reduce; None: float32)
     dp_quantize: str | None = DEFAULT_DP_QUANTIZE
     lr: float | None = None  # the inner optimizer's peak lr (None: Shape.lr)
@@ -178,17 +181,30 @@ ROWS |= DP_SWEEP
 # benchmarks/wan/equal_quality.py: the rows it trains for longer budgets, also at the lr of DP_SWEEP's grid that
 # ends both Dense and the default lowest after 80 steps (0.002)
 EQUAL_QUALITY_ROWS: dict[str, Row] = {f"{name}_lr2e-3": _at_lr(name, 2e-3) for name in ("default", "torchft_diloco")}
+# averaging at 0.002 with each sync overlapping the next 5 inner steps (kept) at low priority on the links: what the
+# throughput benchmark's default_overlap_keep_low times
+_avg = DP_SWEEP["dp_r128_int8_avg_lr2e-3"]
+EQUAL_QUALITY_ROWS["dp_r128_int8_avg_lr2e-3_overlap_low"] = replace(
+    _avg,
+    label=_avg.label + ", syncs overlap 5 steps (kept), DP at low priority",
+    sync_delay=5,
+    keep_overlapped=True,
+    dp_low_priority=True,
+)
 ROWS |= EQUAL_QUALITY_ROWS
 
 
 # benchmarks/wan/throughput.py: the default row with its replica step cut into more, smaller microbatches and/or
 # its DiLoCo syncs overlapping 5 inner steps (of the 10 between two fragments' syncs)
-def _throughput_variant(microbatches: int | None, sync_delay: int, keep: bool = False, buckets: bool = True) -> Row:
+def _throughput_variant(
+    microbatches: int | None, sync_delay: int, keep: bool = False, buckets: bool = True, low: bool = False
+) -> Row:
     parts = [
         f"{microbatches} microbatches" if microbatches else "",
         f"syncs overlap {sync_delay} steps" if sync_delay else "",
         "overlapped steps kept" if keep else "",
         "" if buckets else "one DP all-reduce per tensor",
+        "DP at low priority" if low else "",
     ]
     return Row(
         "Default, " + ", ".join(p for p in parts if p),
@@ -201,6 +217,7 @@ def _throughput_variant(microbatches: int | None, sync_delay: int, keep: bool = 
         sync_delay=sync_delay,
         keep_overlapped=keep,
         dp_buckets=buckets,
+        dp_low_priority=low,
     )
 
 
@@ -211,6 +228,8 @@ THROUGHPUT_ROWS: dict[str, Row] = {
     "default_m8_overlap": _throughput_variant(8, 5),
     "default_overlap_keep": _throughput_variant(None, 5, keep=True),
     "default_unbucketed": _throughput_variant(None, 0, buckets=False),
+    "default_low": _throughput_variant(None, 0, low=True),
+    "default_overlap_keep_low": _throughput_variant(None, 5, keep=True, low=True),
 }
 ROWS |= THROUGHPUT_ROWS
 

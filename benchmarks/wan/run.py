@@ -105,7 +105,7 @@ def kernel_check(record: dict) -> dict:
     wire = sum(record["wire"]["sent"].values()) + sum(record["wire"]["booked"].values())
     headers = FRAME_HEADER_BYTES * record["tx_packets"]
     payload = record["tx_bytes"] - headers
-    return {
+    check = {
         "rank": record["rank"],
         "tx_bytes": record["tx_bytes"],
         "tx_packets": record["tx_packets"],
@@ -114,6 +114,13 @@ def kernel_check(record: dict) -> dict:
         "wire": wire,
         "payload_over_wire": payload / wire if wire else None,
     }
+    if "tx_low_bytes" in record:  # runs recorded before the links had a low-priority class lack it
+        # what the low-priority class sent (the DiLoCo sync's packets with dp_low_priority, else nothing) against the
+        # Wire's DP bytes
+        low = record["tx_low_bytes"] - FRAME_HEADER_BYTES * record["tx_low_packets"]
+        dp = record["wire"]["sent"].get("dp", 0) + record["wire"]["booked"].get("dp", 0)
+        check |= {"low_priority_payload": low, "dp_wire": dp, "low_over_dp": low / dp if dp else None}
+    return check
 
 
 def _extremes(values: list) -> list | None:

@@ -12,9 +12,13 @@ bytes-only ideal does not see:
   smaller microbatches put less of a crossing on that path, at the price of smaller matrix products.
 - **The DiLoCo sync's step.** A fragment sync's all-reduces run over the shaped links inside one step; with
   ``dp_sync_delay`` = τ the averaged update lands τ inner steps later and its all-reduces overlap them (the
-  PowerSGD P round trip the first ⌊τ/2⌋, Q's the rest). torchft drops the τ overlapped inner steps of the
-  fragment (it restarts from the new θ_global); ``dp_keep_overlapped`` keeps them on top of it. The sync's
+  PowerSGD P round the first steps, Q's the rest, split by their bytes: ``dp.diloco.p_round_steps``). torchft
+  drops the τ overlapped inner steps of the fragment (it restarts from the new θ_global);
+  ``dp_keep_overlapped`` keeps them on top of it. The sync's
   all-reduces go in buckets (``dp.diloco.BUCKET_BYTES``); one variant sends one per tensor, as before them.
+- **The link's queue.** On a FIFO link an overlapped sync's megabytes queue in front of the pipeline's
+  crossings. With ``dp_low_priority`` each process binds its sync to its node's second address
+  (``MESHTUNE_DP_HOST``), whose packets the links send only while no other packet waits (``netns._shape``).
 
 Each variant (``rows.THROUGHPUT_ROWS`` and the default row) fine-tunes for ``--steps`` steps on compute-bound links
 (10 Gbit/s, no delay), which gives its quality (held-out loss at the end, exact match) and its compute-bound

@@ -31,16 +31,19 @@ from hf_meshtune.runtime.job import _lighthouse
 from hf_meshtune.runtime.settings import RunSettings, StageCallback
 from hf_meshtune.topology import MeshTopology
 
+from . import netns
 from .rows import ROWS, Shape, batches, build_model
 
 
 def _counters() -> dict[str, int]:
-    """The node's eth0 counters: bytes and packets sent and received (frames, Ethernet headers included)."""
+    """The node's eth0 counters: bytes and packets sent and received (frames, Ethernet headers included), and
+    what eth0 sent from its low-priority class (to the nodes' low-priority addresses: netns._shape)."""
     out = {}
     for name in ("tx_bytes", "tx_packets", "rx_bytes", "rx_packets"):
         with open(f"/sys/class/net/eth0/statistics/{name}") as fh:
             out[name] = int(fh.read())
-    return out
+    low = netns.low_priority_sent()
+    return out | {"tx_low_bytes": low["bytes"], "tx_low_packets": low["packets"]}
 
 
 def main() -> None:

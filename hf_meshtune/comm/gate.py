@@ -41,7 +41,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from .._validation import require
-from .listen import listen_address
+from .listen import DP_HOST_ENV, listen_address
 
 __all__ = [
     "GATE_ENV",
@@ -235,13 +235,15 @@ class Gate:
         conn.close()
 
 
-def knock(address: str, key: bytes, timeout_s: float = 10.0) -> list[str]:
+def knock(address: str, key: bytes, timeout_s: float = 10.0, source: str | None = None) -> list[str]:
     """Prove the secret to the gate at ``address`` ("host:port"); the addresses it admits, this one's included.
+    ``source``: the local address to knock from, and so to admit (None: the one the route picks).
 
     Raises ``GateRefused`` when the gate refuses the token or does not sign its answer with the secret."""
     host, _, port = address.rpartition(":")
     host = host.strip("[]")
-    with socket.create_connection((host, int(port)), timeout=timeout_s) as sock:
+    bind = None if source is None else (source, 0)
+    with socket.create_connection((host, int(port)), timeout=timeout_s, source_address=bind) as sock:
         hello = _recv_exact(sock, len(_MAGIC) + _NONCE)
         if hello[: len(_MAGIC)] != _MAGIC:
             raise GateRefused(f"{GATE_ENV}={address!r} is not a meshtune gate (it did not greet as one)")
@@ -386,19 +388,27 @@ class Guard:
 
 class _Admissions:
     """The admitted addresses as a launched process sees them: refreshed from the gate every
-    ``REFRESH_PERIOD_S``; the last answer is kept while the gate cannot be reached."""
+    ``REFRESH_PERIOD_S``; the last answer is kept while the gate cannot be reached. With ``$MESHTUNE_DP_HOST``
+    set the process knocks from that address too, since its DiLoCo pairs connect from there."""
 
     def __init__(self, gate: str, key: bytes) -> None:
         self._gate, self._key = gate, key
-        self._addresses = knock(gate, key)  # raises GateRefused: a process without the secret stops here
+        dp = os.environ.get(DP_HOST_ENV)
+        self._sources = [None] + ([listen_address(dp, field=DP_HOST_ENV)] if dp else [])
+        self._addresses = self._knock(10.0)  # raises GateRefused: a process without the secret stops here
         self._asked = time.monotonic()
         self._warned = False
+
+    def _knock(self, timeout_s: float) -> list[str]:
+        for source in self._sources:  # the last answer lists every address admitted so far
+            addresses = knock(self._gate, self._key, timeout_s=timeout_s, source=source)
+        return addresses
 
     def __call__(self) -> list[str]:
         if time.monotonic() - self._asked >= REFRESH_PERIOD_S:
             self._asked = time.monotonic()
             try:
-                self._addresses = knock(self._gate, self._key, timeout_s=2.0)
+                self._addresses = self._knock(2.0)
                 self._warned = False
             except OSError as err:  # the launcher is gone or a link is cut: keep what was admitted
                 if isinstance(err, GateRefused):

@@ -6,7 +6,8 @@ TCPStore and torchft's manager server (stage 0 of a fast replica), torchft's che
 themselves, all but the lighthouse listen on every interface. Here each is bound to
 ``listen_address()``: the address of ``$MESHTUNE_HOST`` (``meshtune launch --host``), else of the
 hostname, the same address the process advertises to its peers. Gloo's own pairs listen on the
-interface ``GLOO_SOCKET_IFNAME`` names, which ``gloo_interface`` finds for ``$MESHTUNE_HOST``.
+interface ``GLOO_SOCKET_IFNAME`` names, which ``gloo_interface`` finds for ``$MESHTUNE_HOST``; the
+DiLoCo sync's pairs on ``$MESHTUNE_DP_HOST`` where it is set (``dp_gloo_device``).
 
 What this does not do: authenticate peers. That is ``comm.gate``'s part (a shared secret, checked at
 the launcher's gate, and a filter on every listening socket of the process; README, "Over the
@@ -27,8 +28,10 @@ import torch.distributed as dist
 from .._validation import require
 
 __all__ = [
+    "DP_HOST_ENV",
     "HOST_ENV",
     "advertised_host",
+    "dp_gloo_device",
     "bind_spec",
     "bound_store",
     "gloo_interface",
@@ -37,6 +40,7 @@ __all__ = [
 ]
 
 HOST_ENV = "MESHTUNE_HOST"
+DP_HOST_ENV = "MESHTUNE_DP_HOST"
 _RENDEZVOUS: list = []  # the rendezvous store this process serves, alive as long as the process
 
 
@@ -50,8 +54,9 @@ def advertised_host() -> str:
     return os.environ.get(HOST_ENV) or socket.gethostname()
 
 
-def listen_address(host: str | None = None) -> str:
-    """The IP address servers bind to: ``host`` (default ``advertised_host()``), resolved if a name."""
+def listen_address(host: str | None = None, *, field: str = HOST_ENV) -> str:
+    """The IP address servers bind to: ``host`` (default ``advertised_host()``), resolved if a name;
+    ``field`` is what an error names."""
     name = host or advertised_host()
     try:
         return str(ipaddress.ip_address(name.strip("[]")))
@@ -60,8 +65,37 @@ def listen_address(host: str | None = None) -> str:
     try:
         return socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)[0][4][0]
     except OSError:
-        require(False, HOST_ENV, name, "resolve to an address of this machine for the mesh's servers to listen on")
+        require(False, field, name, "resolve to an address of this machine for the mesh's servers to listen on")
         raise  # unreachable: require raised
+
+
+def dp_gloo_device():
+    """The gloo device of the DiLoCo sync's process group: bound to ``$MESHTUNE_DP_HOST``, or None where it is
+    unset (gloo's own device: ``GLOO_SOCKET_IFNAME``'s interface, as every other group of the mesh).
+
+    Why a second address: on a link the sync shares with the pipeline's crossings, its bytes (megabytes per
+    fragment) queue in front of a crossing (kilobytes) that the next step waits for. On an address of its own
+    the network can tell the two apart, e.g. a ``tc`` filter on the uplink that serves the sync's packets only
+    when no crossing waits (``benchmarks/wan/netns.py``), so an overlapped sync (``dp_sync_delay``) fills the
+    link's idle time instead of delaying the steps it overlaps. Every fast process of the mesh needs one, and
+    the peers must reach it: the pairs connect to the address each process binds."""
+    host = os.environ.get(DP_HOST_ENV)
+    if not host:
+        return None
+    address = listen_address(host, field=DP_HOST_ENV)
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((address, 0))
+        except OSError as err:
+            require(
+                False,
+                DP_HOST_ENV,
+                host,
+                f"be an address of this machine (it resolves to {address}, which cannot be bound here: "
+                f"{err.strerror}; the DiLoCo sync's gloo pairs bind to it)",
+            )
+    return dist.ProcessGroupGloo.create_device(hostname=address)
 
 
 def bind_spec(address: str, port: int = 0) -> str:

@@ -113,7 +113,7 @@ class _CompressedFragment(_StreamingDiLoCoFragment):
         # int8 codes: one coder for the P factors with the dense tensors, one for the Q factors
         fragment._quantizer, fragment._q_quantizer = quantizers or (None, None)
         fragment._coded = []  # (kind, name) of what the first int8 round carries, in order
-        fragment._scales = None  # (block maxima, their MAX all-reduce) of the first int8 round in flight
+        fragment._first_round = None  # (codes, block maxima, the codes' SUM all-reduce) of a first int8 round with P
         fragment._codes = None  # (int8 codes, block maxima) of the dense tensors, summed as perform_sync waits
         fragment._q_codes = None  # (names, int8 codes, block maxima) of the Q factors, summed likewise
         fragment._rounds = []  # (summed codes, block maxima) of every int8 round of the sync in flight
@@ -171,13 +171,15 @@ class _CompressedFragment(_StreamingDiLoCoFragment):
         in buckets (``_buckets``): the compressed matrices' P factors with the dense tensors, in parameter
         order, then the Q factors, usually one all-reduce each for the whole fragment. Q = Mᵀ·orth(P̄)
         needs the averaged P, so ``finish_factors`` waits the first buckets, then sends the Q buckets,
-        which torchft waits in ``perform_sync``. With τ ≥ 2 ``StreamingDiLoCo`` calls it ⌊τ/2⌋ inner
-        steps after the prepare, so the P round trip overlaps inner steps instead of blocking the step
-        that prepares the sync; with τ ≤ 1 ``perform_sync`` calls it before it waits.
+        which torchft waits in ``perform_sync``. With τ ≥ 2 ``StreamingDiLoCo`` calls it
+        ``p_round_steps`` inner steps after the prepare, so the P round trip overlaps inner steps instead
+        of blocking the step that prepares the sync; with τ ≤ 1 ``perform_sync`` calls it before it waits.
 
         With int8 codes (``dp.quantize``) every all-reduce carries int8 codes instead: the P factors and
         the dense tensors (these with error feedback) go as one round, their block maxima all-reduced
-        here (MAX), the codes by ``finish_factors`` (SUM); then the Q factors likewise.
+        (MAX) and waited here (a few bytes a block: the codes need the shared maxima), then the codes
+        sent (SUM), so the round's bytes travel while the overlapped inner steps run; ``finish_factors``
+        waits them and sends the Q factors likewise.
         """
         items, coded = [], []
         for name, _ in self._model_fragment.named_parameters():
@@ -194,7 +196,16 @@ class _CompressedFragment(_StreamingDiLoCoFragment):
             keys = [self._key(name) + ("/P" if kind == "p" else "") for (kind, name), _ in coded]
             factors = [key for key, ((kind, _), _) in zip(keys, coded) if kind == "p"]
             scales = self._quantizer.start([(key, t) for key, (_, t) in zip(keys, coded)], without_feedback=factors)
-            self._scales = scales, self._all_reduce(scales, ReduceOp.MAX)
+            self._all_reduce(scales, ReduceOp.MAX).wait()
+            self._participants = self._manager.num_participants()
+            codes = self._quantizer.codes(scales, self._participants)
+            summed = self._all_reduce(codes, ReduceOp.SUM)
+            self._rounds = [(codes, scales)]  # summed in place: the sync as it travelled (OuterUpdate.codes)
+            if factors:
+                self._first_round = codes, scales, summed
+            else:
+                self._allreduce_work.append(summed)
+                self._codes = codes, scales
         for flat, views in _buckets(items):
             work = self._all_reduce(flat)
             for (kind, name), view in views:
@@ -207,20 +218,11 @@ class _CompressedFragment(_StreamingDiLoCoFragment):
 
     def finish_factors(self) -> None:
         """Wait the P buckets in flight, compute each Q and send the Q buckets (nothing pending: no-op).
-        With int8 codes: wait the first round's block maxima and send its codes; with P factors among
-        them, wait the codes too, decode P (and the dense tensors), then code and send Q."""
+        With int8 codes: wait the first round's codes, decode P (and the dense tensors), then code and
+        send Q."""
         orth, items = {}, []
-        if self._scales is not None:
-            (scales, work), self._scales = self._scales, None
-            work.wait()
-            self._participants = self._manager.num_participants()
-            codes = self._quantizer.codes(scales, self._participants)
-            summed = self._all_reduce(codes, ReduceOp.SUM)
-            self._rounds = [(codes, scales)]  # summed in place: the sync as it travelled (OuterUpdate.codes)
-            if not any(kind == "p" for kind, _ in self._coded):
-                self._allreduce_work.append(summed)
-                self._codes = codes, scales
-                return
+        if self._first_round is not None:
+            (codes, scales, summed), self._first_round = self._first_round, None
             summed.wait()  # Q = Mᵀ·orth(P̄) needs the averaged P now
             for (kind, name), average in zip(self._coded, self._quantizer.decode(codes, scales)):
                 if kind == "p":
@@ -259,7 +261,7 @@ class _CompressedFragment(_StreamingDiLoCoFragment):
 
     def syncing(self) -> bool:
         """Whether this fragment has a sync in flight (all-reduces issued, not yet committed)."""
-        return bool(self._allreduce_work or self._pending or self._scales is not None)
+        return bool(self._allreduce_work or self._pending or self._first_round is not None)
 
     def _merge_parameters(self) -> None:
         """After the outer step the fragment holds θ_global. torchft's merge lerps back towards θ_local
@@ -309,7 +311,7 @@ class _CompressedFragment(_StreamingDiLoCoFragment):
         finally:
             self._factors.clear()
             self._prepared = {}
-            self._codes = self._scales = self._q_codes = None
+            self._codes = self._first_round = self._q_codes = None
             self._rounds = []
             if self._codec is not None:
                 self._codec.discard()
@@ -327,6 +329,25 @@ class _CompressedFragment(_StreamingDiLoCoFragment):
 # =============================================================================================
 
 
+def p_round_steps(fragments: list[nn.Module], codec: PowerSGD | None, delay: int) -> int:
+    """Of the τ = ``delay`` inner steps a sync overlaps, how many the first round (PowerSGD's P factors with the
+    dense tensors) travels before ``finish_factors`` waits it; Q's round gets the rest. Split by the rounds'
+    values over every fragment (on a link that carries nothing else a round's time goes with its bytes),
+    at least one step each: P's round is the larger where a vocabulary-sized matrix is compressed (P = [m, r]
+    for a tall [m, n]), and waiting it half-way would stall the step that waits it."""
+    if delay < 2:
+        return delay
+    first = second = 0
+    for fragment in fragments:
+        for p in fragment.parameters():
+            if codec is not None and codec.compresses(p.shape):
+                first, second = first + p.shape[0] * codec.rank, second + p.shape[1] * codec.rank
+            else:
+                first += p.numel()
+    share = first / (first + second) if first + second else 0.5
+    return min(delay - 1, max(1, round(delay * share)))
+
+
 class StreamingDiLoCo:
     """Streaming DiLoCo of one pipeline stage with PowerSGD pseudo-gradients (paper §2.4).
 
@@ -338,8 +359,9 @@ class StreamingDiLoCo:
     the outer step the fragment's parameters become (1−α)·θ_global + α·θ_local with
     ``fragment_update_alpha`` α, so with α = 0 (torchft's default) the τ overlapped inner steps of that
     fragment are dropped; ``keep_overlapped`` keeps them instead: θ_global + (θ_local − θ_local at the
-    prepare). With τ ≥ 2 the PowerSGD P round trip overlaps the first ⌊τ/2⌋ of those steps and Q's
-    the rest (the same numbers as waiting P at the prepare, later). ``powersgd_rank`` (r) None sends
+    prepare). With τ ≥ 2 the PowerSGD P round (P factors with the dense tensors) overlaps the first of
+    those steps and Q's the rest, split by their bytes (``p_round_steps``; the same numbers as waiting P
+    at the prepare, later). ``powersgd_rank`` (r) None sends
     Δθ dense, exactly torchft's averaging. ``quantize="int8"`` sends every all-reduce as int8 codes with
     shared block scales (``dp.quantize``): the dense tensors with error feedback of their own, PowerSGD's
     factors under PowerSGD's. Every all-reduce is booked on ``wire`` (``self.wire``, a fresh ``Wire`` if
@@ -390,12 +412,12 @@ class StreamingDiLoCo:
         self.wire = wire if wire is not None else Wire()
         self._inner = inner_optimizer
         interval = sync_every // len(fragments)
-        # the inner step (counted from the last sync) after which the P all-reduces are waited: ⌊τ/2⌋
-        # steps after the prepare, so P's and Q's round trips both overlap inner steps (τ ≤ 1: None,
-        # perform_sync waits them)
-        self._finish_at = interval - fragment_sync_delay + fragment_sync_delay // 2 if fragment_sync_delay > 1 else None
-        self._hook = None
+        # the inner step (counted from the last sync) after which the P all-reduces are waited, so P's and Q's
+        # rounds both overlap inner steps (τ ≤ 1: None, perform_sync waits them)
         self.codec = PowerSGD(powersgd_rank, seed) if powersgd_rank is not None else None
+        p_steps = p_round_steps(fragments, self.codec, fragment_sync_delay)
+        self._finish_at = interval - fragment_sync_delay + p_steps if fragment_sync_delay > 1 else None
+        self._hook = None
         self.quantizer = Int8Sum() if quantize is not None else None  # the dense tensors' error feedback is here
         quantizers = None if quantize is None else (self.quantizer, Int8Sum())
         self.fragments = fragments

@@ -13,13 +13,22 @@ import threading
 from dataclasses import dataclass
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 from torchft import Manager
 from torchft.coordination import LighthouseServer
 from torchft.process_group import ProcessGroupGloo
 
 from .._validation import require
-from ..comm.listen import HOST_ENV, advertised_host, bind_spec, bound_store, listen_address, manager_server_bound_to
+from ..comm.listen import (
+    HOST_ENV,
+    advertised_host,
+    bind_spec,
+    bound_store,
+    dp_gloo_device,
+    listen_address,
+    manager_server_bound_to,
+)
 from .diloco import AdvertisedHTTPTransport
 from .powersgd import is_int
 
@@ -81,7 +90,34 @@ class AbortingProcessGroupGloo(ProcessGroupGloo):
     connection; a survivor waiting for data from one of those neighbours would wait out the whole
     collective timeout (30 s in the soak). Aborting the failed group closes its connections, so the
     survivors waiting on it fail at once and every replica goes on to the next quorum, which leaves
-    the dead replica out (``HEARTBEAT_TIMEOUT_MS``). torchft reconfigures a fresh group there anyway."""
+    the dead replica out (``HEARTBEAT_TIMEOUT_MS``). torchft reconfigures a fresh group there anyway.
+
+    With ``$MESHTUNE_DP_HOST`` set, its pairs bind to that address (``comm.listen.dp_gloo_device``), else to
+    gloo's default device as torchft's own group does."""
+
+    def _create_pg(self, store, rank: int, world_size: int):
+        device = dp_gloo_device()
+        if device is None:
+            return super()._create_pg(store, rank, world_size)
+        # torchft's own _create_pg with one change: the gloo backend's device (its options) instead of the default
+        options = dist.ProcessGroupGloo._Options()
+        options._devices = [device]
+        options._threads = 2  # what torch's default constructor gives one device
+        options._timeout = self._timeout
+        backend = dist.ProcessGroupGloo(store, rank, world_size, options)
+        backend._set_sequence_number_for_group()
+        if self._global_ranks:
+            backend.options.global_ranks_in_group = self._global_ranks
+        if self._group_rank and self._group_world_size:
+            backend.options.group_name = (
+                f"torchft_quorum_{self._quorum_id}_rank_{self._group_rank % self._group_world_size}"
+            )
+        pg = dist.ProcessGroup(store, rank, world_size)
+        pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+        for kind in ("cpu", "cuda", "xpu"):
+            if kind == "cpu" or getattr(torch, kind).is_available():
+                pg._register_backend(torch.device(kind), dist.ProcessGroup.BackendType.GLOO, backend)
+        return pg
 
     def allreduce(self, tensors, opts):
         work = super().allreduce(tensors, opts)
