@@ -1,20 +1,23 @@
 """How much sooner than Dense a row reaches Dense's final quality when it may train longer: the WAN benchmark's
-80-step table leaves the figure undefined (no compressed row reaches Dense's final held-out loss in 80 steps),
-so here the default row, and the peer a user would pick instead (torchft DiLoCo), train with longer step
-budgets, each with the benchmark's own schedule stretched over the budget (warm-up a tenth, cosine to 0.1×),
-on the same data in the same order, at the benchmark's lr and at 0.002 (``rows.EQUAL_QUALITY_ROWS``), and
-the default at 0.002 with dp_sweep's best outer step there (averaging, η = 1, μ = 0, instead of MeshConfig's
-Nesterov η = 0.7, μ = 0.9). Dense trains its 80 steps at every lr of dp_sweep's grid (``DENSE_NAMES``): the
-benchmark's lr is tuned for neither, so the target is tuned Dense's final loss (its best lr), with Dense at the
-WAN table's lr beside it.
+80-step table leaves the figure undefined (no compressed row reaches Dense's final held-out loss in 80 steps), so
+here the default row, and the peer a user would pick instead (torchft DiLoCo), train with longer step budgets, each
+with the benchmark's own schedule stretched over the budget (warm-up a tenth, cosine to 0.1×), on the same data in
+the same order, at the benchmark's lr and at 0.002 (``rows.EQUAL_QUALITY_ROWS``), and the default at 0.002 with
+dp_sweep's best outer step there (averaging, η = 1, μ = 0, instead of MeshConfig's Nesterov η = 0.7, μ = 0.9), that
+one also with each sync overlapping the next 5 inner steps (kept) at low priority on the links
+(``dp_r128_int8_avg_lr2e-3_overlap_low``). Dense trains its 80 steps at every lr of dp_sweep's grid
+(``DENSE_NAMES``): the benchmark's lr is tuned for neither, so the target is tuned Dense's final loss (its best
+lr), with Dense at the WAN table's lr beside it.
 
     sudo .venv/bin/python -m benchmarks.wan.equal_quality   # ≈ 76 min on 2 idle CPU cores (≈ 65 after dp_sweep, run)
 
-Quality does not depend on the links for these synchronous rows, so every run trains on compute-bound links
-(10 Gbit/s, no delay) and is timed with its row's steady-state step on the shaped links from the committed
-``results/wan.json`` (same machine, same code: run.py's shaped timing window; neither the lr nor the outer
-step changes a step's bytes or FLOPs, ``timed_as``). Time to a target for one budget = the first saved step
-(every 10) whose held-out loss is at or below it × that step time; a row's figure is its best budget's.
+Quality does not depend on the links for these rows (an overlapped sync lands τ steps after its prepare whatever
+the links), so every run trains on compute-bound links (10 Gbit/s, no delay) and is timed with its row's
+steady-state step on the shaped links from the committed ``results/wan.json`` (run.py's shaped timing window), or for
+the overlapped row from ``results/throughput.json`` (a window of the same length on the same links, the default row
+timed beside it); neither the lr nor the outer step changes a step's bytes or FLOPs (``timed_as``). ``--keep``
+trains only ``--rows`` and keeps the other runs of the committed json. Time to a target for one budget = the first
+saved step (every 10) whose held-out loss is at or below it × that step time; a row's figure is its best budget's.
 Dense's own time is its 80 steps at its shaped step. Runs are cached in the WAN benchmark's work folder
 (``run._run``: the 80-step runs are run.py's and dp_sweep's own, the others phase ``budget<B>``);
 ``equal_quality.json`` is written after every run.
