@@ -9,7 +9,7 @@ one also with each sync overlapping the next 5 inner steps (kept) at low priorit
 (``DENSE_NAMES``): the benchmark's lr is tuned for neither, so the target is tuned Dense's final loss (its best
 lr), with Dense at the WAN table's lr beside it.
 
-    sudo .venv/bin/python -m benchmarks.wan.equal_quality   # ≈ 76 min on 2 idle CPU cores (≈ 65 after dp_sweep, run)
+    sudo .venv/bin/python -m benchmarks.wan.equal_quality   # ≈ 93 min on 2 idle CPU cores (≈ 82 after dp_sweep, run)
 
 Quality does not depend on the links for these rows (an overlapped sync lands τ steps after its prepare whatever
 the links), so every run trains on compute-bound links (10 Gbit/s, no delay) and is timed with its row's

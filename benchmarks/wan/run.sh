@@ -12,5 +12,5 @@ PY=${PYTHON:-.venv/bin/python}
 "$PY" -m benchmarks.wan.dp_sweep       # which DP sync keeps the fine-tune's quality, at what bytes, at what lr (~55 min)
 "$PY" -m benchmarks.wan.run            # every row fine-tunes on shaped links: tokens/s, bytes/token, quality (~50 min)
 "$PY" -m benchmarks.wan.anchor_pacing  # fast step times without the anchor, with it, with its link capped (~11 min; after run: its links)
-"$PY" -m benchmarks.wan.throughput     # where the default's shaped step goes: microbatches, overlapped DP syncs, DP at low priority (~33 min; after run)
-"$PY" -m benchmarks.wan.equal_quality  # longer step budgets, 2 lrs: time to tuned Dense's final quality (~85 min; after dp_sweep, run, throughput)
+"$PY" -m benchmarks.wan.throughput     # where the default's shaped step goes: microbatches, overlapped DP syncs, DP at low priority (~24 min; after run)
+"$PY" -m benchmarks.wan.equal_quality  # longer step budgets, 2 lrs: time to tuned Dense's final quality (~82 min; after dp_sweep, run, throughput)

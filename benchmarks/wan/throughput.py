@@ -1,6 +1,6 @@
 """Where the default row's step goes on shaped links, and what more microbatches and overlapped DP syncs change.
 
-    sudo .venv/bin/python -m benchmarks.wan.throughput   # ≈ 25 min on 2 idle cores; results/throughput.{json,md}
+    sudo .venv/bin/python -m benchmarks.wan.throughput   # ≈ 24 min on 2 idle cores; results/throughput.{json,md}
 
 The WAN benchmark's default row is compute-bound by its bytes (the ideal its bytes allow is its compute-bound
 speed), yet on the shaped links it runs at well under it (``wan.md``'s share of ideal). Two costs that the
