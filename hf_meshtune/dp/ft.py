@@ -2,8 +2,10 @@
 
 Replica r of the mesh is the torchft replica group ``mesh_replica_{r}`` and stage s is its group
 rank, so torchft's cross-replica process group joins stage s of every fast replica and nothing else
-(stage j syncs only with stage j). Only public torchft API is used here; what reaches into its
-internals is in ``dp.diloco``.
+(stage j syncs only with stage j). Only public torchft API is used here, but for
+``AbortingProcessGroupGloo._create_pg`` (torchft's own, transcribed with another gloo device: it reads the
+group's quorum fields, and fails loudly if they are renamed); the rest that reaches into its internals is
+in ``dp.diloco``.
 """
 
 from __future__ import annotations
