@@ -227,7 +227,7 @@ def _provenance(report: dict, summary: dict) -> list[str]:
             f"Rows not trained in this invocation (`--keep`) were trained by an earlier one ({k['date']}, "
             f"{k['seconds'] / 60:.0f} min) of the same settings."
         )
-    return [" ".join(lines)] if lines else []
+    return ["", " ".join(lines)] if lines else []
 
 
 def _plot(report: dict, tuned: dict, base: dict, out: Path) -> None:
