@@ -110,7 +110,8 @@ def summarize(report: dict, shaped: dict, dense_name: str | None = None) -> dict
     for name, budgets in report["runs"].items():
         if name in DENSE_NAMES:
             continue
-        timed = shaped[timed_as(name)]
+        timing_row = timed_as(name)
+        timed = shaped[timing_row]
         step_s = timed["step_seconds"]
         per_budget = {}
         for budget, ev in budgets.items():
@@ -127,7 +128,7 @@ def summarize(report: dict, shaped: dict, dense_name: str | None = None) -> dict
             "label": ROWS[name].label,
             "peer": ROWS[name].peer,
             "shaped_step_seconds": step_s,
-            "timed_as": timed_as(name),
+            "timed_as": timing_row,
             "timed_in": timed["source"],
             "default_step_there": shaped.get(
                 "default" if timed["source"] == "wan.json" else f"default in {timed['source']}", {}

@@ -147,44 +147,12 @@ def _shape(ns: str, dev: str, rate_mbit: float, *, first: bool = False) -> None:
     _tc(ns, "qdisc", "replace" if first else "change", "dev", dev, "root", "handle", "1:", *tbf)
     if not first:
         return
-    _tc(ns, "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:", "htb", "default", "1")
+    _tc(ns, *f"qdisc add dev {dev} parent 1:1 handle 10: htb default 1".split())
     for band in (1, 2):  # prio 0 before prio 1; 100 Gbit/s: the tbf above sets the rate, not these
-        _tc(
-            ns,
-            "class",
-            "add",
-            "dev",
-            dev,
-            "parent",
-            "10:",
-            "classid",
-            f"10:{band}",
-            "htb",
-            "rate",
-            "100gbit",
-            "prio",
-            str(band - 1),
-        )
-        _tc(ns, "qdisc", "add", "dev", dev, "parent", f"10:{band}", "bfifo", "limit", str(limit))
+        _tc(ns, *f"class add dev {dev} parent 10: classid 10:{band} htb rate 100gbit prio {band - 1}".split())
+        _tc(ns, *f"qdisc add dev {dev} parent 10:{band} bfifo limit {limit}".split())
     _tc(
-        ns,
-        "filter",
-        "add",
-        "dev",
-        dev,
-        "parent",
-        "10:",
-        "protocol",
-        "ip",
-        "prio",
-        "1",
-        "u32",
-        "match",
-        "ip",
-        "dst",
-        f"{DP_SUBNET}.0/24",
-        "flowid",
-        "10:2",
+        ns, *f"filter add dev {dev} parent 10: protocol ip prio 1 u32 match ip dst {DP_SUBNET}.0/24 flowid 10:2".split()
     )
 
 
