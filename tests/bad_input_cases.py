@@ -550,10 +550,10 @@ def _unresolvable_host() -> None:
         listen_address()
 
 
-def _foreign_dp_host() -> None:
+def _foreign_dp_host(host: str = "192.0.2.7") -> None:
     from hf_meshtune.comm.listen import dp_gloo_device
 
-    with environ(MESHTUNE_DP_HOST="192.0.2.7"):
+    with environ(MESHTUNE_DP_HOST=host):
         dp_gloo_device()
 
 
@@ -1877,6 +1877,15 @@ def _cases() -> list[Case]:
             "MESHTUNE_DP_HOST='192.0.2.7' is invalid: it must be an address of this machine (it resolves to "
             "192.0.2.7, which cannot be bound here: Cannot assign requested address; the DiLoCo sync's gloo pairs "
             "bind to it)",
+        ),
+        Case(
+            RANKS,
+            "MESHTUNE_DP_HOST=no-such-host.invalid",
+            "`comm.listen.dp_gloo_device` (the DiLoCo sync's process group of every fast process)",
+            lambda: _foreign_dp_host("no-such-host.invalid"),
+            ValueError,
+            "MESHTUNE_DP_HOST='no-such-host.invalid' is invalid: it must resolve to an address of this machine for "
+            "the mesh's servers to listen on",
         ),
         Case(
             RANKS,
