@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from benchmarks.wan import gpu_mesh_check
-from hf_meshtune.config import _require_gloo_backend
+from hf_meshtune.config.training import _require_gloo_backend
 from tests.distributed import launch
 
 
