@@ -132,6 +132,15 @@ def environ(**values: str | None) -> Iterator[None]:
         apply(saved)
 
 
+def unwritable_cache(tmp: str) -> None:
+    """The embedded model's first use with ``$HF_MESHTUNE_CACHE`` under a regular file."""
+    from hf_meshtune.apps.assets import smollm2_checkpoint
+
+    Path(tmp, "file").write_text("not a folder")
+    with environ(HF_MESHTUNE_CACHE=os.path.join(tmp, "file", "cache")):
+        smollm2_checkpoint()
+
+
 def launched(world_size: int, mesh: str | None = None) -> contextlib.AbstractContextManager[None]:
     """The environment of one rank of a launched job (``meshtune launch`` sets both variables)."""
     return environ(WORLD_SIZE=str(world_size), MESHTUNE_MESH=mesh)
@@ -2986,6 +2995,17 @@ def _cases() -> list[Case]:
             arithmetic_problems(operators="/"),
             ValueError,
             "operators='/' is invalid: it must be a non-empty string of +-*",
+        ),
+        Case(
+            RECIPES,
+            "HF_MESHTUNE_CACHE=<tmp>/file/cache, where <tmp>/file is a file",
+            "`hf_meshtune.apps.assets.smollm2_checkpoint` (recipes, `meshtune demo`: the embedded model's first use)",
+            unwritable_cache,
+            ValueError,
+            "HF_MESHTUNE_CACHE='<tmp>/file/cache' is invalid: it must be a folder this process can create and write "
+            "(the first use fills smollm2-135m-instruct there; NotADirectoryError: Not a directory)",
+            note="checked before the conversion starts; an interrupted conversion is redone, never read "
+            "(`tests/test_cache.py`)",
         ),
         # --- anchor / AnchorBatches ----------------------------------------------------------------------
         Case(

@@ -16,15 +16,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from hf_meshtune.apps.assets import cache_dir
+from hf_meshtune.apps.cache import cache_dir, filled_once
 
 from .tasks import pretraining_corpus
 
@@ -135,10 +133,16 @@ def _pretrain(settings: PretrainSettings, model, train: torch.Tensor, held_out: 
 
 
 def tiny_llama(settings: PretrainSettings = PretrainSettings()) -> Path:
-    """Path of the pretrained tiny Llama checkpoint (model + tokenizer); pretrains it on first use."""
-    target = cache_dir() / "quality" / settings.key()
-    if (target / "model.safetensors").exists():
-        return target
+    """Path of the pretrained tiny Llama checkpoint (model + tokenizer); pretrains it on first use, once
+    (``filled_once``: concurrent callers wait for the one that pretrains)."""
+    return filled_once(
+        cache_dir() / "quality" / settings.key(),
+        lambda folder: _pretrain_into(folder, settings),
+        ("config.json", "model.safetensors"),
+    )
+
+
+def _pretrain_into(folder: Path, settings: PretrainSettings) -> None:
     torch.manual_seed(settings.seed)
     started = time.time()
     text = pretraining_corpus(cache_dir() / "quality", settings.corpus_chars)
@@ -149,12 +153,8 @@ def tiny_llama(settings: PretrainSettings = PretrainSettings()) -> Path:
     prep_s = time.time() - started
     model = _build_model(settings, tokenizer)
     report = _pretrain(settings, model, train, held_out)
-    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    shutil.rmtree(target, ignore_errors=True)
-    os.replace(tmp, target)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "pretrain.json").write_text(
         json.dumps(
@@ -171,7 +171,6 @@ def tiny_llama(settings: PretrainSettings = PretrainSettings()) -> Path:
             indent=2,
         )
     )
-    return target
 
 
 def load_tiny_llama(settings: PretrainSettings = PretrainSettings()):

