@@ -563,7 +563,7 @@ def test_the_p_round_gets_the_overlapped_steps_in_proportion_to_its_values():
 
 
 def test_buckets_flatten_runs_of_one_dtype_up_to_the_cap_and_average_every_view_in_place(monkeypatch):
-    from hf_meshtune.dp import diloco
+    from hf_meshtune.dp.diloco import fragment as diloco
 
     monkeypatch.setattr(diloco, "BUCKET_BYTES", 64)  # 16 float32 numbers
     a, b, c = torch.ones(2, 3), torch.full((4,), 2.0), torch.full((3,), 3.0, dtype=torch.float64)
@@ -864,7 +864,8 @@ def test_diloco_state_is_refused_mid_sync_and_for_another_fragment_count():
     flight would be lost), and loads only into as many fragments as it was taken from."""
     from types import SimpleNamespace
 
-    from hf_meshtune.dp.diloco import StreamingDiLoCo, _CompressedFragment
+    from hf_meshtune.dp.diloco import StreamingDiLoCo
+    from hf_meshtune.dp.diloco.fragment import _CompressedFragment
 
     def fragment(work: list, pending: list) -> _CompressedFragment:
         made = _CompressedFragment.__new__(_CompressedFragment)

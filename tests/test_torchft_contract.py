@@ -1,4 +1,4 @@
-"""The private torchft internals ``hf_meshtune/dp/diloco.py`` relies on still exist in the installed torchft.
+"""The private torchft internals ``hf_meshtune/dp/diloco/`` relies on still exist in the installed torchft.
 
 torchft has no compressor hook, so the DiLoCo adapter reaches into ``_StreamingDiLoCoFragment`` and
 ``DiLoCo``/``HTTPTransport`` attributes (``TORCHFT_INTERNALS`` lists every one). A torchft release that

@@ -43,7 +43,7 @@ class Row:
     microbatches: int | None = None
     sync_delay: int = 0  # MeshConfig.dp_sync_delay: inner steps a fragment's sync overlaps before it lands
     keep_overlapped: bool = False  # MeshConfig.dp_keep_overlapped: those steps kept on top of the new θ_global
-    dp_buckets: bool = True  # False: one DiLoCo all-reduce per tensor, as before the buckets (dp.diloco.BUCKET_BYTES)
+    dp_buckets: bool = True  # False: one DiLoCo all-reduce per tensor, as before buckets (diloco.fragment.BUCKET_BYTES)
     # True: the DiLoCo sync on each node's low-priority address ($MESHTUNE_DP_HOST = netns.node_dp_ip): the links
     # send its packets only while no other packet waits (netns._shape)
     dp_low_priority: bool = False

@@ -15,7 +15,7 @@ bytes-only ideal does not see:
   PowerSGD P round the first steps, Q's the rest, split by their bytes: ``dp.diloco.p_round_steps``). torchft
   drops the τ overlapped inner steps of the fragment (it restarts from the new θ_global);
   ``dp_keep_overlapped`` keeps them on top of it. The sync's
-  all-reduces go in buckets (``dp.diloco.BUCKET_BYTES``); one variant sends one per tensor, as before them.
+  all-reduces go in buckets (``dp.diloco.fragment.BUCKET_BYTES``); one variant sends one per tensor, as before them.
 - **The link's queue.** On a FIFO link an overlapped sync's megabytes queue in front of the pipeline's
   crossings. With ``dp_low_priority`` each process binds its sync to its node's second address
   (``MESHTUNE_DP_HOST``), whose packets the links send only while no other packet waits (``netns._shape``).

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from hf_meshtune.config import MeshConfig
-from hf_meshtune.dp import diloco
+from hf_meshtune.dp.diloco import fragment as diloco_fragment
 from hf_meshtune.runtime.bootstrap import run_worker
 from hf_meshtune.runtime.job import _lighthouse
 from hf_meshtune.runtime.settings import RunSettings, StageCallback
@@ -58,7 +58,7 @@ def main() -> None:
 
     row, shape = ROWS[args.row], Shape()
     if not row.dp_buckets:  # every tensor a bucket of its own: the per-tensor all-reduces of before
-        diloco.BUCKET_BYTES = 0
+        diloco_fragment.BUCKET_BYTES = 0
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     topology = MeshTopology(row.replicas, shape.stages, anchor=row.anchor)
