@@ -37,7 +37,8 @@ from .config import (
     require_saved_knobs,
 )
 from .ledger import Ledger, compute_ledger, param_shapes_of, settings_from_knobs
-from .optim.spectral import SpectralAdamW, anchor_momentum
+from .optim.factors import anchor_momentum
+from .optim.spectral import SpectralAdamW
 
 __all__ = ["RESUME_KNOBS", "MeshEngine"]
 

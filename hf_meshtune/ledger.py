@@ -207,7 +207,7 @@ def anchor_payload_numel(shape: Sequence[int], payload: str, rank: int) -> int:
 
     Only 2-D parameters get anchor gradients (the spectral optimizer filters matrices only). Payload
     "gradient": the full m·n gradient; "factors": U [m, k], s [k], V [n, k] = k·(m+n+1) with
-    k = min(r, m, n), what ``optim.spectral.AnchorMomentum`` sends (even where that exceeds m·n).
+    k = min(r, m, n), what ``optim.factors.AnchorMomentum`` sends (even where that exceeds m·n).
     """
     if len(shape) != 2:
         return 0

@@ -16,7 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_meshtune.optim.spectral import AnchorMomentum, SpectralAdamW, factor_shapes
+from hf_meshtune.optim.basis import factor_shapes
+from hf_meshtune.optim.factors import AnchorMomentum
+from hf_meshtune.optim.spectral import SpectralAdamW
 from tests.distributed import mesh_launch
 from tests.test_trainer import make_trainer, train_losses
 

@@ -13,7 +13,7 @@ from hf_meshtune.anchor.circuit import AnchorCircuit
 from hf_meshtune.anchor.fidelity import FidelityProbe, ProbeRecord, gradient_cosine, stage_parameter_groups
 from hf_meshtune.anchor.governor import AnchorCadence, FidelityGovernor, candidate_levels, mean_level_bytes
 from hf_meshtune.boundary.compose.handle import attach_composed
-from hf_meshtune.optim.spectral import subspace_drift
+from hf_meshtune.optim.basis import subspace_drift
 from tests.tiny import GOVERNED_TINY, pattern_dataset, tiny_llama
 
 BASE = dict(

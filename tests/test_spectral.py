@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hf_meshtune.optim import SpectralAdamW
-from hf_meshtune.optim.spectral import _filter_gradient
+from hf_meshtune.optim.basis import _filter_gradient
 
 SHAPES = [(6, 4), (3, 5), (5,)]  # two matrices of different aspect, one bias
 

@@ -41,7 +41,8 @@ from hf_meshtune import ledger as L
 from hf_meshtune.apps.assets import cache_dir, load_smollm2
 from hf_meshtune.boundary.hooks import attach_boundaries
 from hf_meshtune.boundary.masking import BoundaryMask, keep_count, keep_indices
-from hf_meshtune.optim.spectral import AnchorMomentum, SpectralAdamW
+from hf_meshtune.optim.factors import AnchorMomentum
+from hf_meshtune.optim.spectral import SpectralAdamW
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 MASK_SHARE_TARGET = 0.03  # masking ≤ 3 % of a step

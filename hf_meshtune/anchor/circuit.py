@@ -110,7 +110,7 @@ class AnchorCircuit:
             "be 'governed' (a codec ladder on the boundaries) for the fidelity governor",
         )
         self.governor, self.cadence, self.feed = governor, cadence, feed
-        self.factors = factors  # optim.spectral.AnchorMomentum, or None for the gradient payload
+        self.factors = factors  # optim.factors.AnchorMomentum, or None for the gradient payload
         self.decided: list[int] | None = None  # governed: the newest levels chosen (maybe still in flight)
         self.switches: list[tuple[int, int, list[int]]] = []  # level changes: (step applied, snapshot, levels)
         self.fidelity: dict[str, float] = {}  # the newest round's fidelity/* and governor/* log entries

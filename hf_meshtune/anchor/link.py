@@ -29,7 +29,7 @@ from ..comm.pacing import pace_for
 from ..comm.pairlink import FIRST_PAIR, PairLinks
 from ..comm.wire import Wire
 from ..dp.outer import OuterUpdate
-from ..optim.spectral import factor_shapes
+from ..optim.basis import factor_shapes
 from ..pipeline.stage import StageModule, stage_parameter_names
 
 __all__ = ["FastAnchorLink", "anchor_matrices", "first_lockstep_snapshot"]

@@ -10,7 +10,7 @@ skipped: the rounds, their batches and their gradients are then a function of th
 
 Governed (``boundary_codec="governed"``), each round also runs the fidelity probes through the anchor's
 pipeline and sends the governor's decision to the fast stages (``anchor.mesh_governor``).
-With ``anchor_payload="factors"`` the stage keeps M_anc of its matrices (``optim.spectral.AnchorMomentum``),
+With ``anchor_payload="factors"`` the stage keeps M_anc of its matrices (``optim.factors.AnchorMomentum``),
 folds each round's gradient into it and sends its top-r factors instead of the gradient.
 
 In replica jobs the link is restartable (``comm.pairlink``): a fast stage that is gone is skipped
@@ -51,7 +51,7 @@ from ..comm.messages import (
 from ..comm.pacing import chunks, pace_for
 from ..comm.pairlink import PairLinks
 from ..config import codec_ladder, codec_refit_every, composed_codec, is_governed, require_saved_knobs
-from ..optim.spectral import anchor_momentum
+from ..optim.factors import anchor_momentum
 from ..runtime.checkpoint import read_rank_state
 from ..runtime.results import MeshResult
 from ..runtime.settings import Batches, RunSettings

@@ -8,269 +8,41 @@ is passed through a Tikhonov soft filter d_i = s_i / (s_i + τ_p) applied on bot
     G_filt = U diag(d) Uᵀ G V diag(d) Vᵀ,      G_proj = α·G + (1-α)·G_filt,
 
 so directions the anchor's momentum supports pass, the rest are damped, and nothing is amplified
-(0 <= d_i < 1). The SVD is recomputed only when M_anc changes and cached as (U, d, V).
+(0 <= d_i < 1). The SVD is recomputed only when M_anc changes and cached as (U, d, V) (``optim.basis``).
 
-With ``anchor_payload="factors"`` the anchor keeps M_anc itself (``AnchorMomentum``) and sends only its
-top-r factors (U_r, s_r, V_r), r·(m+n+1) numbers per matrix instead of m·n; the fast optimizer takes
-them in ``SpectralAdamW.update_anchor_factors`` and holds no [m, n] momentum.
+With ``anchor_payload="factors"`` the anchor keeps M_anc itself (``AnchorMomentum``, ``optim.factors``)
+and sends only its top-r factors (U_r, s_r, V_r), r·(m+n+1) numbers per matrix instead of m·n; the fast
+optimizer takes them in ``SpectralAdamW.update_anchor_factors`` and holds no [m, n] momentum.
 """
 
 from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from .._validation import require
-from ..boundary.masking import stable_seed
+from .adamw import _adamw_update
+from .basis import (
+    _anchor_dtype,
+    _basis_seed,
+    _factor_shapes_ok,
+    _filter_gradient,
+    _soft_filter,
+    anchor_basis,
+    subspace_drift,
+)
+from .diagnostics import _Diagnostics
 
-__all__ = [
-    "AnchorMomentum",
-    "SpectralAdamW",
-    "anchor_basis",
-    "anchor_momentum",
-    "factor_shapes",
-    "spectral_options",
-    "subspace_drift",
-]
+__all__ = ["SpectralAdamW", "spectral_options"]
 
 logger = logging.getLogger(__name__)
 
 _ANCHOR_TENSORS = ("anchor_momentum", "anchor_U", "anchor_d", "anchor_V", "anchor_s")
-
-
-def _anchor_dtype(param: Tensor) -> torch.dtype:
-    """At least float32: a bf16 momentum/SVD would swamp the small singular values d resolves.
-
-    float64 parameters keep float64 so that a float64 run can be checked against a reference.
-    """
-    return torch.promote_types(param.dtype, torch.float32)
-
-
-def _basis_seed(seed: int, index: int, count: int) -> int:
-    """Seed of the SVD test matrix for (seed, parameter index, anchor updates so far): the same on
-    every rank and restart, and decorrelated between neighbouring parameters and updates."""
-    return stable_seed(b"meshtune-svd", seed, index, count)
-
-
-def _randomized_svd(matrix: Tensor, rank: int, niter: int, oversample: int, seed: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Rank-``rank`` truncated SVD (U [m, r], s [r], V [n, r]) after Halko, Martinsson & Tropp (2011).
-
-    The Gaussian test matrix is drawn on the CPU from a private generator, so the basis does not
-    depend on (or disturb) torch's global RNG and is the same on every device.
-    """
-    m, n = matrix.shape
-    width = min(rank + oversample, m, n)
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    omega = torch.randn(n, width, generator=gen, dtype=matrix.dtype).to(matrix.device)
-    q = torch.linalg.qr(matrix @ omega).Q
-    for _ in range(niter):
-        # Re-orthonormalise between the two half-iterations: raw powers of M lose the small
-        # singular directions to rounding after a couple of iterations.
-        z = torch.linalg.qr(matrix.mT @ q).Q
-        q = torch.linalg.qr(matrix @ z).Q
-    u_small, s, vh = torch.linalg.svd(q.mT @ matrix, full_matrices=False)
-    return (q @ u_small[:, :rank]), s[:rank].clone(), vh[:rank].mT.contiguous()
-
-
-def anchor_basis(
-    momentum: Tensor, rank: int | None, niter: int, oversample: int, seed: int
-) -> tuple[Tensor, Tensor, Tensor]:
-    """(U [m, r], s [r], V [n, r]) of M_anc: the full SVD when ``rank`` is None or >= min(m, n), else the
-    randomized rank-``rank`` one (test matrix seeded by ``seed``). Raises RuntimeError when LAPACK fails."""
-    if rank is None or rank >= min(momentum.shape):
-        # LAPACK is several times slower on a wide matrix than on its transpose (same factors with U and V
-        # swapped): decompose the tall orientation
-        wide = momentum.shape[0] < momentum.shape[1]
-        u, s, vh = torch.linalg.svd(momentum.mT if wide else momentum, full_matrices=False)
-        return (vh.mT.contiguous(), s, u) if wide else (u, s, vh.mT.contiguous())
-    return _randomized_svd(momentum, rank, niter, oversample, seed)
-
-
-def factor_shapes(shape: Sequence[int], rank: int) -> list[tuple[int, ...]]:
-    """Shapes of the factors the anchor sends for an [m, n] matrix: U [m, k], s [k], V [n, k], k = min(r, m, n)."""
-    m, n = shape
-    k = min(rank, m, n)
-    return [(m, k), (k,), (n, k)]
-
-
-def _factor_shapes_ok(shape: tuple[int, ...], got: tuple[tuple[int, ...], ...]) -> bool:
-    """Whether ``got`` is (U [m, k], s [k], V [n, k]) for an [m, n] matrix with 1 <= k <= min(m, n)."""
-    if len(shape) != 2 or len(got) != 3 or len(got[1]) != 1:
-        return False
-    m, n = shape
-    k = got[1][0]
-    return 1 <= k <= min(m, n) and got == ((m, k), (k,), (n, k))
-
-
-class AnchorMomentum:
-    """The anchor's side of ``anchor_payload="factors"``: M_anc per matrix and its top-r factors.
-
-    ``fold(grads)`` does what ``SpectralAdamW.update_anchor`` does to M_anc, M ← β·M + (1-β)·G (float32 at
-    least), and returns each matrix's (U_r, s_r, V_r) from ``anchor_basis`` with the test matrix seeded by
-    (seed, the matrix's position in ``grads``, folds so far). A delivery with a non-finite value is refused
-    whole (M_anc unchanged) and comes back as NaN factors, which the fast optimizer rejects and counts as
-    ``anchor/rejected_non_finite``; a matrix whose SVD fails comes back as NaN factors alone (its basis is
-    dropped there, ``spectral/svd_fallbacks``).
-    """
-
-    def __init__(self, beta: float, rank: int, svd_niter: int = 2, svd_oversample: int = 8, seed: int = 0) -> None:
-        require(0 <= beta <= 1, "anchor_beta", beta, "lie in [0, 1]")
-        ok_rank = isinstance(rank, int) and not isinstance(rank, bool) and rank >= 1
-        require(ok_rank, "spectral_rank", rank, "be an int >= 1 with anchor_payload='factors'")
-        self.beta, self.rank, self.seed = beta, rank, seed
-        self.svd_niter, self.svd_oversample = svd_niter, svd_oversample
-        self.momenta: list[Tensor | None] = []
-        self.folds = 0
-        self.refused = 0
-
-    @torch.no_grad()
-    def fold(self, grads: Sequence[Tensor]) -> list[tuple[Tensor, Tensor, Tensor]]:
-        """Fold one dense gradient per matrix into M_anc; the factors to send, in ``grads``' order."""
-        if not self.momenta:
-            self.momenta = [None] * len(grads)
-        require(len(grads) == len(self.momenta), "anchor gradients", len(grads), f"number {len(self.momenta)} matrices")
-        if not all(bool(torch.isfinite(g).all()) for g in grads):
-            self.refused += 1
-            logger.warning("anchor gradient refused: non-finite values; M_anc unchanged, NaN factors sent")
-            return [_nan_factors(g.shape, self.rank, g.device, _anchor_dtype(g)) for g in grads]
-        out = []
-        for index, grad in enumerate(grads):
-            dtype = _anchor_dtype(grad)
-            if self.momenta[index] is None:
-                self.momenta[index] = torch.zeros(grad.shape, dtype=dtype, device=grad.device)
-            momentum = self.momenta[index]
-            momentum.mul_(self.beta).add_(grad.to(dtype), alpha=1 - self.beta)
-            seed = _basis_seed(self.seed, index, self.folds)
-            try:
-                out.append(anchor_basis(momentum, self.rank, self.svd_niter, self.svd_oversample, seed))
-            except RuntimeError as err:
-                logger.warning("SVD of the anchor momentum %s failed (%s): NaN factors sent", tuple(grad.shape), err)
-                out.append(_nan_factors(grad.shape, self.rank, grad.device, dtype))
-        self.folds += 1
-        return out
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"momenta": [None if m is None else m.clone() for m in self.momenta], "folds": self.folds,
-                "refused": self.refused}  # fmt: skip
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.momenta = [None if m is None else m.clone() for m in state["momenta"]]
-        self.folds, self.refused = int(state["folds"]), int(state.get("refused", 0))
-
-
-def _nan_factors(shape, rank: int, device, dtype) -> tuple[Tensor, Tensor, Tensor]:
-    return tuple(torch.full(sh, float("nan"), device=device, dtype=dtype) for sh in factor_shapes(shape, rank))
-
-
-def subspace_drift(old: Tensor, new: Tensor, k: int = 8) -> float:
-    """sin θ_max: the largest principal angle between the spans of the first ``k`` columns of two
-    orthonormal bases (0: the same subspace, 1: a direction of one is orthogonal to the other)."""
-    k = min(k, old.shape[1], new.shape[1])
-    cosines = torch.linalg.svdvals(old[:, :k].mT.double() @ new[:, :k].double())
-    return float(torch.sqrt(torch.clamp(1.0 - cosines.min() ** 2, min=0.0)))
-
-
-def _soft_filter(s: Tensor, tau: float, relative_tau: bool) -> Tensor:
-    """d_i = s_i / (s_i + τ_eff), τ_eff = τ_p or τ_p·s_max; an all-zero spectrum gives d = 0."""
-    s_max = float(s.max()) if s.numel() else 0.0
-    if relative_tau and s_max == 0.0:
-        return torch.zeros_like(s)
-    tau_eff = tau * s_max if relative_tau else tau
-    return s / (s + tau_eff)
-
-
-def _filter_gradient(grad: Tensor, u: Tensor, d: Tensor, v: Tensor, alpha: float, in_place: bool = False) -> Tensor:
-    """G_proj = α·G + (1-α)·U diag(d) (Uᵀ G V) diag(d) Vᵀ, in ``u``'s dtype; ``in_place`` writes it into
-    ``grad`` (same dtype only) and saves the [m, n] allocation, which costs more than the GEMM on a CPU."""
-    g = grad.to(u.dtype)
-    x = u.mT @ g @ v
-    x_f = d[:, None] * x * d[None, :]
-    # α·G + (1-α)·U X_f Vᵀ as one GEMM accumulating into α·G: no [m, n] temporaries besides the result
-    if in_place and g is grad:
-        return grad.addmm_(u, x_f @ v.mT, beta=alpha, alpha=1 - alpha)
-    return torch.addmm(g, u, x_f @ v.mT, beta=alpha, alpha=1 - alpha)
-
-
-def _adamw_update(
-    param: Tensor, grad: Tensor, state: dict[str, Any], group: dict[str, Any], scratch: bool = False
-) -> None:
-    """One AdamW step, op for op torch 2.13's ``_single_tensor_adam`` (decoupled, no amsgrad).
-
-    Same ops in the same order (lerp_, mul_/addcmul_, Python-float bias corrections, ``** 0.5``)
-    so that α = 1 reproduces ``torch.optim.AdamW(foreach=False)`` bit for bit. ``scratch``: ``grad`` is
-    free once the moments hold it, so the denominator is computed in its storage (the same ops, the
-    same bits, two [m, n] allocations fewer).
-    """
-    if "step" not in state:
-        state["step"] = torch.tensor(0.0, dtype=torch.float32)
-        state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-        state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-    lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
-    beta1, beta2 = group["betas"]
-    exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-    state["step"] += 1
-    if wd != 0:
-        param.mul_(1 - lr * wd)
-    exp_avg.lerp_(grad, 1 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-    step = state["step"].item()
-    bias_correction1 = 1 - beta1**step
-    bias_correction2 = 1 - beta2**step
-    step_size = lr / bias_correction1
-    if scratch and grad.dtype == exp_avg_sq.dtype and grad.shape == exp_avg_sq.shape:
-        denom = torch.sqrt(exp_avg_sq, out=grad).div_(bias_correction2**0.5).add_(eps)
-    else:
-        denom = (exp_avg_sq.sqrt() / bias_correction2**0.5).add_(eps)
-    param.addcdiv_(exp_avg, denom, value=-step_size)
-
-
-@dataclass
-class _Diagnostics:
-    """Per-matrix <G,M>, <G_proj,M>, |G|², |G_proj|², |M|² and mean d, summed once per step."""
-
-    rows: list[Tensor] = field(default_factory=list)
-    stale: int = 0  # matrices whose basis is past max_staleness this step
-
-    def add(self, grad: Tensor, proj: Tensor, momentum: Tensor, d: Tensor) -> None:
-        # dot products of flat views: one read of each operand, no [m, n] temporaries
-        g, p, m = (t.to(momentum.dtype).reshape(-1) for t in (grad, proj, momentum))
-        terms = [torch.dot(g, m), torch.dot(p, m), torch.dot(g, g), torch.dot(p, p), torch.dot(m, m)]
-        terms.append(d.mean() if d.numel() else d.new_zeros(()))
-        self.rows.append(torch.stack(terms))  # stays on device: one host sync per step, in as_dict
-
-    def add_factors(self, grad: Tensor, proj: Tensor, u: Tensor, s: Tensor, v: Tensor, d: Tensor) -> None:
-        """``add`` against M = U diag(s) Vᵀ (orthonormal U, V): <X, M> = Σ s_i·u_iᵀ X v_i, |M|² = Σ s_i²."""
-        g, p = grad.to(u.dtype), proj.to(u.dtype)
-        g_uv = ((u.mT @ g) * v.mT).sum(1)  # diag(Uᵀ G V) without the [r, r] product
-        p_uv = ((u.mT @ p) * v.mT).sum(1)
-        terms = [torch.dot(s, g_uv), torch.dot(s, p_uv), torch.dot(g.reshape(-1), g.reshape(-1))]
-        terms += [torch.dot(p.reshape(-1), p.reshape(-1)), torch.dot(s, s)]
-        terms.append(d.mean() if d.numel() else d.new_zeros(()))
-        self.rows.append(torch.stack(terms))
-
-    def as_dict(self) -> dict[str, float]:
-        if not self.rows:
-            return {}
-        device = self.rows[0].device
-        rows = [row.to(device, torch.float64) for row in self.rows]
-        gm, pm, gg, pp, mm, d_sum = torch.stack(rows).sum(0).tolist()
-        count = len(self.rows)
-
-        def cos(dot: float, a: float, b: float) -> float:
-            return dot / (a * b) ** 0.5 if a > 0 and b > 0 else 0.0
-
-        return {
-            "spectral/cos_masked_vs_anchor": cos(gm, gg, mm),
-            "spectral/cos_filtered_vs_anchor": cos(pm, pp, mm),
-            "spectral/filter_mean_d": d_sum / count,
-            "spectral/matrices_filtered": float(count),
-        }
 
 
 def _validate_group(group: Mapping[str, Any]) -> None:
@@ -614,11 +386,3 @@ def spectral_options(knobs: Any) -> dict[str, Any]:
         "seed": knobs.mask_seed,
         "max_staleness": knobs.anchor_max_staleness,
     }
-
-
-def anchor_momentum(knobs: Any) -> AnchorMomentum | None:
-    """The anchor's M_anc for ``anchor_payload="factors"`` (rank ``spectral_rank``, β_anc, the basis seed and
-    the SVD settings ``SpectralAdamW`` uses), or None when the anchor sends its gradient or does not feed."""
-    if knobs.anchor_payload != "factors" or not knobs.anchor:
-        return None
-    return AnchorMomentum(knobs.anchor_beta, knobs.spectral_rank, seed=knobs.mask_seed)
