@@ -35,7 +35,7 @@ import transformers
 
 from hf_meshtune import ledger as L
 from hf_meshtune.boundary.masking import keep_count
-from hf_meshtune.config import DEFAULT_DP_POWERSGD_RANK, DEFAULT_DP_QUANTIZE
+from hf_meshtune.config import ANCHOR_PAYLOADS, DEFAULT_DP_POWERSGD_RANK, DEFAULT_DP_QUANTIZE
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -53,7 +53,7 @@ KNOBS: dict[str, Any] = dict(  # = `meshtune ledger` defaults: mesh 8x4, bf16, S
     anchor_every=20,
     anchor_rank=8,
 )
-PAYLOADS = L.ANCHOR_PAYLOADS
+PAYLOADS = ANCHOR_PAYLOADS
 
 TARGET_BYTES = 446.0  # M95+AP bytes/token, anchor and DP included
 TARGET_RATIO = 51.0  # Dense / M95+AP
