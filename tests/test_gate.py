@@ -26,16 +26,9 @@ import torch
 import torch.distributed as dist
 
 from hf_meshtune.comm import gate as gate_module
-from hf_meshtune.comm.gate import (
-    Gate,
-    GateRefused,
-    Guard,
-    attach_filter,
-    filter_program,
-    guard_launched_process,
-    knock,
-    secret_key,
-)
+from hf_meshtune.comm import guard as guard_module
+from hf_meshtune.comm.gate import Gate, GateRefused, guard_launched_process, knock, secret_key
+from hf_meshtune.comm.guard import Guard, attach_filter, filter_program
 from hf_meshtune.comm.listen import bound_store
 from hf_meshtune.dp.ft import start_lighthouse
 from tests.distributed import mesh_launch
@@ -193,7 +186,7 @@ def test_the_guard_closes_a_store_and_a_lighthouse_to_strangers(gate):
             late.bind(("127.0.0.1", 0))
             late.listen()
             ports.add(late.getsockname()[1])
-            time.sleep(3 * gate_module.SCAN_PERIOD_S)
+            time.sleep(3 * guard_module.SCAN_PERIOD_S)
             assert not _reaches(late.getsockname()[1], STRANGER)
             assert _reaches(late.getsockname()[1], "127.0.0.1")
     finally:
@@ -214,7 +207,7 @@ def test_a_port_limited_guard_leaves_other_listeners_alone(gate):
 
 def test_a_launched_process_knocks_first_and_a_wrong_secret_stops_it(gate, monkeypatch):
     monkeypatch.setattr(gate_module, "_GUARD", [])
-    monkeypatch.setattr(gate_module, "_listening_sockets", lambda: iter(()))  # leave pytest's own listeners be
+    monkeypatch.setattr(guard_module, "_listening_sockets", lambda: iter(()))  # leave pytest's own listeners be
     monkeypatch.setenv("MESHTUNE_GATE", gate.address)
     monkeypatch.setenv("MESHTUNE_SECRET", "a different secret of enough length")
     with pytest.raises(GateRefused, match="refused this process"):
@@ -231,7 +224,7 @@ def test_a_launched_process_knocks_first_and_a_wrong_secret_stops_it(gate, monke
 def test_a_process_with_a_dp_host_knocks_from_it_too(gate, monkeypatch):
     """Its DiLoCo pairs connect from $MESHTUNE_DP_HOST: the guards of the other processes must admit it."""
     monkeypatch.setattr(gate_module, "_GUARD", [])
-    monkeypatch.setattr(gate_module, "_listening_sockets", lambda: iter(()))  # leave pytest's own listeners be
+    monkeypatch.setattr(guard_module, "_listening_sockets", lambda: iter(()))  # leave pytest's own listeners be
     monkeypatch.setenv("MESHTUNE_GATE", gate.address)
     monkeypatch.setenv("MESHTUNE_SECRET", SECRET)
     monkeypatch.setenv("MESHTUNE_DP_HOST", "127.0.0.4")
