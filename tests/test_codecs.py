@@ -181,7 +181,7 @@ def test_delta_quant_sends_full_precision_first_then_quantised_deltas():
     assert bool(((second - moved).abs() <= bound + 1e-12).all())
     assert not torch.equal(second, moved)
     assert codec.last_wire_bytes[0] == 2 * seq * (H * bits // 8 + 2) < 2 * seq * H * 2
-    torch.testing.assert_close(codec.buffers[b"a"], second[0], rtol=0, atol=0)  # both sides store the rebuild
+    torch.testing.assert_close(codec.sample_buffers[b"a"], second[0], rtol=0, atol=0)  # both sides store the rebuild
 
     # another key never reads a's buffer, and a new shape under a known key starts over
     third = codec(moved + 1.0, [b"a", b"c"])
@@ -208,7 +208,7 @@ def test_delta_quant_through_a_model_costs_less_on_the_second_epoch():
     first = handle.counter.fwd_bytes
     model(input_ids=ids, labels=ids).loss.backward()
     assert handle.counter.fwd_bytes - first == ids.numel() * (H * 4 // 8 + 2) < first == ids.numel() * H * 2
-    assert len(handle.codecs[0].buffers) == 2  # one buffer per distinct row
+    assert len(handle.codecs[0].sample_buffers) == 2  # one buffer per distinct row
 
 
 # ---------------------------------------------------------------------------------------------

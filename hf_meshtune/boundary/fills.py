@@ -90,9 +90,11 @@ class MeanFill(ZeroFill):
             sums = torch.zeros(hidden_size, dtype=torch.float64, device=kept.device)
             counts = torch.zeros(hidden_size, dtype=torch.float64, device=kept.device)
             if self._sums is not None:  # e.g. a checkpoint loaded on the CPU, resumed on a GPU
+                assert self._counts is not None  # sums and counts are set and cleared together
                 sums += self._sums.to(kept.device)
                 counts += self._counts.to(kept.device)
             self._sums, self._counts = sums, counts
+        assert self._counts is not None
         flat_idx = idx.expand_as(kept).reshape(-1)
         self._sums.index_add_(0, flat_idx, kept.detach().reshape(-1).double())
         self._counts.index_add_(0, flat_idx, torch.ones_like(flat_idx, dtype=torch.float64))
@@ -102,6 +104,7 @@ class MeanFill(ZeroFill):
         """Fold the statistics of the finished step into the running mean."""
         if self._sums is None:
             return
+        assert self._counts is not None  # sums and counts are set and cleared together
         seen = self._counts > 0
         batch_mean = (self._sums / self._counts.clamp_min(1.0)).float()
         previous = torch.full_like(batch_mean, float("nan")) if self.mean is None else self.mean.to(batch_mean.device)
@@ -161,6 +164,7 @@ class GaussianFill(ZeroFill):
         if self.mean is None:
             self.mean, self.cov = mean, cov
         else:
+            assert self.cov is not None  # mean and cov are set together
             second = self.cov + torch.outer(self.mean, self.mean)
             second = torch.lerp(second, cov + torch.outer(mean, mean), self.momentum)
             self.mean = torch.lerp(self.mean, mean, self.momentum)
@@ -169,6 +173,7 @@ class GaussianFill(ZeroFill):
     def rebuild(self, kept: torch.Tensor, idx: torch.Tensor, hidden_size: int) -> torch.Tensor:
         if self.mean is None:
             return expand(kept, idx, hidden_size)
+        assert self.cov is not None  # mean and cov are set together
         work = torch.float64 if kept.dtype == torch.float64 else torch.float32
         mean, cov = self.mean.to(kept.device, work), self.cov.to(kept.device, work)
         ridge = self.ridge * cov.diagonal().mean()

@@ -18,12 +18,13 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 from torch import nn
 
 from .._validation import require
-from .fills import FILLS, require_fill
+from .fills import FILLS, GaussianFill, require_fill
 from .masking import BoundaryMask, keep_count, private_rng
 
 __all__ = ["BoundaryHandle", "PayloadCounter", "attach_boundaries", "find_decoder_layers", "split_stages"]
@@ -71,6 +72,7 @@ def _hidden_size(model: nn.Module) -> int:
     config = getattr(model, "config", None) or getattr(_pretrained_core(model), "config", None)
     size = getattr(config, "hidden_size", None)
     require(isinstance(size, int) and size > 0, "config.hidden_size", size, "be a positive int")
+    assert isinstance(size, int)
     return size
 
 
@@ -192,9 +194,11 @@ class BoundaryHandle(BoundaryHooks):
         require(count < self.keep, "mask_protect_dims", count, f"be < K={self.keep}, the dims kept per token")
         hidden = self.dense_boundary_outputs(model, batch)
         squares = [h.float().pow(2).reshape(-1, h.shape[-1]).mean(0) for h in hidden]
+        protected = []
         for b, mask in enumerate(self.masks):
             mask.protected = squares[b].topk(count).indices.sort().values.cpu()
-        return [mask.protected.tolist() for mask in self.masks]
+            protected.append(mask.protected.tolist())
+        return protected
 
     @torch.no_grad()
     def calibrate_fills(self, model: nn.Module, batch: dict) -> None:
@@ -214,7 +218,7 @@ class BoundaryHandle(BoundaryHooks):
         """Before training: the protected dims, then a first Gaussian-fill estimate, both on one training
         batch (``first_batch()``, drawn only when needed); each is skipped when a checkpoint restored it."""
         need_dims = protect_dims > 0 and not any(mask.protected is not None for mask in self.masks)
-        need_fill = fill == "gaussian" and bool(self.masks) and self.masks[0].fill.mean is None
+        need_fill = fill == "gaussian" and bool(self.masks) and cast(GaussianFill, self.masks[0].fill).mean is None
         if not (need_dims or need_fill):
             return
         batch = first_batch()

@@ -21,7 +21,7 @@ import contextlib
 import hashlib
 import struct
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -128,12 +128,12 @@ class BoundaryMask:
     mask_ratio: float
     seed: int = 0
     rescale: bool = False
-    fill: Fill | None = None
+    fill: Fill = field(default_factory=ZeroFill)
     protected: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         require(0.0 <= self.mask_ratio < 1.0, "mask_ratio", self.mask_ratio, "lie in [0, 1)")
-        if self.fill is None:
+        if self.fill is None:  # an explicit None is the default too
             self.fill = ZeroFill()
         self._cached: tuple[tuple, torch.Tensor] | None = None
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -51,6 +51,11 @@ class CodecHandle(BoundaryHooks):
     _keys: list[bytes] | None = field(default=None, repr=False)
     _hooks: list = field(default_factory=list, repr=False)
 
+    @property
+    def _boundary_codecs(self) -> list[BoundaryCodec]:
+        """``codecs`` typed as what they hold (an ``nn.ModuleList`` types its items as plain ``nn.Module``)."""
+        return cast("list[BoundaryCodec]", list(self.codecs))
+
     def remove(self) -> None:
         super().remove()
         if self._model is not None and getattr(self._model, CODECS_ATTR, None) is self.codecs:
@@ -66,12 +71,12 @@ class CodecHandle(BoundaryHooks):
         given). Calling it again refreshes a PCA basis (another ``basis_bytes`` on a real mesh) and
         re-initialises a bottleneck.
         """
-        for codec, hidden in zip(self.codecs, self.dense_boundary_tokens(model, batch)):
+        for codec, hidden in zip(self._boundary_codecs, self.dense_boundary_tokens(model, batch)):
             if codec.needs_fit:
                 codec.fit(hidden)
 
     def state_dict(self) -> dict:
-        return {"codecs": [codec.codec_state() for codec in self.codecs]}
+        return {"codecs": [codec.codec_state() for codec in self._boundary_codecs]}
 
     def load_state_dict(self, state: dict) -> None:
         require(
@@ -80,7 +85,7 @@ class CodecHandle(BoundaryHooks):
             len(state["codecs"]),
             f"hold one entry per boundary ({len(self.codecs)})",
         )
-        for codec, codec_state in zip(self.codecs, state["codecs"]):
+        for codec, codec_state in zip(self._boundary_codecs, state["codecs"]):
             codec.load_codec_state(codec_state)
 
     def _on_model_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -91,8 +96,8 @@ class CodecHandle(BoundaryHooks):
             self.counter.tokens += ids.numel()
         elif kwargs.get("inputs_embeds") is not None:
             self.counter.tokens += kwargs["inputs_embeds"][..., 0].numel()
-        wanted = isinstance(ids, Tensor) and any(codec.needs_keys for codec in self.codecs)
-        self._keys = sample_keys(ids) if wanted else None
+        wanted = isinstance(ids, Tensor) and any(codec.needs_keys for codec in self._boundary_codecs)
+        self._keys = sample_keys(ids) if wanted and isinstance(ids, Tensor) else None
 
     def _on_layer_output(self, codec: BoundaryCodec, module: nn.Module, args: tuple, output: Any) -> Any:
         if not self._is_training_forward(module):
@@ -143,7 +148,7 @@ def attach_codec(model: nn.Module, num_stages: int, codec: str, **codec_kwargs: 
     model.add_module(CODECS_ATTR, codecs)
     handle = CodecHandle(codecs, boundary_layers, stages, layers_name, hidden, _model=model)
     handle._hooks.append(model.register_forward_pre_hook(handle._on_model_forward, with_kwargs=True))
-    for boundary_codec, layer_index in zip(codecs, boundary_layers):
+    for boundary_codec, layer_index in zip(handle._boundary_codecs, boundary_layers):
         hook = layers[layer_index].register_forward_hook(partial(handle._on_layer_output, boundary_codec))
         handle._hooks.append(hook)
     return handle

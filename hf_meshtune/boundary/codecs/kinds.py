@@ -209,7 +209,7 @@ class DeltaQuantCodec(QuantCodec):
 
     def __init__(self, hidden_size: int, bits: int = 4, grad_bits: int | None = None, dtype_bytes: int = 2) -> None:
         super().__init__(hidden_size, bits, grad_bits, dtype_bytes)
-        self.buffers: dict[bytes, Tensor] = {}
+        self.sample_buffers: dict[bytes, Tensor] = {}
 
     def forward(self, hidden: Tensor, keys: list[bytes] | None = None) -> Tensor:
         require(
@@ -218,6 +218,7 @@ class DeltaQuantCodec(QuantCodec):
             None if keys is None else len(keys),
             f"be one bytes key per batch row ({hidden.shape[0]} rows; CodecHandle derives them from input_ids)",
         )
+        assert keys is not None
         self._same_width(hidden.shape[-1])
         sent = [self._exchange(row, key) for row, key in zip(hidden.detach(), keys)]
         tokens = hidden.numel() // hidden.shape[-1]
@@ -228,23 +229,23 @@ class DeltaQuantCodec(QuantCodec):
     def _exchange(self, row: Tensor, key: bytes) -> tuple[Tensor, int]:
         """One sample across the wire: (the receiver's rebuild, forward bytes); updates the buffer."""
         tokens = row.numel() // row.shape[-1]
-        previous = self.buffers.get(key)
+        previous = self.sample_buffers.get(key)
         if previous is None or previous.shape != row.shape:
             rebuilt, nbytes = row.clone(), tokens * self.hidden_size * self.dtype_bytes
         else:
             previous = previous.to(row.device, row.dtype)
             rebuilt = previous + quantize_per_token(row - previous, self.bits)
             nbytes = tokens * _quantized_bytes(self.hidden_size, self.bits)
-        self.buffers[key] = rebuilt
+        self.sample_buffers[key] = rebuilt
         return rebuilt, nbytes
 
     # wire_bytes_per_token: QuantCodec's, the steady state (every sample seen before)
 
     def codec_state(self) -> dict:
-        return {"buffers": {key: value.clone() for key, value in self.buffers.items()}}
+        return {"buffers": {key: value.clone() for key, value in self.sample_buffers.items()}}
 
     def load_codec_state(self, state: dict) -> None:
-        self.buffers = {key: value.clone() for key, value in state["buffers"].items()}
+        self.sample_buffers = {key: value.clone() for key, value in state["buffers"].items()}
 
 
 CODECS: dict[str, type[BoundaryCodec]] = {

@@ -40,6 +40,13 @@ def _as_bytes(tensor: Tensor) -> Tensor:
     return tensor.contiguous().view(torch.uint8)
 
 
+def _held(value: Tensor | None) -> Tensor:
+    """A geometry tensor the spec implies (the outlier dims, a projection's μ and P): set once the codec
+    is ready, which every caller has required."""
+    assert value is not None
+    return value
+
+
 class ComposedCodec:
     """Boundary ``boundary``'s codec for ``spec`` at hidden size H (see the module docstring).
 
@@ -83,6 +90,7 @@ class ComposedCodec:
         rest = keep.nonzero().squeeze(-1)
         geometry: dict[str, Tensor | None] = {"outlier_dims": outliers, "rest_dims": rest}
         if spec.projection:
+            assert spec.rank is not None  # parse_codec gives every projection its rank
             values = rows[:, rest]
             mean = values.mean(0)
             centred = values - mean
@@ -116,7 +124,7 @@ class ComposedCodec:
 
         self.outlier_dims, self.rest_dims = cpu("outlier_dims"), cpu("rest_dims")
         self.mean, self.std, self.basis = cpu("mean"), cpu("std"), cpu("basis")
-        self._device_cache: dict = {}
+        self._device_cache = {}
         self.fits += 1
 
     def _on(self, device: torch.device) -> dict[str, Tensor | None]:
@@ -164,18 +172,18 @@ class ComposedCodec:
         g, y, rest = self._split(h)
         if self.spec.projection is None:
             return y, rest
-        centred = rest - g["mean"]
+        centred = rest - _held(g["mean"])
         if g["std"] is not None:
             centred = centred / g["std"]
-        return y, centred @ g["basis"]
+        return y, centred @ _held(g["basis"])
 
     def _synthesis(self, y: Tensor, z: Tensor, dtype: torch.dtype) -> Tensor:
         g = self._on(z.device)
         if self.spec.projection is not None:
-            rest = z @ g["basis"].T
+            rest = z @ _held(g["basis"]).T
             if g["std"] is not None:
                 rest = rest * g["std"]
-            z = rest + g["mean"]
+            z = rest + _held(g["mean"])
         return self._merge(g, y, z, dtype)
 
     def _gradient_analysis(self, g_h: Tensor) -> tuple[Tensor, Tensor]:
@@ -185,13 +193,13 @@ class ComposedCodec:
             return y, rest
         if g["std"] is not None:
             rest = rest * g["std"]
-        return y, rest @ g["basis"]
+        return y, rest @ _held(g["basis"])
 
     def _gradient_synthesis(self, y: Tensor, z: Tensor, dtype: torch.dtype) -> Tensor:
         """Aᵀ: the decoded (ĝ_O, ĝ_z) → the sender's gradient of h."""
         g = self._on(z.device)
         if self.spec.projection is not None:
-            z = z @ g["basis"].T
+            z = z @ _held(g["basis"]).T
             if g["std"] is not None:
                 z = z / g["std"]
         return self._merge(g, y, z, dtype)
@@ -202,6 +210,7 @@ class ComposedCodec:
         if spec.quant is None:
             parts.append(_as_bytes(z.to(dtype)))
         else:
+            assert spec.bits is not None  # parse_codec gives every quantiser its bits
             scales, codes = quantize(z, spec.quant, spec.bits, spec.groups(self.hidden_size), noise)
             parts += [_as_bytes(scales), codes]
         message = torch.cat(parts, dim=-1)
@@ -219,6 +228,7 @@ class ComposedCodec:
         y = message[..., :at].contiguous().view(dtype)
         if spec.quant is None:
             return y, message[..., at : at + width * size].contiguous().view(dtype).float()
+        assert spec.bits is not None  # parse_codec gives every quantiser its bits
         groups = spec.groups(self.hidden_size)
         scales = message[..., at : at + SCALE_BYTES * groups].contiguous().view(torch.bfloat16)
         at += SCALE_BYTES * groups
@@ -298,8 +308,12 @@ def geometry_layout(codec: ComposedCodec) -> list[tuple[str, tuple[int, ...], to
     """The geometry tensors a codec's spec needs, in the order they travel: (name, shape, dtype)."""
     spec, H = codec.spec, codec.hidden_size
     rest = H - spec.outliers
-    layout = [("outlier_dims", (spec.outliers,), torch.int64), ("rest_dims", (rest,), torch.int64)]
+    layout: list[tuple[str, tuple[int, ...], torch.dtype]] = [
+        ("outlier_dims", (spec.outliers,), torch.int64),
+        ("rest_dims", (rest,), torch.int64),
+    ]
     if spec.projection:
+        assert spec.rank is not None  # parse_codec gives every projection its rank
         layout.append(("mean", (rest,), torch.float32))
         if spec.projection == "spca":
             layout.append(("std", (rest,), torch.float32))
@@ -309,7 +323,8 @@ def geometry_layout(codec: ComposedCodec) -> list[tuple[str, tuple[int, ...], to
 
 def geometry_to_flat(codec: ComposedCodec, geometry: dict[str, Tensor | None]) -> Tensor:
     """A geometry as one float32 CPU tensor in ``geometry_layout`` order (dims are < 2^24: exact)."""
-    parts = [geometry[name].detach().reshape(-1).to("cpu", torch.float32) for name, _, _ in geometry_layout(codec)]
+    names = [name for name, _, _ in geometry_layout(codec)]
+    parts = [_held(geometry[name]).detach().reshape(-1).to("cpu", torch.float32) for name in names]
     return torch.cat(parts)
 
 

@@ -63,6 +63,7 @@ class ComposedHandle(BoundaryHooks):
     def set_levels(self, levels: Sequence[int]) -> None:
         """Governed: use ladder level ``levels[b]`` at boundary b from the next forward on."""
         require(self.ladders is not None, "levels", list(levels), "be set only on a governed boundary_codec")
+        assert self.ladders is not None
         require(
             len(levels) == len(self.ladders)
             and all(isinstance(lv, int) and 0 <= lv < len(ladder) for lv, ladder in zip(levels, self.ladders)),
@@ -129,6 +130,7 @@ class ComposedHandle(BoundaryHooks):
             "no dense forward recorded",
             "follow a recording() with at least one dense training forward",
         )
+        assert recorded is not None
         return [codec.fitted(torch.cat(recorded[codec.boundary])) for codec in self.all_codecs]
 
     def load_geometries(self, geometries: list[dict[str, Tensor | None]]) -> None:

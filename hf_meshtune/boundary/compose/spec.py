@@ -74,11 +74,15 @@ class CodecSpec:
         rest = hidden_size - self.outliers
         if self.projection is None:
             return hidden_size
+        assert self.rank is not None  # parse_codec gives every projection its rank
         return hidden_size + rest * (2 if self.projection == "spca" else 1) + rest * self.rank
 
     def coded_width(self, hidden_size: int) -> int:
         """D: the values per token the quantiser sees (r with a projection, else H - N)."""
-        return self.rank if self.projection else hidden_size - self.outliers
+        if self.projection:
+            assert self.rank is not None  # parse_codec gives every projection its rank
+            return self.rank
+        return hidden_size - self.outliers
 
     def groups(self, hidden_size: int) -> int:
         width = self.coded_width(hidden_size)
@@ -110,6 +114,7 @@ class CodecSpec:
         )
         rest = hidden_size - self.outliers
         if self.projection:
+            assert self.rank is not None  # parse_codec gives every projection its rank
             require(
                 self.rank < rest,
                 FIELD,
@@ -138,8 +143,10 @@ class CodecSpec:
 def code_bytes(quant: str | None, bits: int | None, width: int, dtype_bytes: int) -> int:
     """Bytes of one token's D codes: ⌈D/8⌉·b (int b < 8: 8 codes fill b bytes), D (int8, fp8), D·e (values
     in the model dtype)."""
-    if quant == "int" and bits < 8:
-        return math.ceil(width / 8) * bits
+    if quant == "int":
+        assert bits is not None  # parse_codec gives every int quantiser its bits
+        if bits < 8:
+            return math.ceil(width / 8) * bits
     return width if quant in ("int", "fp8") else width * dtype_bytes
 
 
