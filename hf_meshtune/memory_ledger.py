@@ -1,7 +1,7 @@
 """The memory ledger: what each mesh process will hold, predicted from the config alone (no weights).
 
 Like the byte ledger, but for memory: for every stage of the fast circuit and of the anchor replica,
-the parts ``runtime.memory`` measures in a run, from the model's real shapes (the model is built on
+the parts ``memory`` measures in a run, from the model's real shapes (the model is built on
 the meta device) and the run's settings:
 
 - ``weights``: the stage's parameters and buffers in the model dtype (with ``peft_config``, the
@@ -36,7 +36,7 @@ from torch import nn
 
 from ._validation import require
 from .config import DP_QUANTIZERS
-from .runtime.memory import MEMORY_PARTS
+from .memory import MEMORY_PARTS
 
 __all__ = ["MemorySettings", "format_memory_table", "predict_memory"]
 
@@ -99,8 +99,8 @@ def predict_memory(
     from .boundary.compose.codec import ComposedCodec, geometry_layout
     from .config import composed_codec
     from .dp.powersgd import PowerSGD
+    from .memory import ActivationMeter
     from .pipeline.stage import StageModule, stage_parameter_names, untie_embeddings
-    from .runtime.memory import ActivationMeter
 
     dtype = getattr(torch, settings.dtype)
     model = _meta_model(config).to(dtype)

@@ -30,9 +30,9 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ._validation import require
 from .comm.wire import CIRCUITS
+from .memory import MEMORY_PARTS
 from .report_plots import bar_series, draw_bytes, draw_fidelity, draw_loss, fidelity_series
 from .runtime.job import SUMMARY_NAME as MESH_SUMMARY_NAME
-from .runtime.memory import MEMORY_PARTS
 from .runtime.results import wire_bytes_per_token
 
 __all__ = [

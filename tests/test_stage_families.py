@@ -10,10 +10,10 @@ import torch
 from hf_meshtune.boundary.compose.handle import attach_composed
 from hf_meshtune.boundary.hooks import attach_boundaries
 from hf_meshtune.boundary.masking import BoundaryMask
+from hf_meshtune.memory import ActivationMeter
 from hf_meshtune.memory_ledger import MemorySettings, predict_memory
 from hf_meshtune.pipeline.layout import FAMILIES, SUPPORTED_MODEL_TYPES
 from hf_meshtune.pipeline.stage import StageModule, causal_lm_loss, untie_embeddings
-from hf_meshtune.runtime.memory import ActivationMeter
 from tests.tiny import PIPELINE_FAMILIES, tiny_family
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")

@@ -13,10 +13,10 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
 from hf_meshtune import load_causal_lm
+from hf_meshtune.memory import ActivationMeter
 from hf_meshtune.memory_ledger import MemorySettings, predict_memory
 from hf_meshtune.pipeline.placement import materialised_bytes, stage_of
 from hf_meshtune.pipeline.stage import StageModule, causal_lm_loss, stage_parameter_names, untie_embeddings
-from hf_meshtune.runtime.memory import ActivationMeter
 from tests.distributed import mesh_launch
 from tests.tiny import make_tiny_causal_lm, pattern_dataset, tiny_llama
 

@@ -19,7 +19,7 @@ from ..comm.messages import unflatten
 from ..dp.outer import OuterUpdate, apply_outer_step, check_outer, outer_optimizer
 from ..dp.powersgd import PowerSGD
 from ..dp.quantize import Int8Codes, coded_words
-from ..runtime.memory import tensor_bytes
+from ..memory import tensor_bytes
 
 __all__ = ["OuterFollower", "read_update", "sync_shapes", "update_numel", "update_shapes"]
 
@@ -40,7 +40,7 @@ class OuterFollower:
         self._optimizers = [outer_optimizer(ps, outer_lr, outer_momentum) for ps in self._params]
 
     def state_bytes(self) -> int:
-        """Bytes of the outer momentum it replays (``runtime.memory``)."""
+        """Bytes of the outer momentum it replays (``memory``)."""
         return tensor_bytes([optimizer.state for optimizer in self._optimizers])
 
     def apply(self, update: OuterUpdate) -> None:

@@ -28,7 +28,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 
 from .._validation import require
 from ..comm.wire import Wire
-from ..runtime.memory import tensor_bytes
+from ..memory import tensor_bytes
 
 __all__ = ["DP_MODES", "GradientSync"]
 
@@ -133,7 +133,7 @@ class GradientSync:
             )
 
     def state_bytes(self) -> int:
-        """Bytes of torch's PowerSGD hook state (error feedback, P and Q memories; ``runtime.memory``)."""
+        """Bytes of torch's PowerSGD hook state (error feedback, P and Q memories; ``memory``)."""
         if self.state is None:
             return 0
         state = self.state

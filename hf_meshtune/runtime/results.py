@@ -18,9 +18,9 @@ import torch.distributed as dist
 
 from ..comm.wire import CIRCUITS, ROLLOUT
 from ..ledger import LedgerSettings, compute_ledger, param_shapes_of, settings_from_knobs
+from ..memory import MEMORY_PARTS
 from ..memory_ledger import MemorySettings, predict_memory
 from ..topology import MESH_ENV, MeshTopology
-from .memory import MEMORY_PARTS
 
 __all__ = ["MeshResult", "gather_results", "log_history", "summarize"]
 
@@ -60,7 +60,7 @@ class MeshResult:
     # of every decision it sent; and per round the anchor's fidelity/* and governor/* entries
     levels: list[tuple] = field(default_factory=list)
     fidelity: list[dict] = field(default_factory=list)
-    memory: dict = field(default_factory=dict)  # bytes by part (``runtime.memory``), counted and measured
+    memory: dict = field(default_factory=dict)  # bytes by part (``memory``), counted and measured
     # last stages of fast replicas: per step, what the batches and the loss logged besides the loss (RL's
     # rewards, completion lengths, clip ratios) and the step's time split (``time/*_s``)
     step_metrics: list[dict] = field(default_factory=list)
@@ -149,7 +149,7 @@ GIB = 1024**3
 
 
 def memory_table(results: list[MeshResult]) -> list[dict]:
-    """Every process's memory (``runtime.memory``) in GiB, with its rank, replica, stage and role."""
+    """Every process's memory (``memory``) in GiB, with its rank, replica, stage and role."""
     rows = []
     for r in sorted(results, key=lambda r: r.rank):
         if r.memory:
@@ -221,7 +221,7 @@ def summarize(results: list[MeshResult], topology: MeshTopology, trainer, seq_le
         "mesh_env": os.environ.get(MESH_ENV),
         "resumed_from_step": min((r.first_step for r in fast), default=0),
         "anchor_lost_at_step": min((r.anchor_lost_at for r in fast if r.anchor_lost_at is not None), default=None),
-        "memory_gib": memory,  # per process: counted parts, the kernel's peak RSS (runtime.memory)
+        "memory_gib": memory,  # per process: counted parts, the kernel's peak RSS (memory)
         "memory_predicted_gib": predicted_memory(trainer, topology, seq_len),  # memory_ledger, per (role, stage)
         "memory_max_gib": {k: max(row[k] for row in memory) for k in _MEMORY_KEYS} if memory else {},
         **_rollout_summary(results),

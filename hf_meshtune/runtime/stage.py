@@ -14,11 +14,11 @@ from ..comm.messages import flatten
 from ..comm.wire import Wire
 from ..config import composed_codec
 from ..dp.fragments import stage_fragments
+from ..memory import MEMORY_PARTS, ActivationMeter, current_rss, peak_rss, tensor_bytes
 from ..pipeline.placement import materialised_bytes, release_unowned, stage_of
 from ..pipeline.schedule import MeshStage, build_schedule, run_schedule
 from ..pipeline.stage import build_stage, causal_lm_loss, stage_parameter_names
 from ..topology import MeshGroups
-from .memory import MEMORY_PARTS, ActivationMeter, current_rss, peak_rss, tensor_bytes
 from .results import MeshResult
 from .settings import Batches, RunSettings, StageView
 
@@ -176,13 +176,13 @@ class StageWorker:
 
     # --- memory ---------------------------------------------------------------------------------
     def _state_bytes(self) -> dict[str, int]:
-        """Bytes of the optimizer, anchor, DP and codec state this process keeps (``runtime.memory``)."""
+        """Bytes of the optimizer, anchor, DP and codec state this process keeps (``memory``)."""
         sides = self.module.side_codecs("in") + self.module.side_codecs("out")
         codecs = [c.geometry() for c in sides if c.ready]
         return {"optimizer": 0, "anchor": 0, "dp": 0, "codec": tensor_bytes(codecs)}
 
     def memory(self) -> dict[str, int]:
-        """What this process holds, in bytes: ``runtime.memory.MEMORY_PARTS`` counted from the tensors,
+        """What this process holds, in bytes: ``memory.MEMORY_PARTS`` counted from the tensors,
         their sum (``counted``), the kernel's peak resident set and the resident set at the stage's start."""
         parts = {
             "weights": materialised_bytes(self.model),

@@ -38,11 +38,11 @@ from ..config import codec_ladder, codec_refit_every, is_governed, require_saved
 from ..dp.baselines import GradientSync
 from ..dp.diloco import StreamingDiLoCo
 from ..dp.ft import host_replica_store, make_manager
+from ..memory import tensor_bytes
 from ..optim.spectral import SpectralAdamW, spectral_options
 from ..pipeline.stage import stage_parameter_names
 from ..topology import MeshGroups
 from .checkpoint import read_rank_state, save_rank_state
-from .memory import tensor_bytes
 from .results import MeshResult
 from .settings import Batches, RunSettings
 from .stage import StageWorker

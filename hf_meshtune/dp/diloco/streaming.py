@@ -15,7 +15,7 @@ from torchft.local_sgd import DiLoCo
 
 from ..._validation import require
 from ...comm.wire import Wire
-from ...runtime.memory import tensor_bytes
+from ...memory import tensor_bytes
 from ..outer import OuterUpdate, check_outer, outer_optimizer
 from ..powersgd import PowerSGD, is_int
 from ..quantize import QUANTIZERS, Int8Sum
@@ -172,7 +172,7 @@ class StreamingDiLoCo:
 
     def state_bytes(self) -> int:
         """Bytes this stage keeps for DP: θ_global of every fragment, the outer momentum, PowerSGD's Q
-        and error feedback (``runtime.memory``)."""
+        and error feedback (``memory``)."""
         held = [[f.original_parameters, f._outer_optimizer.state] for f in self._diloco._fragments]
         if self.codec is not None:
             held.append([self.codec.q, self.codec.error])
