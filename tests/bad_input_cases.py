@@ -546,7 +546,7 @@ def _replica_job_without_lighthouse() -> None:
 
 
 def _job_store_without_port() -> None:
-    from hf_meshtune.runtime.bootstrap import job_store
+    from hf_meshtune.comm.jobs import job_store
 
     with environ(MESHTUNE_JOB_STORE="nowhere"):
         job_store(1.0)

@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from .._validation import require
 from .errors import LinkDown, is_link_error
+from .jobs import JOB_STORE_ENV, RESTART_ENV, job_store
 from .wire import isend_tensor, on_cpu, receive_staged, recv_tensor, send_tensor
 
 __all__ = ["FIRST_PAIR", "PairLinks", "PinnedPair"]
@@ -170,8 +171,6 @@ class PairLinks:
     def from_environment(cls, rank: int, peers: list[int], *, local=None, timeout_s: float = 30.0) -> PairLinks:
         """The links of a process started by ``meshtune launch --max-restarts`` (``$MESHTUNE_JOB_STORE``,
         ``$MESHTUNE_RESTART``)."""
-        from ..runtime.bootstrap import JOB_STORE_ENV, RESTART_ENV, job_store
-
         store = job_store(timeout_s)
         require(
             store is not None,

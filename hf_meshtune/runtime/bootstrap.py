@@ -21,6 +21,7 @@ from torch import nn
 from .._validation import require
 from ..anchor.worker import AnchorWorker
 from ..comm.gate import guard_launched_process
+from ..comm.jobs import RESTART_ENV, job_store
 from ..config import codec_refit_every, is_governed
 from ..dp.ft import advertised_host
 from ..topology import MeshGroups, MeshTopology
@@ -28,7 +29,7 @@ from .results import MeshResult
 from .settings import Batches, RunSettings
 from .worker import FastWorker
 
-__all__ = ["JOB_STORE_ENV", "RESTART_ENV", "job_store", "run_worker"]
+__all__ = ["run_worker"]
 
 
 def _host_key(rank: int) -> str:
@@ -122,8 +123,6 @@ def _require_restartable_anchor(settings: RunSettings) -> None:
     )
 
 
-JOB_STORE_ENV, RESTART_ENV = "MESHTUNE_JOB_STORE", "MESHTUNE_RESTART"
-
 # What every process of a mesh must agree on besides its shape (which ``MeshTopology`` checks): the
 # knobs (masks, anchor, DiLoCo, filter) and the step's shapes, schedule and optimizer.
 _SHARED_SETTINGS = (
@@ -176,16 +175,6 @@ def _require_same_settings(store, topology: MeshTopology, rank: int, settings: R
         shared.set(key(rank), json.dumps(mine))
         shared.wait([key(0)], timeout)
         require_agree(rank, mine, 0, json.loads(shared.get(key(0))))
-
-
-def job_store(timeout_s: float) -> dist.TCPStore | None:
-    """A client of the launcher's store ``$MESHTUNE_JOB_STORE`` (replica jobs), or None without one."""
-    address = os.environ.get(JOB_STORE_ENV)
-    if not address:
-        return None
-    host, _, port = address.rpartition(":")
-    require(bool(host) and port.isdigit(), JOB_STORE_ENV, address, "be host:port of the launcher's TCPStore")
-    return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
 
 
 def _job_barrier(store, topology: MeshTopology, timeout_s: float) -> None:

@@ -32,13 +32,14 @@ from transformers.trainer_utils import TrainOutput
 from .._validation import require
 from ..anchor.batches import AnchorBatches
 from ..boundary.hooks import find_decoder_layers
+from ..comm.jobs import job_store
 from ..config import require_mesh_supported
 from ..dp.ft import start_lighthouse
 from ..memory import MEMORY_PARTS
 from ..pipeline.placement import materialise
 from ..pipeline.stage import StageModule, untie_embeddings
 from ..topology import MeshGroups, MeshTopology
-from .bootstrap import job_store, run_worker
+from .bootstrap import run_worker
 from .checkpoint import resolve_resume
 from .results import MeshResult, gather_results, log_history, predicted_memory, summarize
 from .settings import RunSettings
