@@ -1,5 +1,6 @@
-"""The package's layout rules (docs/design.md): no import cycles between modules, and torchft's private
-internals reached from one package only (``dp/diloco/``, whose ``TORCHFT_INTERNALS`` lists them)."""
+"""The package's layout rules (docs/design.md): no import cycles between modules nor between the folders of
+``hf_meshtune/``, and torchft's private internals reached from one package only (``dp/diloco/``, whose
+``TORCHFT_INTERNALS`` lists them)."""
 
 from __future__ import annotations
 
@@ -50,6 +51,69 @@ def test_no_module_imports_one_that_imports_it_back():
         if name not in state:
             visit(name, [name])
     assert not cycles, cycles
+
+
+def _is_type_checking(node: ast.AST) -> bool:
+    test = node.test if isinstance(node, ast.If) else None
+    return isinstance(test, ast.Name | ast.Attribute) and ast.unparse(test).endswith("TYPE_CHECKING")
+
+
+def _all_imports(path: Path, modules: set[str]) -> set[str]:
+    """Every package module ``path`` imports, lazily inside a function or at the top (``TYPE_CHECKING`` aside).
+
+    ``from X import name`` counts as an import of module ``X.name`` where that is a module, else of ``X``."""
+    name = _module_name(path)
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    found, todo = set(), [ast.parse(path.read_text())]
+    while todo:
+        node = todo.pop()
+        if _is_type_checking(node):
+            todo.extend(node.orelse)
+            continue
+        todo.extend(ast.iter_child_nodes(node))
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name in modules}
+        elif isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("hf_meshtune")):
+            base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+            target = ".".join(base + ([node.module] if node.module else []))
+            found |= {f"{target}.{a.name}" if f"{target}.{a.name}" in modules else target for a in node.names}
+    return found & modules
+
+
+def _folder(module: str) -> str:
+    """The layout node a module belongs to: its top-level folder of ``hf_meshtune/``, or itself if top-level."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "hf_meshtune"
+
+
+def folder_graph() -> dict[str, set[str]]:
+    """Which top-level folders (and top-level modules) of ``hf_meshtune/`` import which, lazy imports included."""
+    paths = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in paths.items():
+        edges = graph.setdefault(_folder(name), set())
+        edges |= {_folder(t) for t in _all_imports(path, set(paths))} - {_folder(name)}
+    return graph
+
+
+def test_no_folder_imports_one_that_imports_it_back():
+    """Folders meet one way only: counting every import, lazy ones too, the folder graph has no cycle."""
+    graph, cycles, state = folder_graph(), [], {}
+    assert {"anchor", "dp", "pipeline"} <= graph["runtime"]  # the parser sees the imports it is to judge
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = "open"
+        for child in sorted(graph.get(node, ())):
+            if state.get(child) == "open":
+                cycles.append(" -> ".join(stack[stack.index(child) :] + [child]))
+            elif child not in state:
+                visit(child, [*stack, child])
+        state[node] = "done"
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+    assert not cycles, "folders that import each other back:\n" + "\n".join(cycles)
 
 
 def test_torchft_internals_are_reached_from_dp_diloco_only():

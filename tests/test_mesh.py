@@ -12,10 +12,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hf_meshtune.anchor.worker import AnchorWorker
 from hf_meshtune.boundary.masking import keep_count
 from hf_meshtune.config import MeshConfig
 from hf_meshtune.ledger import dp_payload_numel
+from hf_meshtune.runtime.anchor_worker import AnchorWorker
 from hf_meshtune.runtime.settings import RunSettings
 from hf_meshtune.runtime.worker import FastWorker
 from hf_meshtune.topology import MeshTopology, parse_mesh

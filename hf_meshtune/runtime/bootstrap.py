@@ -19,12 +19,12 @@ import torch.distributed as dist
 from torch import nn
 
 from .._validation import require
-from ..anchor.worker import AnchorWorker
 from ..comm.gate import guard_launched_process
 from ..comm.jobs import RESTART_ENV, job_store
 from ..config import codec_refit_every, is_governed
 from ..dp.ft import advertised_host
 from ..topology import MeshGroups, MeshTopology
+from .anchor_worker import AnchorWorker
 from .results import MeshResult
 from .settings import Batches, RunSettings
 from .worker import FastWorker

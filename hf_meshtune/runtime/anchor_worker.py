@@ -29,6 +29,12 @@ import torch
 from torch import nn
 
 from .._validation import require
+from ..anchor.circuit import rng_state, set_rng_state
+from ..anchor.follower import OuterFollower, read_update, sync_shapes, update_numel
+from ..anchor.geometry import refit_message
+from ..anchor.governor import FidelityGovernor
+from ..anchor.link import first_lockstep_snapshot
+from ..anchor.mesh_governor import MeshGovernor, SendProbe, levels_message, reduce_over
 from ..boundary.compose.codec import ComposedCodec
 from ..boundary.masking import private_rng
 from ..comm.errors import LinkDown
@@ -52,17 +58,11 @@ from ..comm.pacing import chunks, pace_for
 from ..comm.pairlink import PairLinks
 from ..config import codec_ladder, codec_refit_every, composed_codec, is_governed, require_saved_knobs
 from ..optim.factors import anchor_momentum
-from ..runtime.checkpoint import read_rank_state
-from ..runtime.results import MeshResult
-from ..runtime.settings import Batches, RunSettings
-from ..runtime.stage import StageWorker
 from ..topology import MeshGroups
-from .circuit import rng_state, set_rng_state
-from .follower import OuterFollower, read_update, sync_shapes, update_numel
-from .geometry import refit_message
-from .governor import FidelityGovernor
-from .link import first_lockstep_snapshot
-from .mesh_governor import MeshGovernor, SendProbe, levels_message, reduce_over
+from .checkpoint import read_rank_state
+from .results import MeshResult
+from .settings import Batches, RunSettings
+from .stage import StageWorker
 
 __all__ = ["AnchorWorker"]
 
