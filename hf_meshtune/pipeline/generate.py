@@ -25,6 +25,7 @@ rows had finished), the pad token after a row's end, as ``generate`` returns the
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 from transformers import DynamicCache, GenerationConfig
@@ -105,7 +106,7 @@ class RolloutSettings:
         an option that ``generate`` would apply and the pipeline does not is refused, naming it."""
         defaults = GenerationConfig._get_default_generation_params()
 
-        def value(name: str, off: object = None) -> object:
+        def value(name: str, off: object = None) -> Any:
             set_value = getattr(config, name, None)
             return defaults.get(name, off) if set_value is None else set_value
 
@@ -123,10 +124,12 @@ class RolloutSettings:
             )
         new_tokens = max_new_tokens if max_new_tokens is not None else config.max_new_tokens
         require(new_tokens is not None, "max_new_tokens", new_tokens, "be set (the number of tokens to generate)")
+        assert new_tokens is not None
         eos = config.eos_token_id
         eos_ids = () if eos is None else (int(eos),) if isinstance(eos, int) else tuple(int(e) for e in eos)
         pad = config.pad_token_id if config.pad_token_id is not None else (eos_ids[0] if eos_ids else None)
         require(pad is not None, "generation_config.pad_token_id", pad, "be set (or an eos_token_id to pad with)")
+        assert pad is not None
         return cls(
             max_new_tokens=int(new_tokens),
             pad_token_id=int(pad),
@@ -208,6 +211,7 @@ def pipelined_generate(
             None if prompt_ids is None else tuple(prompt_ids.shape),
             "be a [B, T] tensor of token ids on the first stage",
         )
+        assert prompt_ids is not None
         prompt_ids = prompt_ids.to(device)
         mask = (
             torch.ones_like(prompt_ids, dtype=torch.long)
@@ -222,12 +226,14 @@ def pipelined_generate(
         )
         shape = torch.tensor(prompt_ids.shape, dtype=torch.long)
     else:
+        assert prev_rank is not None  # not the first stage
         shape = torch.empty(2, dtype=torch.long)
         wire.recv(ROLLOUT, shape, prev_rank, group=group, tag=ROLLOUT_TAGS["shape"])
         mask = torch.empty(int(shape[0]), int(shape[1]), dtype=torch.long)
         wire.recv(ROLLOUT, mask, prev_rank, group=group, tag=ROLLOUT_TAGS["mask"])
         mask = mask.to(device)
     if not last:  # hand the shape and the padding down before the first hidden state
+        assert next_rank is not None
         wire.send(ROLLOUT, shape, next_rank, group=group, tag=ROLLOUT_TAGS["shape"])
         wire.send(ROLLOUT, mask.cpu(), next_rank, group=group, tag=ROLLOUT_TAGS["mask"])
 
@@ -245,20 +251,25 @@ def pipelined_generate(
     for step in range(settings.max_new_tokens):
         length = prompt_len if step == 0 else 1
         if first:
+            assert tokens_in is not None  # the prompts, then each step's new tokens
             x = tokens_in
         else:
+            assert prev_rank is not None  # not the first stage
             x = torch.empty(batch, length, hidden_size, dtype=dtype)
             wire.recv(ROLLOUT, x, prev_rank, group=group, tag=ROLLOUT_TAGS["hidden"])
             x = x.to(device)
         out = module.decode(x, cache, mask if padded else None, positions[:, -length:])
         if not last:
+            assert next_rank is not None
             wire.send(ROLLOUT, out.contiguous().cpu(), next_rank, group=group, tag=ROLLOUT_TAGS["hidden"])
             wire.recv(ROLLOUT, message, stage_ranks[-1], group=group, tag=ROLLOUT_TAGS["tokens"])
             new, done = message[:batch].clone().to(device), bool(message[batch])  # the buffer is reused
         else:
             scores = out[:, -1, :].to(dtype=torch.float32)
             history = torch.cat(completions, dim=1) if completions else torch.empty(batch, 0, dtype=torch.long)
-            scores = processors(history.to(device), scores)
+            assert processors is not None  # the last stage's
+            # transformers annotates input_ids as the legacy torch.LongTensor class, which no tensor is statically
+            scores = processors(cast(torch.LongTensor, history.to(device)), scores)
             if settings.do_sample:
                 probs = torch.softmax(scores, dim=-1)
                 new = torch.multinomial(probs, num_samples=1, generator=generator).squeeze(1)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from torch import nn
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
+from .._hf_typing import hf_config, hf_model
 from .._validation import require
 
 __all__ = [
@@ -82,6 +83,7 @@ def layer_cache_argument(layer: nn.Module) -> str:
         type(layer).__name__,
         f"take a KV cache as one of {list(_CACHE_ARGUMENTS)} in its forward (generation through the pipeline)",
     )
+    assert name is not None
     return name
 
 
@@ -113,7 +115,7 @@ def layer_types(config, num_layers: int) -> list[str]:
 
 def decoder_layout(model: nn.Module, base: nn.Module, num_layers: int) -> DecoderLayout:
     """The layout of ``model`` (base model ``base``), or a ``ValueError`` saying what is not rebuilt and why."""
-    config = model.config
+    config = hf_config(model)
     model_type = getattr(config, "model_type", None)
     require(
         model_type in FAMILIES,
@@ -138,11 +140,12 @@ def decoder_layout(model: nn.Module, base: nn.Module, num_layers: int) -> Decode
             f"be {causal} in the distributed pipeline (its stages build causal masks only)",
         )
     require(
-        model.get_output_embeddings() is not None,
+        hf_model(model).get_output_embeddings() is not None,
         "model.get_output_embeddings()",
         None,
         "be an LM head (load the model with AutoModelForCausalLM, not its bare base model)",
     )
+    assert isinstance(model_type, str)
     return FAMILIES[model_type]
 
 

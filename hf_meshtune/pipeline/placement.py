@@ -20,11 +20,16 @@ from __future__ import annotations
 
 import json
 import os
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from .._hf_typing import hf_model
 from .._validation import require
+
+if TYPE_CHECKING:
+    from .stage import StageModule
 
 __all__ = [
     "load_causal_lm",
@@ -113,6 +118,7 @@ def process_stage(num_layers: int, num_stages: int | None = None) -> tuple[int, 
         stages,
         f"be an int in [1, {num_layers}] (the checkpoint's decoder layers)",
     )
+    assert isinstance(stages, int)
     rank = int(os.environ.get("RANK", "0"))
     replica = os.environ.get(REPLICA_ENV)
     mesh_rank = int(replica) * stages + rank if replica is not None else rank
@@ -206,20 +212,20 @@ def _checkpoint_names(model: nn.Module, keys) -> dict[str, tuple[str, str | None
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
-    transforms = get_model_conversion_mapping(model)
+    transforms = get_model_conversion_mapping(hf_model(model))
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
     meta = model.state_dict()
     names: dict[str, tuple[str, str | None]] = {}
     for key in keys:
-        name, converted = rename_source_key(key, renamings, converters, model.base_model_prefix, meta)
+        name, converted = rename_source_key(key, renamings, converters, hf_model(model).base_model_prefix, meta)
         if name not in meta and key in meta:  # as from_pretrained: a key the renaming missed keeps its name
             name, converted = key, None
         names.setdefault(name, (key, converted))
     return names
 
 
-def _load_owned(model: nn.Module, module: nn.Module, folder: str, stage: int, tied: dict, dtype) -> None:
+def _load_owned(model: nn.Module, module: StageModule, folder: str, stage: int, tied: dict, dtype) -> None:
     from accelerate.utils import set_module_tensor_to_device
     from safetensors import safe_open
 
@@ -229,13 +235,15 @@ def _load_owned(model: nn.Module, module: nn.Module, folder: str, stage: int, ti
     names = _checkpoint_names(model, files)
     wanted: dict[str, list[tuple[str, str]]] = {}
     for name in stage_parameter_names(model, module):
-        key, converted = names.get(name) or names.get(tied.get(name), (None, None))
+        alias = tied.get(name)
+        key, converted = names.get(name) or (names.get(alias) if alias is not None else None) or (None, None)
         require(
             key is not None,
             f"checkpoint tensor {name!r} (stage {stage})",
             "missing",
             f"be in the checkpoint at {folder}: stage {stage} holds it",
         )
+        assert key is not None
         require(
             converted is None,
             f"checkpoint tensor {key!r} (stage {stage})",
@@ -263,4 +271,4 @@ def _load_generation_config(model: nn.Module, folder: str) -> None:
         return
     from transformers import GenerationConfig
 
-    model.generation_config = GenerationConfig.from_pretrained(folder)
+    hf_model(model).generation_config = GenerationConfig.from_pretrained(folder)

@@ -12,6 +12,7 @@ Shapes are static (example tensors at construction), so no metadata inference ru
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -62,7 +63,7 @@ class MeshStage(PipelineStage):
         self._staged_bwd: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
     def forward_one_chunk(self, fwd_chunk_id: int, args, kwargs=None, save_forward_output: bool = True):
-        self.submod.microbatch = fwd_chunk_id
+        cast(StageModule, self.submod).microbatch = fwd_chunk_id
         _land(self._staged_fwd.pop(fwd_chunk_id, []))
         return super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
 

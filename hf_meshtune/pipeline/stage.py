@@ -19,10 +19,12 @@ The schedule that runs stages across processes is in ``pipeline.schedule``.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 import torch
 from torch import nn
 
+from .._hf_typing import hf_config, hf_model
 from .._validation import require
 from ..boundary.compose.codec import ComposedCodec
 from ..boundary.fills import FILLS
@@ -60,10 +62,10 @@ def causal_lm_loss(model: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], t
 
     The logits are the last stage's, already soft-capped where the family caps them: the cap is part of
     the model's logits (``generate`` and evaluation see it too), not of its loss."""
-    vocab = model.config.get_text_config().vocab_size
+    vocab = hf_config(model).get_text_config().vocab_size
 
     def loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return model.loss_function(logits=logits, labels=labels, vocab_size=vocab)
+        return hf_model(model).loss_function(logits=logits, labels=labels, vocab_size=vocab)
 
     return loss
 
@@ -107,21 +109,21 @@ class StageModule(nn.Module):
         base = _base_model(model)
         layout = decoder_layout(model, base, len(layers))
         ranges = split_stages(len(layers), num_stages)
-        self.config = model.config
-        self.mask_config = base.config  # the masks are built from the base model's (text) config, as it does
+        self.config = hf_config(model)
+        self.mask_config = hf_config(base)  # the masks are built from the base model's (text) config, as it does
         self.stage, self.num_stages = stage, num_stages
         self.layer_range = ranges[stage]
         self.hidden_size = self.config.get_text_config().hidden_size
         first, last = stage == 0, stage == num_stages - 1
-        self.embed_tokens = model.get_input_embeddings() if first else None
+        self.embed_tokens = hf_model(model).get_input_embeddings() if first else None
         self.embed_dropout = getattr(base, layout.embed_dropout) if first and layout.embed_dropout else None
         self.layers = nn.ModuleList([layers[i] for i in self.layer_range])
         types = layer_types(model.config, len(layers))
         self.layer_types = [types[i] for i in self.layer_range]
-        self.rotary_emb = base.rotary_emb
-        self.rotary_per_type = rotary_per_layer_type(base.rotary_emb)
+        self.rotary_emb = cast(nn.Module, base.rotary_emb)
+        self.rotary_per_type = rotary_per_layer_type(self.rotary_emb)
         self.norm = getattr(base, layout.norm) if last else None
-        self.lm_head = model.get_output_embeddings() if last else None
+        self.lm_head = hf_model(model).get_output_embeddings() if last else None
         self.softcap = logit_softcap(model.config) if last else None
         self._setup_boundaries(mask_in, mask_out, codec_in, codec_out)
         self.ladders = {"in": ladder_in, "out": ladder_out}
@@ -173,8 +175,9 @@ class StageModule(nn.Module):
                 else f"be None: stage {self.stage} has no {side}put boundary ladder",
             )
         self.levels = (level_in, level_out)
-        self.codec_in = self.ladders["in"][level_in] if level_in is not None else None
-        self.codec_out = self.ladders["out"][level_out] if level_out is not None else None
+        ladder_in, ladder_out = self.ladders["in"], self.ladders["out"]  # each set where its level is (required above)
+        self.codec_in = ladder_in[level_in] if ladder_in is not None and level_in is not None else None
+        self.codec_out = ladder_out[level_out] if ladder_out is not None and level_out is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         hidden = self.embed(x) if self.embed_tokens is not None else self.receive(x)
@@ -221,6 +224,7 @@ class StageModule(nn.Module):
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """The first stage's input side: the embeddings (scaled inside the module where the family scales
         them) and the family's embedding dropout."""
+        assert self.embed_tokens is not None  # called on the first stage only
         hidden = self.embed_tokens(ids)
         return self.embed_dropout(hidden) if self.embed_dropout is not None else hidden
 
@@ -261,6 +265,7 @@ class StageModule(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The last stage's head: final norm, LM head, then the family's soft-cap c·tanh(logits / c)."""
+        assert self.lm_head is not None and self.norm is not None  # called on the last stage only
         logits = self.lm_head(self.norm(hidden))
         if self.softcap is None:
             return logits
@@ -298,13 +303,14 @@ def untie_embeddings(model: nn.Module) -> bool:
     shared matrix cannot stay shared: each stage trains its copy (both start from the pretrained
     matrix) and the config says ``tie_word_embeddings=False`` so a saved checkpoint keeps both.
     """
-    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    head, embed = hf_model(model).get_output_embeddings(), hf_model(model).get_input_embeddings()
     if head is None or embed is None or head.weight is not embed.weight:
         return False
     head.weight = nn.Parameter(embed.weight.detach().clone(), requires_grad=embed.weight.requires_grad)
-    model.config.tie_word_embeddings = False
-    text = model.config.get_text_config()
-    if text is not model.config:
+    config = hf_config(model)
+    config.tie_word_embeddings = False
+    text = config.get_text_config()
+    if text is not config:
         text.tie_word_embeddings = False
     return True
 
@@ -322,7 +328,7 @@ def build_stage(model: nn.Module, stage: int, num_stages: int, cfg, masked: bool
     both sides hold the whole ``codec_ladder``, at its richest level until the governor says otherwise."""
     spec = composed_codec(cfg)
     if spec is not None and is_governed(cfg):
-        hidden = model.config.get_text_config().hidden_size
+        hidden = hf_config(model).get_text_config().hidden_size
         specs = codec_ladder(cfg)
 
         def ladder(boundary: int) -> list[ComposedCodec] | None:
@@ -332,7 +338,7 @@ def build_stage(model: nn.Module, stage: int, num_stages: int, cfg, masked: bool
 
         return StageModule(model, stage, num_stages, None, None, ladder_in=ladder(stage - 1), ladder_out=ladder(stage))
     if spec is not None:
-        hidden = model.config.get_text_config().hidden_size
+        hidden = hf_config(model).get_text_config().hidden_size
 
         def codec(boundary: int) -> ComposedCodec | None:
             if not masked or boundary < 0 or boundary >= num_stages - 1:
