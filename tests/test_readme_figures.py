@@ -1,7 +1,8 @@
-"""The README's figures are the committed results: every table a benchmark writes from its JSON is
-written again here from the committed JSON and compared with the committed Markdown, and the README's
-tables that quote them are checked row by row (or number by number, where the README condenses a
-table). A rerun that is committed without the README, or a README edited by hand, fails here."""
+"""The figures of the README and of the documentation's pages are the committed results: every table a
+benchmark writes from its JSON is written again here from the committed JSON and compared with the committed
+Markdown, and the tables that quote them (the README's results table, and the benchmark and guide pages under
+docs/ that now hold the rest) are checked row by row (or number by number, where a page condenses a table).
+A rerun that is committed without the pages, or a page edited by hand, fails here."""
 
 from __future__ import annotations
 
@@ -14,14 +15,30 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
+DOCS = ROOT / "docs"
 
 
-def _section(heading: str) -> str:
-    """The README text from ``heading`` (a whole heading line) to the next heading of the same level."""
-    level = heading.split(" ", 1)[0]
-    start = README.index(f"\n{heading}\n")
-    following = re.search(rf"\n{re.escape(level)} ", README[start + len(heading) + 2 :])
-    return README[start : start + len(heading) + 2 + following.start()] if following else README[start:]
+def _page(name: str) -> str:
+    """A page of the documentation site, ``docs/<name>``."""
+    return (DOCS / name).read_text()
+
+
+def _section(text: str, heading: str) -> str:
+    """``text`` from ``heading`` (a whole heading line) to the next heading of the same or a higher level;
+    lines inside fenced code blocks (a shell comment starts with ``#`` too) are not headings."""
+    level = len(heading.split(" ", 1)[0])
+    lines, fenced, start = text.splitlines(), False, None
+    for i, line in enumerate(lines):
+        if line.startswith("```"):
+            fenced = not fenced
+        if fenced:
+            continue
+        if start is None and line == heading:
+            start = i
+        elif start is not None and re.match(rf"#{{1,{level}}} ", line):
+            return "\n".join(lines[start:i])
+    assert start is not None, f"no heading {heading!r}"
+    return "\n".join(lines[start:])
 
 
 def _rows(text: str) -> list[str]:
@@ -51,7 +68,7 @@ def _numbers(text: str) -> list[tuple[float, int]]:
 
 def _rounds_to(value: float, decimals: int, source: list[tuple[float, int]]) -> bool:
     """Some source number agrees with ``value`` to the coarser of the two printed precisions (half a unit
-    of the last digit): the README may round a number further, or quote it where the table rounded it."""
+    of the last digit): a page may round a number further, or quote it where the table rounded it."""
     return any(abs(s - value) <= 0.5 * 10.0 ** -min(decimals, d) + 1e-9 for s, d in source)
 
 
@@ -61,22 +78,18 @@ def test_the_mesh_benchmark_tables_are_its_committed_run():
     results = json.loads((ROOT / "benchmarks/mesh/results/mesh_3x2.json").read_text())
     written = table(results)
     assert (ROOT / "benchmarks/mesh/results/mesh_3x2.md").read_text().strip() == written.strip()
-    quoted = _rows(_section("## The distributed mesh"))
+    quoted = _rows(_section(_page("benchmarks/mesh.md"), "## The mesh command, three ways"))
     for row in _rows(written):
         assert row in quoted, row
 
 
-MESH_GOVERNED = "\n#### The governor on the distributed mesh\n"
-
-
-def test_the_mesh_governor_table_is_its_committed_run_and_the_readme_quotes_it():
+def test_the_mesh_governor_table_is_its_committed_run_and_the_mesh_page_quotes_it():
     from benchmarks.mesh.governed import table
 
     results = json.loads((ROOT / "benchmarks/mesh/results/governed_3x2.json").read_text())
     written = table(results)
     assert (ROOT / "benchmarks/mesh/results/governed_3x2.md").read_text() == written
-    section = _section("### The fidelity governor: the anchor measures what each boundary's codec keeps")
-    quoted = _rows(section.split(MESH_GOVERNED)[1].split("\n#")[0])  # up to the next heading
+    quoted = _rows(_section(_page("benchmarks/mesh.md"), "## The governor on the distributed mesh"))
     assert quoted == _rows(written)  # the whole table, row for row
 
 
@@ -85,7 +98,7 @@ def test_the_memory_benchmark_tables_are_its_committed_run():
 
     results = json.loads((ROOT / "benchmarks/memory/results/memory.json").read_text())
     assert (ROOT / "benchmarks/memory/results/memory.md").read_text() == markdown(results)
-    quoted = _rows(_section("### Memory per process"))
+    quoted = _rows(_section(_page("benchmarks/memory.md"), "# Memory per process"))
     for row in _rows("\n".join(summary_table(results))):
         assert row in quoted, row
 
@@ -95,7 +108,7 @@ def test_the_byte_ledger_table_is_what_meshtune_ledger_prints(capsys):
 
     assert main(["ledger"]) == 0
     printed = _rows(capsys.readouterr().out)
-    quoted = _rows(_section("## The byte ledger"))
+    quoted = _rows(_section(_page("guides/reports.md"), "## The byte ledger"))
     assert printed and all(row in quoted for row in printed), printed
 
 
@@ -105,26 +118,29 @@ def test_the_soak_table_is_its_committed_run():
     summary = json.loads((ROOT / "benchmarks/reliability/results/soak.json").read_text())
     written = markdown(summary)
     assert (ROOT / "benchmarks/reliability/results/soak.md").read_text() == written
-    quoted = _rows(_section("## Reliability soak: scripted faults on emulated links"))
+    quoted = _rows(
+        _section(_page("benchmarks/reliability.md"), "# Reliability soak: scripted faults on emulated links")
+    )
     assert _rows(written)[0] in quoted  # the totals
-    assert all(row in _rows(written) for row in quoted), quoted  # and every row the README quotes is the run's
+    assert all(row in _rows(written) for row in quoted), quoted  # and every row the page quotes is the run's
 
 
-EQUAL_QUALITY = "\n### Time to Dense's quality with a longer step budget\n"
+WAN = "benchmarks/wan.md"
+EQUAL_QUALITY = "## Time to Dense's quality with a longer step budget"
 
 
-def test_the_wan_report_is_its_committed_run_and_the_readme_rounds_its_numbers(tmp_path):
+def test_the_wan_report_is_its_committed_run_and_the_wan_page_rounds_its_numbers(tmp_path):
     from benchmarks.wan.run import write_report
 
     report = json.loads((ROOT / "benchmarks/wan/results/wan.json").read_text())
     write_report(report, tmp_path)
     written = (tmp_path / "wan.md").read_text()
     assert (ROOT / "benchmarks/wan/results/wan.md").read_text() == written
-    # the README condenses the main table: every number it prints is one of its row's, rounded
+    # the WAN page condenses the main table: every number it prints is one of its row's, rounded
     source = {row.split("|")[1].strip(): row for row in _rows(written)}
     labels = {"torch PowerSGD hook (DDP)": "PowerSGD hook (DDP)"}
     checked = 0
-    main_table = _section("## WAN benchmark: measured throughput over shaped links").split(EQUAL_QUALITY)[0]
+    main_table = _section(_page(WAN), "# WAN benchmark: measured throughput over shaped links").split(EQUAL_QUALITY)[0]
     for row in _rows(main_table):
         label = row.split("|")[1].strip()
         match = next((s for name, s in source.items() if name.startswith(labels.get(label, label))), None)
@@ -157,9 +173,9 @@ def test_the_quality_benchmark_results_md_is_written_from_its_committed_json(tmp
         assert written.read_text() == (committed / mode / "results.md").read_text(), mode
 
 
-def _source_row(readme_row: str, by_key: dict[tuple[str, str], list[str]]) -> list[str]:
-    """The results rows a README row of the codec sweep quotes: same boundary and anchor prior, every seed."""
-    first, prior = (cell.strip() for cell in readme_row.split("|")[1:3])
+def _source_row(page_row: str, by_key: dict[tuple[str, str], list[str]]) -> list[str]:
+    """The results rows a quality page row of the codec sweep quotes: same boundary and anchor prior, every seed."""
+    first, prior = (cell.strip() for cell in page_row.split("|")[1:3])
     code = re.match(r"`([^`]+)`", first)
     boundary = "mask0.95 (zeros)" if first.startswith("`M95") else code.group(1) if code else first
     variant = "refitted" if "refitted" in first else "α = 0.7" if "α = 0.7" in prior else ""
@@ -171,18 +187,20 @@ def _source_row(readme_row: str, by_key: dict[tuple[str, str], list[str]]) -> li
     ]
 
 
-def test_the_readme_codec_sweep_rows_are_the_committed_runs_rounded():
-    """Every number from the B/token column on, in each README row of the SmolLM2 sweep, is one of its
+def test_the_quality_page_codec_sweep_rows_are_the_committed_runs_rounded():
+    """Every number from the B/token column on, in each quality page row of the SmolLM2 sweep, is one of its
     runs' (seed 0, or the seed-1 run the row names), rounded."""
     written = (ROOT / "benchmarks/quality/codec_sweep/results.md").read_text()
     by_key: dict[tuple[str, str], list[str]] = {}
     for row in _rows(written):
         cells = [c.strip() for c in row.split("|")[1:]]
         by_key.setdefault((cells[1].strip("`"), cells[3]), []).append(row)
-    section = _section("### Composed boundary codecs on SmolLM2: what keeps dense quality")
+    section = _section(
+        _page("benchmarks/quality.md"), "## Composed boundary codecs on SmolLM2: what keeps dense quality"
+    )
     table = _rows(section.split("Read plainly")[0])
     assert len(table) >= 15
-    # README cell → results.md column: B/token, compression, dense eval loss after, gap to Dense
+    # page cell → results.md column: B/token, compression, dense eval loss after, gap to Dense
     columns = {2: 4, 3: 5, 4: 7, 5: 8}
     for row in table:
         sources = _source_row(row, by_key)
@@ -194,9 +212,9 @@ def test_the_readme_codec_sweep_rows_are_the_committed_runs_rounded():
                 assert _rounds_to(value, decimals, values), (row, cells[index], sources)
 
 
-def test_the_fidelity_tables_are_their_committed_runs_and_the_readme_quotes_them():
+def test_the_fidelity_tables_are_their_committed_runs_and_the_quality_page_quotes_them():
     """probe.md / probe_tiny.md / governed.md are written again from their committed JSON; every number in the
-    README governor section's tables is one of theirs (or of the tiny Llama's results.md), rounded."""
+    quality page's governor section's tables is one of theirs (or of the tiny Llama's results.md), rounded."""
     from benchmarks.quality import fidelity_probe, governed
 
     folder = ROOT / "benchmarks/quality/fidelity"
@@ -213,10 +231,12 @@ def test_the_fidelity_tables_are_their_committed_runs_and_the_readme_quotes_them
         return row.split("|")[1].replace("`", "").split(" (")[0].strip()
 
     source_rows = _rows("\n".join([*written.values(), tiny]))
-    section = _section("### The fidelity governor: the anchor measures what each boundary's codec keeps")
-    rows = _rows(section.split("\n## ")[0].split(MESH_GOVERNED)[0])  # the mesh's rows: the test below
+    section = _section(
+        _page("benchmarks/quality.md"), "## The fidelity governor: the anchor measures what each boundary's codec keeps"
+    )
+    rows = _rows(section)  # the mesh's rows: benchmarks/mesh.md, the test above
     assert len(rows) >= 10
-    # README table (by its width) → the source column of each of its cells after the first: the probe's
+    # page table (by its width) → the source column of each of its cells after the first: the probe's
     # mean cos and gap; governed.md's bytes, ratio, eval loss and gap to the default; the composed table's
     # bytes, compression and the four tasks' eval loss gaps
     columns = {3: [5, 8], 5: [1, 2, 4, 6], 7: [2, 3, 5, 7, 9, 11]}
@@ -256,7 +276,7 @@ def test_the_dp_sweep_refuses_a_variant_it_does_not_have(capsys):
     assert "--only ['dp_r5']: name variants of ['dense', 'dp_r4', 'dp_r16'" in capsys.readouterr().err
 
 
-def test_the_equal_quality_tables_are_their_committed_run_and_the_readme_quotes_them(tmp_path):
+def test_the_equal_quality_tables_are_their_committed_run_and_the_wan_page_quotes_them(tmp_path):
     from benchmarks.wan.equal_quality import DENSE_NAMES, step_times, summarize, write_report
 
     results = ROOT / "benchmarks/wan/results"
@@ -278,9 +298,9 @@ def test_the_equal_quality_tables_are_their_committed_run_and_the_readme_quotes_
     sweep = json.loads((results / "dp_sweep.json").read_text())["rows"]
     losses = {name: sweep[name]["eval"]["eval_loss"]["80"] for name in DENSE_NAMES}
     assert tuned["dense_final_losses"] == losses and tuned["target_eval_loss"] == min(losses.values())
-    # the README quotes the tuned target's table whole, and no row that is not the run's
+    # the WAN page quotes the tuned target's table whole, and no row that is not the run's
     tables = written.split("**Target: ")[1:]
-    quoted = _rows(_section(EQUAL_QUALITY.strip()).split("\n## ")[0])  # up to the next section
+    quoted = _rows(_section(_page(WAN), EQUAL_QUALITY))  # up to the next section
     assert [row for row in quoted if row in _rows(tables[0])] == _rows(tables[0])
     assert all(row in _rows(written) for row in quoted), quoted
 
@@ -322,5 +342,75 @@ def test_the_throughput_md_is_written_from_its_committed_json(tmp_path):
     report = json.loads((ROOT / "benchmarks/wan/results/throughput.json").read_text())
     write_report(report, tmp_path)
     assert (ROOT / "benchmarks/wan/results/throughput.md").read_text() == (tmp_path / "throughput.md").read_text()
-    # it measured the library's default DP, as the README says
+    # it measured the library's default DP, as the WAN page says
     assert report["dp"] == {"rank": DEFAULT_DP_POWERSGD_RANK, "quantize": DEFAULT_DP_QUANTIZE}
+
+
+def _tables(text: str) -> list[dict[str, str]]:
+    """Every body row of every Markdown table in ``text`` as {header: cell}."""
+    lines, found = text.splitlines(), []
+    for i, line in enumerate(lines[:-1]):
+        if line.startswith("|") and re.fullmatch(r"[|\-: ]+", lines[i + 1]) and not set(line) <= set("|-: "):
+            header = [c.strip() for c in line.split("|")[1:-1]]
+            for row in lines[i + 2 :]:
+                if not row.startswith("|"):
+                    break
+                found.append(dict(zip(header, (c.strip() for c in row.split("|")[1:-1]))))
+    return found
+
+
+RESULTS = "## Results: the default against Dense"
+
+
+def test_the_readme_results_table_quotes_the_committed_results():
+    """The README's one results table: each cell is its row's number in the named column of the committed
+    results (the SmolLM2 codec sweep, the WAN table, the equal-quality table against tuned Dense), rounded."""
+    results = ROOT / "benchmarks/wan/results"
+    codec = {
+        (r["boundary"].strip("`"), r["anchor prior"]): r
+        for r in _tables((ROOT / "benchmarks/quality/codec_sweep/results.md").read_text())
+        if r["seed"] == "0"
+    }
+    wan = {r["row"]: r for r in _tables((results / "wan.md").read_text()) if "speedup vs Dense" in r}
+    tuned = (results / "equal_quality.md").read_text().split("**Target: ")[1]  # the table against tuned Dense
+    assert tuned.startswith("tuned Dense")
+    equal = {(r["row"], r["budget (steps)"]): r for r in _tables(tuned)}
+    sources = {  # README row (its first cell's start) → its rows in the results
+        "Dense": {"codec": codec["dense", "no"], "wan": wan["Dense"], "equal": equal["Dense, lr 0.002", "80"]},
+        "the default, ": {
+            "codec": codec["outliers8+int8", "no"],
+            "wan": wan["Default: outliers8+int8"],
+            "equal": equal["Default: outliers8+int8", "240"],
+        },
+        "the default with the replicas averaged": {
+            "equal": equal["S=20, r=128, int8, η=1, μ=0 (averaging), lr 0.002", "160"]
+        },
+        "`preset=\"paper\"`": {"codec": codec["mask0.95 (zeros)", "yes"], "wan": wan["M95+AP (paper)"]},
+    }
+    columns = {  # README column → (results, their columns)
+        "SmolLM2 main job: dense eval loss after (gap to Dense)": ("codec", ["dense eval loss after", "gap to Dense"]),
+        "boundary B/token (bf16)": ("codec", ["bf16 B/token/boundary"]),
+        "WAN: tokens/s (vs Dense)": ("wan", ["tokens/s", "speedup vs Dense"]),
+        "WAN: B/token": ("wan", ["B/token total"]),
+        "WAN: eval loss after 80 steps": ("wan", ["final eval loss"]),
+        "WAN: time to tuned Dense's 0.7303, s (speedup)": (
+            "equal",
+            ["time to the target (s)", "speedup at the target"],
+        ),
+    }
+    rows = _tables(_section(README, RESULTS))
+    assert [next(k for k in sources if r["row"].startswith(k)) for r in rows] == list(sources)  # every row, once
+    checked = 0
+    for row in rows:
+        source = sources[next(k for k in sources if row["row"].startswith(k))]
+        assert set(row) == {"row", *columns}, set(row)
+        for column, (kind, names) in columns.items():
+            numbers = _numbers(row[column])
+            if not numbers:
+                assert row[column] == "–", (row["row"], column)  # not measured: says so
+                continue
+            values = [n for name in names for n in _numbers(source[kind][name])]
+            for value, decimals in numbers:
+                assert _rounds_to(value, decimals, values), (row["row"], column, row[column], names)
+                checked += 1
+    assert checked >= 20
