@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Regenerate the README's main-job table: Dense, the default (preset quality) and the paper's M95 and
+# Regenerate the main-job table (docs/benchmarks/main_job.md): Dense, the default (preset quality) and the paper's M95 and
 # M95+AP runs of `meshtune demo`, side by side (same data order, steps, lr schedule). About 14 minutes
 # on 2 CPU cores; ROWS="quality" runs only the named rows.
 #   bash benchmarks/main_job/run.sh

@@ -11,7 +11,7 @@ what is saved outside the checkpointed layers, so measured and predicted activat
 
   smollm2_3x2_full            SmolLM2-135M full fine-tune (embeddings train) on `meshtune launch --mesh 3x2`
   smollm2_3x2_full_before     that row on commit BEFORE, the last whose processes each held the whole model
-  smollm2_3x2_frozen_emb      the full fine-tune with --freeze_embeddings (what the README's mesh command used to need)
+  smollm2_3x2_frozen_emb      the full fine-tune with --freeze_embeddings (what the mesh guide's command used to need)
   smollm2_3x2_frozen_emb_before  that row on commit BEFORE, the last whose processes each held the whole model
   smollm2_1process_full       the full fine-tune in one process (the single-process MeshTrainer, Y = 2)
   llama1b_2x4_lora            a Llama-3.2-1B-shaped model (the real config: H 2048, 16 layers, vocab

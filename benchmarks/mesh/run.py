@@ -1,4 +1,4 @@
-"""The README's mesh command, three ways, side by side: bytes per token by circuit, measured on the
+"""The mesh guide's command (docs/guides/mesh.md), three ways, side by side: bytes per token by circuit, measured on the
 wire next to the analytic ledger, DP bytes per sync with and without PowerSGD, anchor staleness.
 
     python -m benchmarks.mesh.run            # ~7 min on 2 CPU cores; writes benchmarks/mesh/results/
