@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
@@ -130,14 +131,15 @@ class AnchorCircuit:
             record = ProbeRecord(None) if self.governor is not None else None
             rng = rng_state(self._device)
             with (
-                self.boundaries.recording() if refit else contextlib.nullcontext(),
-                self.boundaries.probing(record) if record is not None else contextlib.nullcontext(),
+                self._composed.recording() if refit else contextlib.nullcontext(),
+                self._composed.probing(record) if record is not None else contextlib.nullcontext(),
             ):
                 grads = self.dense_gradient(round_index)
-            geometry = self.boundaries.refit_geometry() if refit else None
+            geometry = self._composed.refit_geometry() if refit else None
             start = record is not None and self.decided is None
             levels = self._govern(step, round_index, grads, record, rng) if record is not None else None
             if start:  # the start levels count at once (a one-time wait on a mesh), not after anchor_delay steps
+                assert levels is not None  # start implies a governor, which chose them
                 self._switch(step, step, levels)
                 levels = None
             payload = grads
@@ -159,7 +161,7 @@ class AnchorCircuit:
         self.pending = [p for p in self.pending if p.deliver_step > step]
         for arrival in due:
             if arrival.geometry is not None:  # this step's forward ran on the old one; the next uses it
-                self.boundaries.load_geometries(arrival.geometry)
+                self._composed.load_geometries(arrival.geometry)
                 self.refits += 1
             if arrival.levels is not None:
                 self._switch(step, arrival.snapshot_step, arrival.levels)
@@ -176,9 +178,15 @@ class AnchorCircuit:
 
     def _switch(self, step: int, snapshot: int, levels: list[int]) -> None:
         """Governed: run the boundaries at ``levels`` from the forward after optimizer step ``step`` on."""
-        if levels != self.boundaries.levels:
-            self.boundaries.set_levels(levels)
+        if levels != self._composed.levels:
+            self._composed.set_levels(levels)
             self.switches.append((step, snapshot, list(levels)))
+
+    @property
+    def _composed(self) -> ComposedHandle:
+        """The boundaries as composed codecs: what a refit and the governor run on (``__init__`` requires them
+        there). A cast, not a check, so that anything shaped like a ``ComposedHandle`` still serves."""
+        return cast(ComposedHandle, self.boundaries)
 
     def _round_due(self, step: int) -> bool:
         if self.cadence is None:
@@ -215,7 +223,7 @@ class AnchorCircuit:
     def _probe(self, round_index: int, grads: Mapping[str, torch.Tensor], record: ProbeRecord, rng) -> FidelityProbe:
         """A fidelity probe on the round's batches, replaying the dense pass's RNG on every probe pass."""
         microbatches = list(self.batches(round_index))
-        handle = self.boundaries
+        handle = self._composed
 
         def run_pass(probe_record: ProbeRecord) -> dict[str, torch.Tensor]:
             self.probe_passes += 1
@@ -234,7 +242,7 @@ class AnchorCircuit:
         act_err, grad_err}``. Changes nothing the run uses (its RNG, rounds, levels)."""
         record, rng = ProbeRecord(None), rng_state(self._device)
         done = self.rounds_done
-        with self.boundaries.probing(record):
+        with self._composed.probing(record):
             grads = self.dense_gradient(round_index)
         self.rounds_done = done
         probe = self._probe(round_index, grads, record, rng)
@@ -242,14 +250,17 @@ class AnchorCircuit:
 
     def measure_ladder(self, round_index: int) -> list[list[dict[str, float]]]:
         """``measure`` of every level of every boundary's ladder: ``[boundary][level]``."""
-        return self.measure(round_index, self.boundaries.ladders)
+        ladders = self._composed.ladders
+        assert ladders is not None  # governed
+        return self.measure(round_index, ladders)
 
     def _govern(self, step: int, round_index: int, grads, record: ProbeRecord, rng) -> list[int]:
         """Measure the candidate levels of every boundary on this round's batch and choose the next ones;
         the first round measures every level and starts where the governor's ``initial`` says."""
-        ladders = self.boundaries.ladders
+        ladders, levels_now = self._composed.ladders, self._composed.levels
+        assert ladders is not None and levels_now is not None and self.governor is not None  # governed
         first = self.decided is None
-        current = list(self.boundaries.levels) if first else self.decided
+        current = list(levels_now) if self.decided is None else self.decided
         probe = self._probe(round_index, grads, record, rng)
         chosen, entries = [], {}
         for boundary, ladder in enumerate(ladders):

@@ -97,6 +97,7 @@ def update_shapes(shapes: Sequence[torch.Size], rank: int | None) -> list[tuple[
     out: list[tuple[int, ...]] = []
     for shape in shapes:
         if codec is not None and codec.compresses(shape):
+            assert rank is not None  # codec is built from it
             out += [(shape[0], rank), (shape[1], rank)]
         else:
             out.append(tuple(shape))
@@ -110,6 +111,7 @@ def _rounds(shapes: Sequence[torch.Size], rank: int | None) -> list[int]:
     first = second = 0
     for shape in shapes:
         if codec is not None and codec.compresses(shape):
+            assert rank is not None  # codec is built from it
             first, second = first + shape[0] * rank, second + shape[1] * rank
         else:
             first += math.prod(shape)

@@ -132,6 +132,7 @@ class FastGeometryLink:
     def _due(self, step: int) -> int:
         """Lockstep: the newest refit snapshot whose gradient was applied by fast step ``step`` (after
         waiting for its geometry), or the one in use."""
+        assert self.lockstep is not None  # called with lockstep only
         every, delay, refit_every = self.lockstep
         if self.next_due is None:
             self.next_due = first_lockstep_snapshot(step, every)

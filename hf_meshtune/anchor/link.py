@@ -159,10 +159,11 @@ class FastAnchorLink:
                 return
             first = self.links.key(self.anchor_rank) == FIRST_PAIR and not self.missed
             if generation != self.synced and not first:
+                assert state is not None  # the restartable link's forward always passes it
                 payload = flatten(state())
                 header = UPDATES.encode(SYNC, step, -1, payload.numel())
                 self.outbox.put(self.anchor_rank, UPDATES.header_tag, header, generation)
-                self.outbox.put(self.anchor_rank, UPDATES.payload_tag, payload, generation)
+                self.outbox.put(self.anchor_rank, UPDATES.data_tag, payload, generation)
                 self.synced, self.missed = generation, False
                 self.syncs.append(step)
                 return
@@ -171,7 +172,7 @@ class FastAnchorLink:
             payload = update.codes.pack() if update.codes is not None else flatten(update.tensors)
             header = UPDATES.encode(DATA, step, update.fragment, payload.numel())
             self.outbox.put(self.anchor_rank, UPDATES.header_tag, header, generation)
-            self.outbox.put(self.anchor_rank, UPDATES.payload_tag, payload, generation)
+            self.outbox.put(self.anchor_rank, UPDATES.data_tag, payload, generation)
 
     def close(self, step: int) -> None:
         """The end of the run at fast step ``step``: STOP to the anchor and wait for its STOP back (what

@@ -119,6 +119,7 @@ class MeshGovernor:
         level and its neighbours (the same list on every anchor stage)."""
         out = []
         for boundary in range(self.boundaries):
+            levels: Sequence[int]
             if self.decided is None:
                 levels = range(self.levels)
             else:
@@ -161,7 +162,10 @@ class MeshGovernor:
         probes = self.probes()
         sums = torch.zeros(len(probes), self.stages, SUMS, dtype=torch.float64)
         for index, (boundary, level) in enumerate(probes):
-            probe = SendProbe(self.ladder[level]) if boundary == self.stage else None
+            probe = None
+            if boundary == self.stage:  # this stage's outgoing boundary, whose ladder it holds
+                assert self.ladder is not None
+                probe = SendProbe(self.ladder[level])
             module.probe = probe
             try:
                 run_pass()
@@ -170,7 +174,7 @@ class MeshGovernor:
             self.probe_passes += 1
             sums[index, self.stage] = self._sums(probe, dense, dense_probe)
         self.reduce(sums)
-        first = self.decided is None
+        decided = self.decided
         chosen, entries = [], {}
         for boundary in range(self.boundaries):
             cos = {}
@@ -182,10 +186,10 @@ class MeshGovernor:
                 name = self.names[level]
                 for key, value in measured.items():
                     entries[f"fidelity/b{boundary}/{name}/{key}"] = value
-            if first:
+            if decided is None:  # the first round
                 chosen.append(self.governor.initial([cos[level] for level in range(self.levels)]))
             else:
-                chosen.append(self.governor.decide(self.decided[boundary], cos))
+                chosen.append(self.governor.decide(decided[boundary], cos))
             entries[f"governor/b{boundary}/decided"] = float(chosen[-1])
         self.decided = chosen
         entries["fidelity/probe_passes"] = float(self.probe_passes)
@@ -261,6 +265,7 @@ class FastLevelLink:
         due waited for first)."""
         if self.lockstep is not None:
             every, delay = self.lockstep
+            assert self.next_due is not None  # set with lockstep
             while self.next_due + (0 if self.first else delay) <= step:
                 self._wait_for(self.next_due)
                 if self.next_due in self.held:
@@ -298,6 +303,7 @@ class FastLevelLink:
         does not run again) are waited for first, so a resume continues exactly."""
         if self.lockstep is not None:
             every = self.lockstep[0]
+            assert self.next_due is not None  # set with lockstep
             while self.next_due < step:
                 self._wait_for(self.next_due)
                 self.first, self.next_due = False, self.next_due + every

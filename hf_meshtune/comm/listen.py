@@ -22,6 +22,7 @@ import os
 import socket
 from collections.abc import Iterator
 from datetime import timedelta
+from typing import Any
 
 import torch.distributed as dist
 
@@ -63,7 +64,7 @@ def listen_address(host: str | None = None, *, field: str = HOST_ENV) -> str:
     except ValueError:
         pass
     try:
-        return socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)[0][4][0]
+        return str(socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)[0][4][0])  # an IP's text: str already
     except OSError:
         require(False, field, name, "resolve to an address of this machine for the mesh's servers to listen on")
         raise  # unreachable: require raised
@@ -127,7 +128,7 @@ def bound_store(
 ) -> dist.TCPStore:
     """A TCPStore server listening on ``address`` only (torch's own listens on every interface)."""
     fd, port = _listening_fd(address, port)
-    kwargs = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
+    kwargs: dict[str, Any] = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
     return dist.TCPStore(
         address, port, is_master=True, wait_for_workers=False, multi_tenant=multi_tenant, master_listen_fd=fd, **kwargs
     )

@@ -134,7 +134,7 @@ class Receiver:
             return True
         payload = torch.empty(numel, dtype=torch.float32)
         for chunk in chunks(payload):  # cut as the sender cut it
-            self.wire.recv(self.circuit, chunk, self.src, group=group, tag=self.channel.payload_tag)
+            self.wire.recv(self.circuit, chunk, self.src, group=group, tag=self.channel.data_tag)
         self.queue.put((header, payload))
         return False
 

@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -104,10 +104,16 @@ class Channel:
     """One direction of the anchor link: its header layout and the tags its two parts travel on."""
 
     name: str
-    header: type
+    header: type[Any]  # a NamedTuple of ints
     header_tag: int
     payload_tag: int | None
     kinds: tuple[int, ...] = (STOP, DATA)  # the kinds a sender may put in the header's ``kind`` field
+
+    @property
+    def data_tag(self) -> int:
+        """``payload_tag`` of a channel whose DATA headers carry a payload (every one but ``ROUNDS``)."""
+        assert self.payload_tag is not None, f"the {self.name} channel carries no payload"
+        return self.payload_tag
 
     @property
     def header_len(self) -> int:

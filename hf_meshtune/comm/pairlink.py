@@ -63,7 +63,7 @@ def _shutdown_all() -> None:
 
 @dataclass
 class _Pair:
-    pg: object = None  # the two-process gloo group, None while down
+    pg: dist.ProcessGroupGloo | None = None  # the two-process gloo group, None while down
     key: tuple[int, int, int] | None = None
     generation: int = 0  # pairs built so far (0: none yet)
 
@@ -87,6 +87,7 @@ class PinnedPair:
     routes_by_mesh_rank = True  # the Wire hands it mesh ranks (``comm.wire``)
 
     def __init__(self, links: PairLinks, peer: int, pair: _Pair) -> None:
+        assert pair.pg is not None  # PairLinks pins only a pair that is up
         self.links, self.peer, self.pg, self.generation = links, peer, pair.pg, pair.generation
         self.key = pair.key
         self.peer_rank = 1 if links.rank < peer else 0
@@ -101,15 +102,19 @@ class PinnedPair:
     def isend(self, tensor: torch.Tensor, peer: int, tag: int):
         require(peer == self.peer, "dst", peer, f"be mesh rank {self.peer}, the peer this pair links to")
         try:
-            work = self.pg.send([on_cpu(tensor)], self.peer_rank, tag)
+            work = self.pg.send([on_cpu(tensor)], self.peer_rank, tag)  # type: ignore[attr-defined]  # stub lacks send
         except RuntimeError as err:
             raise self._failed(err) from err
         return _FailingWork(work, self._failed)
 
     def recv(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
         require(peer == self.peer, "src", peer, f"be mesh rank {self.peer}, the peer this pair links to")
+
+        def receive(buffer: torch.Tensor) -> None:
+            self.pg.recv([buffer], self.peer_rank, tag).wait()  # type: ignore[attr-defined]  # stub lacks recv
+
         try:
-            receive_staged(tensor, lambda buffer: self.pg.recv([buffer], self.peer_rank, tag).wait())
+            receive_staged(tensor, receive)
         except RuntimeError as err:
             raise self._failed(err) from err
 
@@ -237,7 +242,7 @@ class PairLinks:
                 )
             _abort(old)
 
-    def _build(self, peer: int, key: tuple[int, int, int]):
+    def _build(self, peer: int, key: tuple[int, int, int]) -> dist.ProcessGroupGloo | None:
         """Both sides say they build the pair of ``key``, then build it (None: the wanted key moved on
         while waiting, or the links closed)."""
         prefix = f"{PREFIX}/{self._between(peer)}/{key[0]}.{key[1]}.{key[2]}"
@@ -258,6 +263,7 @@ class PairLinks:
             if pair.generation != generation or pair.pg is None:
                 return
             old, pair.pg = pair.pg, None
+            assert pair.key is not None  # set with every pair built
             breaks = pair.key[2]
         try:
             self.store.compare_set(self._breaks_key(peer), str(breaks), str(breaks + 1))
