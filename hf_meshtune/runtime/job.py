@@ -7,7 +7,8 @@ When the job has several processes (``WORLD_SIZE`` > 1: ``meshtune launch``, ``t
 2. the Trainer's data (train dataset + collator) becomes fixed-shape [B·M, T] batches: fast replica r
    at step t and the anchor at round k each draw their own rows (pure functions of seed and index);
 3. the process runs its stage (``runtime.bootstrap.run_worker``);
-4. at the end rank 0 writes ``mesh_summary.json``: measured bytes per token by circuit next to the
+4. the rank with the loss runs the Trainer's callbacks and prints the run (``runtime.console``);
+5. at the end rank 0 writes ``mesh_summary.json``: measured bytes per token by circuit next to the
    analytic ledger, DP bytes per sync, anchor staleness, step times, every process's memory. Every
    process keeps only its stage (``pipeline.placement``): ``save_model`` writes one shard per stage
    (``runtime.saving``) and ``evaluate`` runs the dense pipeline (``runtime.evaluation``); a PEFT
@@ -41,6 +42,7 @@ from ..pipeline.stage import StageModule, untie_embeddings
 from ..topology import MeshGroups, MeshTopology
 from .bootstrap import run_worker
 from .checkpoint import resolve_resume
+from .console import TrainerConsole
 from .results import MeshResult, gather_results, log_history, predicted_memory, summarize
 from .settings import RunSettings
 
@@ -186,17 +188,21 @@ def train_on_mesh(trainer, resume_from_checkpoint: bool | str | None = None):
     # a trainer may make its own batches and loss (MeshGRPOTrainer: rollouts and TRL's policy loss)
     mesh_data = getattr(trainer, "_mesh_data", None) or (lambda t, r: _mesh_data(trainer, t, r))
     batches, anchor_batches, seq_len = mesh_data(topology, rank)
+    console = TrainerConsole(trainer, topology, rank)
     settings = _run_settings(args, topology, seq_len, lighthouse, checkpoint_every, resume_from)
-    settings.loss = getattr(trainer, "_mesh_loss", None)
+    settings.loss, settings.log, settings.callbacks = getattr(trainer, "_mesh_loss", None), console.log, (console,)
     if args.gradient_checkpointing:  # as Trainer.train() does; the stages call the checkpointed layers
         model.gradient_checkpointing_enable(
             gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs or {"use_reentrant": False}
         )
     model.train()  # as Trainer.train() does (from_pretrained leaves eval mode: no dropout, no checkpointing)
     torch.manual_seed(args.seed)
+    console.begin(0)
     result = run_worker(model, groups, settings, batches, anchor_batches)
     try:
-        return _finish(trainer, result, groups, settings, seq_len)
+        output = _finish(trainer, result, groups, settings, seq_len)
+        console.end(getattr(trainer, "mesh_summary", None), os.path.join(args.output_dir, SUMMARY_NAME))
+        return output
     finally:
         if server is not None:
             server.shutdown()
@@ -290,9 +296,6 @@ def _run_settings(args, topology: MeshTopology, seq_len: int, lighthouse: str, c
             scheduler_specific_kwargs=args.lr_scheduler_kwargs,
         )
 
-    def log(entry: dict) -> None:
-        print(json.dumps({"mesh": f"{topology.replicas}x{topology.stages}", **entry}), flush=True)
-
     return RunSettings(
         config=args.mesh_config,
         microbatch_size=args.per_device_train_batch_size,
@@ -307,7 +310,6 @@ def _run_settings(args, topology: MeshTopology, seq_len: int, lighthouse: str, c
         scheduler=scheduler,
         anchor_microbatches=args.anchor_microbatches or args.gradient_accumulation_steps,
         lighthouse=lighthouse,
-        log=log,
         log_every=max(1, int(args.logging_steps)),
         link_timeout_s=args.ddp_timeout,
         checkpoint_dir=args.output_dir,
@@ -336,7 +338,6 @@ def _finish(trainer, result: MeshResult, groups: MeshGroups, settings: RunSettin
         with open(f"{path}.tmp", "w") as handle:  # write then rename: never a half-written summary
             json.dump(summary, handle, indent=2)
         os.replace(f"{path}.tmp", path)
-        print(json.dumps({"mesh_summary": summary}, indent=2), flush=True)
     trainer.state.global_step = trainer.state.max_steps = args.max_steps
     trainer.state.log_history.extend(log_history(results, summary))
     trainer.mesh_summary = summary
