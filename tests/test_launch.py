@@ -253,7 +253,11 @@ def test_module_form_and_given_lighthouse_are_passed_through(tmp_path: Path, cap
     """,
     )
     code = launch_mesh(
-        (1, 2), ["-m", "mesh_probe", "x"], cpu=False, lighthouse="127.0.0.1:1", env={"PYTHONPATH": str(tmp_path)},
+        (1, 2),
+        ["-m", "mesh_probe", "x"],
+        cpu=False,
+        lighthouse="127.0.0.1:1",
+        env={"PYTHONPATH": str(tmp_path)},
         all_ranks=True,
     )
     assert code == 0
