@@ -33,6 +33,7 @@ def mesh_card_section(config: MeshConfig, hidden_size: int | None, trainer: str,
         size = f" ({codec.payload_bytes(hidden_size, 2)} bytes per token on a bf16 wire)" if hidden_size else ""
         boundary = f"every stage boundary carried the `{codec.text}` codec's message{size}"
     else:
+        assert config.mask_ratio is not None  # MeshConfig's preset resolves it
         kept = (
             f"K = {keep_count(hidden_size, config.mask_ratio)} of H = {hidden_size}"
             if hidden_size

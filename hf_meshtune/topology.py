@@ -57,6 +57,7 @@ def parse_mesh(text: str, field: str = "mesh") -> tuple[int, int]:
     """ "XxY" → (X, Y): X replicas (the anchor's included) of Y pipeline stages each."""
     match = _MESH_RE.match(str(text))
     require(match is not None, field, text, "look like XxY, e.g. 3x2 (X replicas, Y stages)")
+    assert match is not None
     replicas, stages = int(match.group(1)), int(match.group(2))
     require(replicas >= 1 and stages >= 1, field, text, "have X >= 1 replicas and Y >= 1 stages")
     return replicas, stages
@@ -263,9 +264,12 @@ class MeshTopology:
         if self.anchor and self.job_replica is not None:
             from .comm.pairlink import PairLinks
 
-            across = (
-                [self.rank(r, stage) for r in self.fast_replicas] if self.is_anchor(rank) else [self.anchor_rank(stage)]
-            )
+            if self.is_anchor(rank):
+                across = [self.rank(r, stage) for r in self.fast_replicas]
+            else:
+                anchor_rank = self.anchor_rank(stage)
+                assert anchor_rank is not None  # a mesh with an anchor
+                across = [anchor_rank]
             local = (pp[replica], {self.rank(replica, s): s for s in range(self.stages)})
             link = PairLinks.from_environment(rank, across, local=local, timeout_s=timeout_s or 1800.0)
         elif self.anchor:

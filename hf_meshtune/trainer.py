@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -22,6 +23,7 @@ from transformers.trainer_utils import rotate_checkpoints
 from ._validation import require
 from .anchor.batches import AnchorBatches
 from .anchor.circuit import AnchorCircuit
+from .boundary.compose.handle import ComposedHandle
 from .boundary.hooks import BoundaryHandle
 from .config import SPECTRAL_ADAMW, MeshArguments, MeshConfig
 from .engine import MeshEngine
@@ -31,7 +33,7 @@ from .optim.spectral import SpectralAdamW, spectral_options
 from .pipeline.placement import stage_of
 from .runtime.checkpoint import atomic_torch_save, load_torch_file
 from .runtime.evaluation import evaluate_on_mesh
-from .runtime.job import is_distributed_job, train_on_mesh, validate_mesh_job
+from .runtime.job import MeshRun, is_distributed_job, train_on_mesh, validate_mesh_job
 from .runtime.saving import save_stage_shards
 from .topology import in_replica_zero_job
 
@@ -75,14 +77,34 @@ def logs_after_step(args, state, step: int) -> bool:
     return (step == 1 and bool(args.logging_first_step)) or (bool(every) and step % every == 0)
 
 
-class MeshTrainerMixin:
+class _AsLossRank:
+    """A trainer seen by ``Trainer.log_metrics`` as world process zero exactly on the mesh's loss rank."""
+
+    def __init__(self, trainer) -> None:
+        self._trainer = trainer
+
+    def is_world_process_zero(self) -> bool:
+        return bool(self._trainer.state.is_world_process_zero)
+
+    def __getattr__(self, name: str):
+        return getattr(self._trainer, name)
+
+
+if TYPE_CHECKING:  # the mixin's methods run on a Trainer: let the type checker see its attributes
+    _TrainerBase = Trainer
+else:
+    _TrainerBase = object
+
+
+class MeshTrainerMixin(_TrainerBase):
     """Mesh behaviour for any ``transformers.Trainer`` subclass whose args are ``MeshArguments``: a
     ``MeshEngine`` driven by ``MeshCallback``, the optimizer name, logs, checkpoints and the mesh run."""
 
     mesh_engine: MeshEngine
+    mesh_run: MeshRun  # set by a mesh run (runtime.job.train_on_mesh); absent before one
 
     @property
-    def mesh_boundaries(self) -> BoundaryHandle:
+    def mesh_boundaries(self) -> BoundaryHandle | ComposedHandle:
         return self.mesh_engine.boundaries
 
     @property
@@ -118,13 +140,14 @@ class MeshTrainerMixin:
             type(self.args).__name__,
             "be a MeshTrainingArguments (or another MeshArguments config) for a Mesh trainer",
         )
+        assert isinstance(self.args, MeshArguments) and self.model is not None  # the Trainer built the model
         _check_peft_for_spectral(self.model, self.args)
         self.mesh_engine = MeshEngine(self.model, self.args)
         self.add_callback(MeshCallback(self))
 
     @property
     def mesh_config(self) -> MeshConfig:
-        return self.args.mesh_config
+        return cast(MeshArguments, self.args).mesh_config  # required by _setup_mesh
 
     @property
     def spectral_optimizer(self) -> SpectralAdamW | None:
@@ -151,6 +174,7 @@ class MeshTrainerMixin:
         return optimizer
 
     def _build_anchor(self) -> AnchorCircuit:
+        assert self.model is not None  # the Trainer built it
         params = {name: p for name, p in self.model.named_parameters() if p.requires_grad and p.ndim == 2}
         if not self.mesh_config.anchor:  # the governor's circuit: it feeds no optimizer
             return self.mesh_engine.build_anchor(params, self._anchor_batches(), self._anchor_loss)
@@ -191,7 +215,7 @@ class MeshTrainerMixin:
         self.mesh_engine.set_up_masks(lambda: self._anchor_batches(microbatches=1)(0)[0])
 
     def _anchor_loss(self, model: nn.Module, batch) -> torch.Tensor:
-        return self.compute_loss(model, batch)
+        return cast(torch.Tensor, self.compute_loss(model, batch))  # a tuple only with return_outputs=True
 
     # --- training -----------------------------------------------------------------------------
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
@@ -199,6 +223,13 @@ class MeshTrainerMixin:
         if not is_distributed_job():
             return super().train(resume_from_checkpoint, *args, **kwargs)
         return train_on_mesh(self, resume_from_checkpoint)
+
+    def log_metrics(self, split, metrics):
+        """The Trainer's metrics table; after a mesh run printed by the rank with the loss, the one whose
+        lines ``meshtune launch`` shows (``runtime.console``), instead of process 0."""
+        if getattr(self, "mesh_run", None) is None:
+            return super().log_metrics(split, metrics)
+        return Trainer.log_metrics(_AsLossRank(self), split, metrics)
 
     def _move_model_to_device(self, model, device):
         """A model that holds one mesh stage (``pipeline.placement``) moves only the tensors it holds."""
@@ -247,13 +278,16 @@ class MeshTrainerMixin:
             if self.mesh_run.left_out:
                 return
             output_dir = output_dir or self.args.output_dir
+            assert output_dir is not None  # TrainingArguments fills in its default
             save_stage_shards(self, self.mesh_run.groups, output_dir, self.mesh_run.survivors)
             if self.args.should_save:
                 self.write_model_card(output_dir)
             return
         super().save_model(output_dir, _internal_call)
         if self.args.should_save:
-            self.write_model_card(output_dir or self.args.output_dir)
+            card_dir = output_dir or self.args.output_dir
+            assert card_dir is not None  # TrainingArguments fills in its default
+            self.write_model_card(card_dir)
 
     def write_model_card(self, output_dir: str) -> str:
         """Add the "Trained with hf_meshtune" section to ``output_dir/README.md``."""
@@ -282,7 +316,7 @@ class MeshTrainerMixin:
         staging = os.path.join(run_dir, CHECKPOINT_STAGING)
         if self.args.should_save:
             shutil.rmtree(staging, ignore_errors=True)  # what a killed save left behind
-        self._mesh_staging_dir = staging
+        self._mesh_staging_dir: str | None = staging
         try:
             super()._save_checkpoint(model, trial)
         finally:

@@ -33,7 +33,9 @@ GSPO (Zheng et al., 2025) is GRPO with sequence-level importance ratios:
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from transformers import GenerationConfig
@@ -47,6 +49,11 @@ from .rl.loss import PolicyLoss, PolicyLossSettings
 from .rl.rollouts import REFERENCE_ADAPTER, AdvantageSettings, MeshRollouts
 from .runtime.job import is_distributed_job
 from .trainer import MeshTrainerMixin
+
+if TYPE_CHECKING:  # the mixin's _anchor_loss wraps MeshTrainerMixin's: let the type checker see it
+    _AnchorLossBase = MeshTrainerMixin
+else:
+    _AnchorLossBase = object
 
 __all__ = ["MeshGRPOConfig", "MeshGRPOTrainer", "MeshGSPOConfig", "MeshSFTConfig", "MeshSFTTrainer"]
 
@@ -112,6 +119,7 @@ class MeshGRPOConfig(MeshArguments, GRPOConfig):
             "rollout exists)",
         )
         codec = composed_codec(self)
+        assert self.mask_ratio is not None and self.steps_per_generation is not None  # resolved by __post_init__
         if self.mask_ratio > 0 or codec is not None:
             every = self.steps_per_generation * self.num_iterations
             require(
@@ -155,6 +163,7 @@ class MeshGRPOConfig(MeshArguments, GRPOConfig):
             rows["per_device_train_batch_size · anchor_microbatches"] = (
                 self.anchor_microbatches or self.gradient_accumulation_steps
             )
+        assert self.num_generations is not None  # TRL's default is 8
         for what, microbatches in rows.items():
             count = self.per_device_train_batch_size * microbatches
             require(
@@ -229,7 +238,7 @@ def _check_mesh_rewards(reward_funcs, kwargs: dict) -> None:
         )
 
 
-class _QuietAnchorLossMixin:
+class _QuietAnchorLossMixin(_AnchorLossBase):
     """TRL's ``compute_loss`` books training metrics (token accuracy, entropy, clip ratios, token
     counts); the anchor's extra dense passes must not show up in them."""
 
@@ -260,6 +269,8 @@ class MeshSFTTrainer(_QuietAnchorLossMixin, MeshTrainerMixin, SFTTrainer):
         >>> trainer.train()                                                           # doctest: +SKIP
     """
 
+    args: MeshSFTConfig  # what _mesh_args makes of the args given
+
     def __init__(self, model, args: MeshSFTConfig | None = None, *positional, **kwargs) -> None:
         args = _mesh_args(type(self), MeshSFTConfig, args, model, "SFT")
         self._validate_mesh_job_early(model, args)
@@ -282,6 +293,8 @@ class MeshGRPOTrainer(_QuietAnchorLossMixin, MeshTrainerMixin, GRPOTrainer):
         ...                           train_dataset=prompts)                               # doctest: +SKIP
         >>> trainer.train()                                                                # doctest: +SKIP
     """
+
+    args: MeshGRPOConfig  # what _mesh_args makes of the args given
 
     def __init__(self, model, reward_funcs=None, args: MeshGRPOConfig | None = None, *positional, **kwargs) -> None:
         args = _mesh_args(type(self), MeshGRPOConfig, args, model, "GRPO")
@@ -308,10 +321,12 @@ class MeshGRPOTrainer(_QuietAnchorLossMixin, MeshTrainerMixin, GRPOTrainer):
     def _mesh_sequence_length(self) -> int:
         """T on the mesh: the longest tokenized training prompt plus ``max_completion_length``."""
         if getattr(self, "_mesh_seq_len", None) is None:
-            dataset, longest = self.train_dataset, 0
+            dataset: Any = self.train_dataset  # a datasets.Dataset of prompts (untyped), as GRPOTrainer requires
+            longest = 0
             for start in range(0, len(dataset), 256):
                 prompts = dataset[start : start + 256]["prompt"]
                 longest = max(longest, max(len(ids) for ids in self._tokenize_prompts(prompts)[0]))
+            assert self.args.max_completion_length is not None  # TRL's default is 256
             self._mesh_seq_len = longest + self.args.max_completion_length
         return self._mesh_seq_len
 
@@ -327,6 +342,7 @@ class MeshGRPOTrainer(_QuietAnchorLossMixin, MeshTrainerMixin, GRPOTrainer):
         fast = topology.fast_replicas
         replica, _ = topology.coords(rank)
         g = args.num_generations
+        assert g is not None  # TRL's default is 8
         rows = args.per_device_train_batch_size * args.gradient_accumulation_steps
         anchor_rows = args.per_device_train_batch_size * (args.anchor_microbatches or args.gradient_accumulation_steps)
         fast_prompts = AnchorBatches(self.train_dataset, list, rows // g, 1, seed, tag=b"meshtune-data")
@@ -348,7 +364,7 @@ class MeshGRPOTrainer(_QuietAnchorLossMixin, MeshTrainerMixin, GRPOTrainer):
                 prompts=draw,
                 tokenize=lambda prompts: self._tokenize_prompts(prompts)[0],
                 decode=self._decode_completions,
-                reward_funcs=self.reward_funcs,
+                reward_funcs=cast("list[Callable]", self.reward_funcs),  # functions only here (_check_mesh_rewards)
                 reward_names=self.reward_func_names,
                 advantages=advantages,
                 rollout=self._rollout_settings(),
@@ -373,8 +389,10 @@ class MeshGRPOTrainer(_QuietAnchorLossMixin, MeshTrainerMixin, GRPOTrainer):
         prompts are conversations."""
         from trl.data_utils import is_conversational
 
-        texts = self.processing_class.batch_decode(completion_ids, skip_special_tokens=True)
-        if is_conversational({"prompt": self.train_dataset[0]["prompt"]}):
+        processing: Any = self.processing_class  # a tokenizer or a processor: either decodes
+        dataset: Any = self.train_dataset  # a datasets.Dataset of prompts (untyped), as GRPOTrainer requires
+        texts = processing.batch_decode(completion_ids, skip_special_tokens=True)
+        if is_conversational({"prompt": dataset[0]["prompt"]}):
             return [[{"role": "assistant", "content": text}] for text in texts]
         return texts
 
@@ -388,11 +406,13 @@ class MeshGRPOTrainer(_QuietAnchorLossMixin, MeshTrainerMixin, GRPOTrainer):
         tokenized and padded (input_ids, attention_mask) on the model's device."""
         from trl.data_utils import maybe_apply_chat_template
 
-        dataset = self.train_dataset
+        dataset: Any = self.train_dataset  # a datasets.Dataset of prompts (untyped), as GRPOTrainer requires
+        processing: Any = self.processing_class  # a tokenizer, or a processor holding one
         rows = [dataset[i] for i in range(min(CALIBRATION_PROMPTS, len(dataset)))]
-        texts = [maybe_apply_chat_template(row, self.processing_class)["prompt"] for row in rows]
-        tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
+        texts = [maybe_apply_chat_template(row, processing)["prompt"] for row in rows]
+        tokenizer = getattr(processing, "tokenizer", processing)
         encoded = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        assert self.model is not None  # the Trainer built it
         device = next(self.model.parameters()).device
         return {"input_ids": encoded["input_ids"].to(device), "attention_mask": encoded["attention_mask"].to(device)}
 
@@ -407,6 +427,7 @@ class MeshGRPOTrainer(_QuietAnchorLossMixin, MeshTrainerMixin, GRPOTrainer):
                 None,
                 "exist before the first optimizer step (the anchor reads the generation batch being trained on)",
             )
+            assert self._buffered_inputs is not None
             return list(self._buffered_inputs)
 
         return rollouts

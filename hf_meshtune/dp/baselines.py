@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -77,7 +78,7 @@ class _BookingDist:
 
 @contextlib.contextmanager
 def _booked(wire: Wire, participants: int) -> Iterator[None]:
-    proxy = _BookingDist(wire, participants)
+    proxy: Any = _BookingDist(wire, participants)  # stands in for the torch.distributed module
     saved = powerSGD_hook.dist, default_hooks.dist
     powerSGD_hook.dist = default_hooks.dist = proxy
     try:
@@ -141,18 +142,21 @@ class GradientSync:
 
     def sync(self) -> None:
         """Replace every gradient by its average over the group (a missing gradient counts as zero)."""
+        grads = []
         for p in self.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        flat = torch.cat([p.grad.reshape(-1) for p in self.params])
+            grads.append(p.grad)
+        flat = torch.cat([grad.reshape(-1) for grad in grads])
         if self.mode == "allreduce":
             self.wire.all_reduce("dp", flat, self.participants, lambda t: dist.all_reduce(t, group=self.group))
             flat.div_(self.participants)
         else:
-            bucket = _Bucket(flat, self.params)
+            assert self.state is not None  # built with mode="powersgd_hook"
+            bucket = cast(dist.GradBucket, _Bucket(flat, self.params))  # a stand-in with what the hook reads
             with _booked(self.wire, self.participants):
                 flat = powerSGD_hook.powerSGD_hook(self.state, bucket).wait()
         offset = 0
-        for p in self.params:
-            p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
+        for p, grad in zip(self.params, grads):
+            grad.copy_(flat[offset : offset + p.numel()].view_as(p))
             offset += p.numel()

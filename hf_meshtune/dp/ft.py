@@ -14,6 +14,7 @@ import os
 import threading
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
@@ -33,6 +34,9 @@ from ..comm.listen import (
 )
 from .diloco import AdvertisedHTTPTransport
 from .powersgd import is_int
+
+if TYPE_CHECKING:
+    from torch.distributed.distributed_c10d import GroupName
 
 __all__ = [
     "HOST_ENV",
@@ -102,7 +106,7 @@ class AbortingProcessGroupGloo(ProcessGroupGloo):
         if device is None:
             return super()._create_pg(store, rank, world_size)
         # torchft's own _create_pg with one change: the gloo backend's device (its options) instead of the default
-        options = dist.ProcessGroupGloo._Options()
+        options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # torch's stub lacks _Options
         options._devices = [device]
         options._threads = 2  # what torch's default constructor gives one device
         options._timeout = self._timeout
@@ -111,8 +115,8 @@ class AbortingProcessGroupGloo(ProcessGroupGloo):
         if self._global_ranks:
             backend.options.global_ranks_in_group = self._global_ranks
         if self._group_rank and self._group_world_size:
-            backend.options.group_name = (
-                f"torchft_quorum_{self._quorum_id}_rank_{self._group_rank % self._group_world_size}"
+            backend.options.group_name = cast(
+                "GroupName", f"torchft_quorum_{self._quorum_id}_rank_{self._group_rank % self._group_world_size}"
             )
         pg = dist.ProcessGroup(store, rank, world_size)
         pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)

@@ -139,6 +139,7 @@ class Int8Sum:
     def codes(self, scales: torch.Tensor, participants: int) -> torch.Tensor:
         """The int8 codes of M under the shared block maxima ``scales`` (all-reduce them with SUM)."""
         top = levels(participants)
+        assert self._m is not None  # start() came first
         blocks = self._m.view(-1, self.block)
         s = scales.float().unsqueeze(1)
         safe = torch.where(s > 0, s, torch.ones_like(s))  # an all-zero block codes as zeros
@@ -157,6 +158,7 @@ class Int8Sum:
         for key, shape in zip(self._keys, self._shapes):
             size = shape.numel()
             if key not in self._without:
+                assert error is not None  # codes() came first
                 self.error[key] = error[start : start + size].view(shape).clone()
             start += size
         self.discard()

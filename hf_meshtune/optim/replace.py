@@ -76,11 +76,13 @@ def track_step_calls(optimizer: torch.optim.Optimizer) -> None:
         return
     owner, step = weakref.ref(optimizer), type(optimizer).step
 
+    # the marks are torch's private attributes (LRScheduler's own wrapper sets them), not in its stubs: setattr
     @functools.wraps(step)
     def tracked_step(*args, **kwargs):
         opt = owner()
-        opt._opt_called = True
+        assert opt is not None  # alive: this is its bound step
+        setattr(opt, "_opt_called", True)
         return step(opt, *args, **kwargs)
 
-    tracked_step._wrapped_by_lr_sched = True
-    optimizer.step = tracked_step
+    setattr(tracked_step, "_wrapped_by_lr_sched", True)
+    setattr(optimizer, "step", tracked_step)

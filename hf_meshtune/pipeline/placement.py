@@ -43,12 +43,12 @@ __all__ = [
 _STAGE_ATTR = "_meshtune_stage"
 
 
-def stage_of(model: nn.Module) -> tuple[int, int] | None:
-    """(stage, Y) when ``model`` holds only that stage's tensors (the rest on meta), else None."""
+def stage_of(model: nn.Module | None) -> tuple[int, int] | None:
+    """(stage, Y) when ``model`` holds only that stage's tensors (the rest on meta), else None (no model too)."""
     return getattr(_unwrapped(model), _STAGE_ATTR, None)
 
 
-def _unwrapped(model: nn.Module) -> nn.Module:
+def _unwrapped(model: nn.Module | None) -> nn.Module | None:
     get_base = getattr(model, "get_base_model", None)  # PEFT
     return get_base() if callable(get_base) else model
 

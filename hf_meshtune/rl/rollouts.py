@@ -44,7 +44,7 @@ from trl.trainer.utils import nanstd, pad, use_adapter
 
 from .._validation import require
 from ..boundary.masking import stable_seed
-from ..comm.wire import ROLLOUT
+from ..comm.wire import ROLLOUT, Wire
 from ..pipeline.generate import RolloutSettings, pipelined_generate
 from ..pipeline.placement import release_unowned
 from ..pipeline.stage import StageModule
@@ -197,7 +197,9 @@ class MeshRollouts:
         self._reference_context: Callable = contextlib.nullcontext
         self.metrics: dict[str, list[float]] = defaultdict(list)
         self._cached: tuple[int, tuple[torch.Tensor, torch.Tensor]] | None = None
-        self.module = self.wire = self.group = None
+        self.module: StageModule | None = None
+        self.wire: Wire | None = None
+        self.group = None  # the replica's pipeline process group (None: the default group)
         self.stage_ranks: list[int] = []
         self.replica = 0
 
@@ -212,6 +214,7 @@ class MeshRollouts:
             self.reference_module = worker.module
             self._reference_context = lambda: use_adapter(model, adapter_name=adapter)
         elif self.reference is not None:  # TRL's reference model: this stage's layers of it, the rest given back
+            assert isinstance(self.reference, torch.nn.Module)  # the one string is REFERENCE_ADAPTER
             stage, stages = worker.stage, topology.stages
             self.reference_module = StageModule(self.reference, stage, stages, None, None)
             release_unowned(self.reference, self.reference_module, stage, stages)
@@ -230,6 +233,7 @@ class MeshRollouts:
     # --- one step ---------------------------------------------------------------------------------
     def _make(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         require(self.module is not None, "MeshRollouts", None, "be bound to a stage (bind(worker)) before use")
+        assert self.module is not None
         # the metrics are this step's alone: a resumed run's codec calibration made step 0's, never trained on
         self.metrics.clear()
         rows = self._rows(step)
@@ -260,6 +264,7 @@ class MeshRollouts:
     def _score_reference(self, ids: torch.Tensor, target: torch.Tensor) -> None:
         """π_ref's per-token log-probabilities into ``target`` (last stage): a dense forward of ``ids``
         through the replica's stages with the reference weights, ``score_rows`` rows at a time."""
+        assert self.reference_module is not None and self.module is not None and self.wire is not None  # bound
         module, stage = self.reference_module, self.module.stage
         first, last = stage == 0, stage == self.module.num_stages - 1
         param = next(module.parameters())
@@ -285,6 +290,7 @@ class MeshRollouts:
 
     def _generate(self, step: int, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:
         """The step's completions [B, n] on every stage, sampled by the last from a per-(replica, step) seed."""
+        assert self.module is not None and self.wire is not None  # bound
         generator = None
         if self.rollout.do_sample:
             generator = torch.Generator(device=next(self.module.parameters()).device)
