@@ -5,7 +5,8 @@
   dicts) and the end-of-run summary table it prints.
 - **One progress bar** over the optimizer steps, fed by those step lines: step/total, ETA (tqdm's, from
   the steps' rate), loss, the fast circuit's tokens/s and the loss rank's bytes on the wire per token.
-- **Every other rank is quiet** unless a line of its output warns or fails (``LOUD``); when a rank exits
+- **Every other rank is quiet** unless a line of its output warns or fails (``LOUD``), and then each
+  distinct line once (six ranks' identical deprecation warning is one warning); when a rank exits
   non-zero, the last lines it wrote that were not shown follow, so a crash is never silent. Every line of
   every rank still goes to ``<log dir>/rank<N>.log`` (``--all-ranks`` shows everything, as before).
 """
@@ -34,6 +35,9 @@ LOUD = re.compile(r"warn|error|exception|traceback|fatal|critical|abort", re.IGN
 
 TAIL_LINES = 40
 """Lines of a failed quiet rank's unshown output printed after its failure."""
+
+MAX_REMEMBERED = 10_000
+"""Distinct loud lines remembered to show each only once, whichever quiet rank says it again."""
 
 
 def _si(value: float) -> str:
@@ -93,15 +97,20 @@ class Console:
     def __init__(self, loss_tag: str, progress: StepProgress | None = None, all_ranks: bool = False) -> None:
         self.loss_tag, self.progress, self.all_ranks = loss_tag, progress, all_ranks
         self._unshown: dict[str, collections.deque[tuple[str, bool]]] = {}
+        self._said: set[str] = set()  # loud lines of quiet ranks already shown
         self._lock = threading.Lock()
 
     def shows(self, tag: str, text: str, is_err: bool) -> bool:
         """Whether this line of rank ``tag`` goes to the terminal; lines that do not are kept for its tail."""
         if self.progress is not None:
             self.progress.feed(tag, text)
-        if self.all_ranks or tag == self.loss_tag or LOUD.search(text):
+        if self.all_ranks or tag == self.loss_tag:
             return True
         with self._lock:
+            if LOUD.search(text) and text not in self._said:  # the same warning from six ranks: said once
+                if len(self._said) < MAX_REMEMBERED:
+                    self._said.add(text)
+                return True
             self._unshown.setdefault(tag, collections.deque(maxlen=TAIL_LINES)).append((text, is_err))
         return False
 

@@ -473,12 +473,14 @@ def test_the_console_shows_the_loss_rank_warnings_and_keeps_a_failed_ranks_tail(
     assert console.shows("r0s1", "Loading weights", False)  # the loss rank: everything
     assert not console.shows("r1s0", "Map: 100%|####| 64/64", True)  # another rank's progress bar: quiet
     assert console.shows("r1s0", "UserWarning: something is off", True)  # ... unless it warns
+    assert not console.shows("r2s1", "UserWarning: something is off", True)  # the same warning: said once
     assert console.shows("r2s0", "Traceback (most recent call last):", True)  # or fails
     assert console.shows("r0s0", '  File "x.py", line 3', True) is False
     step = '{"mesh": "3x2", "step": 4, "loss": 2.5, "mesh_tokens_per_s": 1234.5, "comm/rank_bytes_per_token": 56789}'
     assert console.shows("r0s1", step, False) and progress.bar.n == 4
     assert progress.bar.postfix == "loss=2.5, tok/s=1.23k, wire B/tok=56.8k"
     assert console.tail("r1s0") == ["Map: 100%|####| 64/64"] and console.tail("r1s0") == []  # emptied
+    assert console.tail("r2s1") == ["UserWarning: something is off"]  # kept for its tail, though not shown
     for i in range(TAIL_LINES + 5):
         console.shows("r1s1", f"line {i}", False)
     assert console.tail("r1s1") == [f"line {i}" for i in range(5, TAIL_LINES + 5)]  # the last TAIL_LINES

@@ -66,10 +66,11 @@ def _launch(mesh: str, output_dir: str, *extra: str, launcher: tuple[str, ...] =
 @pytest.mark.slow
 def test_meshtrainer_script_runs_unchanged_on_a_launched_3x2_mesh(tmp_path):
     out = tmp_path / "run"
-    proc = _launch("3x2", str(out))
+    proc = _launch("3x2", str(out), "--record_callbacks")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((out / "mesh_summary.json").read_text())
     assert summary["mesh"] == "3x2" and summary["fast_replicas"] == 2 and summary["steps"] == 12
+    _assert_callbacks_saw_the_run(out, proc.stdout)
     # boundaries: measured sends of exactly the analytic K values per token each way; the one clipping
     # scalar per step backward is an all-reduce, so it is booked (ring factor) and not measured
     measured, booked = summary["measured_bytes_per_token"], summary["booked_bytes_per_token"]
@@ -100,6 +101,30 @@ def test_meshtrainer_script_runs_unchanged_on_a_launched_3x2_mesh(tmp_path):
     initial = tiny_llama(seed=0, layers=4, hidden=64)
     for name in ("model.embed_tokens.weight", "model.layers.3.mlp.down_proj.weight", "lm_head.weight"):
         assert not torch.equal(saved.state_dict()[name], initial.state_dict()[name]), name
+
+
+def _assert_callbacks_saw_the_run(out, stdout: str) -> None:
+    """The user's TrainerCallback (a stand-in for a report_to tracker) sees the run as in Trainer.train():
+    begin and end on every rank, a step end per fast step on the fast ranks, and on the loss rank (replica 0's
+    last stage, the one world-process-zero there) one on_log per logging step with the printed step line."""
+    events = {
+        r: [json.loads(line) for line in (out / f"callbacks_rank{r}.jsonl").read_text().splitlines()] for r in range(6)
+    }
+    printed = [json.loads(line.split("] ", 1)[1]) for line in stdout.splitlines() if line.startswith("[r0s1] {")]
+    for rank, seen in events.items():
+        kinds = [e["event"] for e in seen if e["event"] != "log" or e["logs"].get("eval_loss") is None]
+        fast = rank < 4  # replica 2 is the anchor
+        assert kinds[0] == "train_begin" and "train_end" in kinds, (rank, kinds)
+        assert kinds.count("step_end") == (12 if fast else 0), (rank, kinds)
+        train_logs = [e for e in seen if e["event"] == "log" and "loss" in e["logs"]]
+        assert all(e["zero"] == (rank == 1) for e in seen), rank
+        if rank != 1:
+            assert train_logs == [], rank
+            continue
+        assert [e["step"] for e in train_logs] == [p["step"] for p in printed] == list(range(1, 13))
+        assert [e["logs"]["loss"] for e in train_logs] == [p["loss"] for p in printed]
+        assert all(e["logs"]["learning_rate"] == p["lr"] for e, p in zip(train_logs, printed))
+        assert all(e["logs"]["mesh_tokens_per_s"] > 0 for e in train_logs)
 
 
 @pytest.mark.slow

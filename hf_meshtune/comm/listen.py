@@ -10,8 +10,7 @@ interface ``GLOO_SOCKET_IFNAME`` names, which ``gloo_interface`` finds for ``$ME
 DiLoCo sync's pairs on ``$MESHTUNE_DP_HOST`` where it is set (``dp_gloo_device``).
 
 What this does not do: authenticate peers. That is ``comm.gate``'s part (a shared secret, checked at
-the launcher's gate, and a filter on every listening socket of the process; README, "Over the
-internet: what is protected and what is not").
+the launcher's gate, and a filter on every listening socket of the process; docs/guides/security.md).
 """
 
 from __future__ import annotations

@@ -42,9 +42,9 @@ class MeshArguments:
         metadata={
             "help": "Defaults for the boundary and the anchor when mask_ratio, boundary_codec and anchor are unset: "
             f"'quality' (default) = boundary_codec {QUALITY_CODEC!r} and no anchor (the cheapest codec measured "
-            "to keep every metric within 1 % of Dense), 'paper' = mask_ratio 0.95, zero fill and the anchor prior "
-            "(the literal method, which loses most of the fine-tune's gain: README, 'Which compression keeps "
-            "quality')."
+            "to keep every metric within 1 percent of Dense), 'paper' = mask_ratio 0.95, zero fill and the anchor "
+            "prior (the literal method, which loses most of the fine-tune's gain: docs/guides/concepts.md, 'Presets: "
+            "which compression keeps quality')."
         },
     )
     # --- pipeline boundaries (PP compression) ---
@@ -142,7 +142,7 @@ class MeshArguments:
         metadata={
             "help": "boundary_codec='governed': the gradient cosine (codec vs dense, measured on the anchor's batch "
             "every round) a boundary's level must keep; the governor picks the cheapest level that does. The default "
-            "separates the codecs that kept SmolLM2 within 1 % of Dense from those that did not "
+            "separates the codecs that kept SmolLM2 within 1 percent of Dense from those that did not "
             "(benchmarks/quality/fidelity)."
         },
     )

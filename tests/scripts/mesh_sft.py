@@ -2,6 +2,8 @@
 
     python tests/scripts/mesh_sft.py --output_dir OUT [--lora] [--checkpoint DIR] [--eval] [MeshTrainingArguments flags]
 
+``--record_callbacks`` adds a ``TrainerCallback`` that writes every event it gets, and every ``on_log``
+entry, to ``OUTPUT_DIR/callbacks_rank<r>.jsonl`` (what a ``report_to`` tracker would see, per rank);
 ``--lora`` trains a LoRA adapter (r = 4 on every linear layer) instead of the whole model;
 ``--checkpoint DIR`` loads the model from a saved folder with ``hf_meshtune.load_causal_lm`` (on the
 mesh: this process's stage only) instead of building the tiny Llama whole; ``--eval`` evaluates on 8
@@ -15,7 +17,7 @@ import os
 import sys
 
 import torch
-from transformers import HfArgumentParser
+from transformers import HfArgumentParser, TrainerCallback
 
 from hf_meshtune import MeshTrainer, MeshTrainingArguments, load_causal_lm
 from tests.tiny import pattern_dataset, tiny_llama
@@ -30,9 +32,35 @@ def _take(argv: list[str], flag: str, value: bool = False):
     return found
 
 
+class _Recorder(TrainerCallback):
+    """Every callback event this process gets, as JSON lines (a stand-in for a ``report_to`` tracker)."""
+
+    def __init__(self, output_dir: str) -> None:
+        rank = os.environ.get("RANK", "0")
+        os.makedirs(output_dir, exist_ok=True)
+        self.path = os.path.join(output_dir, f"callbacks_rank{rank}.jsonl")
+
+    def _write(self, event: str, state, **extra) -> None:
+        with open(self.path, "a") as handle:
+            entry = {"event": event, "step": state.global_step, "zero": state.is_world_process_zero, **extra}
+            handle.write(json.dumps(entry) + "\n")
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._write("train_begin", state)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self._write("step_end", state)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self._write("log", state, logs=logs)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self._write("train_end", state)
+
+
 def main(argv: list[str]) -> None:
     argv = list(argv)
-    lora, evaluate = _take(argv, "--lora"), _take(argv, "--eval")
+    lora, evaluate, record = _take(argv, "--lora"), _take(argv, "--eval"), _take(argv, "--record_callbacks")
     checkpoint = _take(argv, "--checkpoint", value=True)
     (args,) = HfArgumentParser(MeshTrainingArguments).parse_args_into_dataclasses(argv)
     model = load_causal_lm(checkpoint) if checkpoint else tiny_llama(seed=0, layers=4, hidden=64)
@@ -48,6 +76,7 @@ def main(argv: list[str]) -> None:
         train_dataset=pattern_dataset(64, 16),
         eval_dataset=held_out,
         peft_config=peft_config,
+        callbacks=[_Recorder(args.output_dir)] if record else None,
     )
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)  # as the transformers examples do
     trainer.save_model()
