@@ -41,6 +41,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from ._validation import require
 from .anchor.batches import AnchorBatches
 from .anchor.circuit import AnchorCircuit
+from .boundary.compose.handle import ComposedHandle
 from .boundary.hooks import BoundaryHandle, find_decoder_layers
 from .config import MeshArguments, composed_codec
 from .engine import MeshEngine
@@ -184,12 +185,18 @@ class MeshAccelerator(Accelerator):
         self._mesh_hooks: list = []
 
     @property
-    def mesh_boundaries(self) -> BoundaryHandle | None:
+    def mesh_boundaries(self) -> BoundaryHandle | ComposedHandle | None:
         return None if self.mesh_engine is None else self.mesh_engine.boundaries
 
     @property
     def mesh_anchor(self) -> AnchorCircuit | None:
         return None if self.mesh_engine is None else self.mesh_engine.anchor
+
+    @property
+    def _engine(self) -> MeshEngine:
+        """``mesh_engine`` where ``prepare`` has built it: the step hooks and the saved state use it only then."""
+        assert self.mesh_engine is not None
+        return self.mesh_engine
 
     # --- set-up -------------------------------------------------------------------------------
     def prepare(self, *args, device_placement=None):
@@ -295,6 +302,7 @@ class MeshAccelerator(Accelerator):
     def _anchor_batches(self, loader: DataLoader | None, microbatches: int) -> AnchorBatches:
         """The anchor's own batches: same dataset, collate_fn and batch size as the training loader
         (``_training_objects`` has made sure there is one whenever these are needed)."""
+        assert loader is not None
         dataset = loader.dataset
         require(
             not isinstance(dataset, IterableDataset) and hasattr(dataset, "__getitem__"),
@@ -310,6 +318,7 @@ class MeshAccelerator(Accelerator):
             batch_size,
             "be a positive int (the anchor draws batches of the same size)",
         )
+        assert isinstance(batch_size, int)
         return AnchorBatches(
             dataset,
             loader.collate_fn,
@@ -338,14 +347,14 @@ class MeshAccelerator(Accelerator):
             optimizer.register_step_pre_hook(self._before_optimizer_step),
             optimizer.register_step_post_hook(self._after_optimizer_step),
         ]
-        self.mesh_engine.begin_step(self.mesh_step)
+        self._engine.begin_step(self.mesh_step)
 
     def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-        self.mesh_engine.before_optimizer_step(self.mesh_step, optimizer)
+        self._engine.before_optimizer_step(self.mesh_step, optimizer)
 
     def _after_optimizer_step(self, optimizer: torch.optim.Optimizer, args, kwargs) -> None:
         self.mesh_step += 1
-        self.mesh_engine.begin_step(self.mesh_step)
+        self._engine.begin_step(self.mesh_step)
 
     # --- logs ---------------------------------------------------------------------------------
     def log(self, values: dict, step: int | None = None, log_kwargs: dict | None = None) -> None:
@@ -364,7 +373,7 @@ class MeshAccelerator(Accelerator):
 
     def mesh_ledger(self, tokens_per_step: int) -> Ledger:
         """The analytic ledger of this model and the plugin's mesh at ``tokens_per_step`` tokens per fast replica."""
-        return self.mesh_engine.ledger(tokens_per_step)
+        return self._engine.ledger(tokens_per_step)
 
 
 class _MeshState:
@@ -376,11 +385,11 @@ class _MeshState:
 
     def state_dict(self) -> dict:
         acc = self.accelerator
-        return {"step": acc.mesh_step, **acc.mesh_engine.state_dict()}
+        return {"step": acc.mesh_step, **acc._engine.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         acc = self.accelerator
-        acc.mesh_engine.load_state_dict(state, state["step"])
+        acc._engine.load_state_dict(state, state["step"])
         acc.mesh_step = state["step"]
 
 

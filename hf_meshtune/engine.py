@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import nn
 
+from ._hf_typing import hf_config
 from .anchor.batches import AnchorBatches
 from .anchor.circuit import AnchorCircuit
 from .anchor.governor import AnchorCadence, FidelityGovernor
@@ -85,8 +86,9 @@ class MeshEngine:
         ladder = None
         if is_governed(config):
             ladder = codec_ladder(config)
-            hidden = model.config.get_text_config().hidden_size
+            hidden = hf_config(model).get_text_config().hidden_size
             require_ladder_order(config, hidden)
+        assert config.num_stages is not None and config.mask_ratio is not None  # resolved by __post_init__
         self.boundaries: BoundaryHandle | ComposedHandle = (
             attach_composed(model, config.num_stages, codec, config.mask_seed, ladder=ladder)
             if codec is not None
@@ -102,7 +104,7 @@ class MeshEngine:
         self,
         params: Mapping[str, nn.Parameter],
         batches: AnchorBatches | Callable,
-        loss_fn: Callable[[nn.Module, dict], torch.Tensor],
+        loss_fn: Callable[[nn.Module, Mapping[str, torch.Tensor]], torch.Tensor],
     ) -> AnchorCircuit:
         """The anchor circuit on ``params`` (the matrices the spectral filter acts on), drawing its own
         ``batches``; governed, it also measures fidelity and picks the boundaries' levels (and runs for that
@@ -180,6 +182,7 @@ class MeshEngine:
         if self.anchor is not None and self.anchor.governor is not None:
             entries.update(self.anchor.fidelity)  # the newest round's measurement, once
             self.anchor.fidelity = {}
+            assert isinstance(self.boundaries, ComposedHandle) and self.boundaries.levels is not None  # governed
             for boundary, level in enumerate(self.boundaries.levels):
                 entries[f"governor/b{boundary}/level"] = float(level)
         if self.anchor is not None and self.anchor.cadence is not None:

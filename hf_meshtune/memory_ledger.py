@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ._hf_typing import hf_config
 from ._validation import require
 from .config import DP_QUANTIZERS
 from .memory import MEMORY_PARTS
@@ -115,8 +116,8 @@ def predict_memory(
     stages = settings.num_stages
     powersgd = PowerSGD(settings.powersgd_rank) if settings.powersgd_rank else None
     spec = composed_codec(settings)  # None for masks: they keep no state
-    hidden = model.config.get_text_config().hidden_size
-    rows = []
+    hidden = hf_config(model).get_text_config().hidden_size
+    rows: list[dict[str, int | str]] = []
     roles = ["fast", "anchor"] if settings.anchor else ["fast"]
     for stage in range(stages):
         module = StageModule(model, stage, stages, None, None)

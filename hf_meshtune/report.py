@@ -196,7 +196,8 @@ def run_row(run: RunFiles) -> dict[str, Any]:
     ``booked_bytes_per_token`` (all-reduces at a ring's 2(n-1)/n, a formula; None in older summaries).
     """
     history, mesh, demo = run.log_history, run.mesh or {}, run.demo or {}
-    demo_log = demo.get("last_log") if isinstance(demo.get("last_log"), dict) else {}
+    last_log = demo.get("last_log")
+    demo_log = last_log if isinstance(last_log, dict) else {}
     train = [entry for entry in history if "loss" in entry]
     evals = [entry for entry in history if "eval_loss" in entry]
     return {

@@ -297,10 +297,10 @@ class MeshGroups:
     rank: int
     replica: int
     stage: int
-    pp_group: object
-    link_group: object = None
-    fast_group: object = None
-    dp_peer_group: object = None
+    pp_group: dist.ProcessGroup
+    link_group: object = None  # a ProcessGroup, or comm.pairlink.PairLinks in replica jobs
+    fast_group: dist.ProcessGroup | None = None
+    dp_peer_group: dist.ProcessGroup | None = None
 
     @property
     def is_anchor(self) -> bool:

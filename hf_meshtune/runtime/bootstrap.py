@@ -60,13 +60,15 @@ def run_worker(
     if topology.job_replica is not None and topology.anchor:
         _require_restartable_anchor(settings)
     settings = _restart_heals(topology, rank, settings)
+    assert settings.dp_timeout_s is not None  # RunSettings resolves it
     store = dist.distributed_c10d._get_default_store()
     store.set(_host_key(rank), advertised_host())  # every rank's address, for link errors
     shared = job_store(settings.dp_timeout_s) if topology.job_replica is not None else None
     _require_same_settings(store, topology, rank, settings, shared)
     if topology.is_anchor(rank):
         require(anchor_batches is not None, "anchor_batches", None, "be given on the anchor replica")
-        worker = AnchorWorker(model, groups, settings, anchor_batches)
+        assert anchor_batches is not None
+        worker: AnchorWorker | FastWorker = AnchorWorker(model, groups, settings, anchor_batches)
     else:
         worker = FastWorker(model, groups, settings, batches)
     guard_launched_process()  # with a secret: guard the servers and gloo pairs just created, now
@@ -152,6 +154,7 @@ def _require_same_settings(store, topology: MeshTopology, rank: int, settings: R
     one message naming the field, the rank and both values, instead of training something else. In
     replica jobs, ``shared`` (the launcher's store) also compares each process with mesh rank 0."""
     key = "hf_meshtune/settings/{}".format
+    assert settings.dp_timeout_s is not None  # RunSettings resolves it
     timeout = timedelta(seconds=settings.dp_timeout_s)
     mine = _settings_of(settings)
 

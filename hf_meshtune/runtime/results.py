@@ -80,7 +80,7 @@ def gather_results(
     if store is None:
         return results
     key = "hf_meshtune/result/{}".format
-    store.set(key(result.rank), pickle.dumps(result))
+    store.set(key(result.rank), pickle.dumps(result))  # type: ignore[arg-type]  # torch's stub: str only; bytes work
     if result.rank != 0:
         return results
     store.wait([key(r) for r in range(topology.world_size)], timedelta(seconds=timeout_s))

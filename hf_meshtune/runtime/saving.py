@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .._hf_typing import hf_model
 from ..topology import MeshGroups
 
 __all__ = ["SHARD_NAME", "save_stage_shards"]
@@ -35,7 +36,7 @@ def _stage_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     from transformers.core_model_loading import revert_weight_conversion
 
     held = {n: t.detach().contiguous() for n, t in model.state_dict().items() if not t.is_meta}
-    return revert_weight_conversion(model, held)
+    return revert_weight_conversion(hf_model(model), held)
 
 
 def save_stage_shards(trainer, groups: MeshGroups, output_dir: str, survivors=None) -> None:

@@ -40,6 +40,7 @@ class StageWorker:
         self.wire = Wire()
         self.result = MeshResult(self.rank, self.replica, self.stage, self.role)
         self.model = model
+        assert settings.config.mask_ratio is not None  # MeshConfig resolves it
         masked = not anchor and (settings.config.mask_ratio > 0 or composed_codec(settings.config) is not None)
         self.module = build_stage(model, self.stage, self.topology.stages, settings.config, masked=masked)
         self._hold_only_this_stage()
@@ -113,10 +114,10 @@ class StageWorker:
                 x = torch.empty(*ids.shape, module.hidden_size, dtype=dtype, device=self.device)
                 self.wire.recv("pp_fwd", x, src, group=group, tag=CALIBRATION_TAG)
                 for codec in codecs_in:
-                    geometry = {}
+                    geometry: dict[str, torch.Tensor | None] = {}
                     for name, shape, kind in geometry_layout(codec):
-                        geometry[name] = torch.empty(shape, dtype=kind)
-                        self.wire.recv("pp_fwd", geometry[name], src, group=group, tag=CALIBRATION_TAG)
+                        geometry[name] = tensor = torch.empty(shape, dtype=kind)
+                        self.wire.recv("pp_fwd", tensor, src, group=group, tag=CALIBRATION_TAG)
                     codec.load_geometry(geometry)
             else:
                 x = ids
@@ -134,7 +135,9 @@ class StageWorker:
                 codec.fit(hidden)
                 geometry = codec.geometry()
                 for name, _, _ in geometry_layout(codec):
-                    self.wire.send("pp_fwd", geometry[name].contiguous(), dst, group=group, tag=CALIBRATION_TAG)
+                    fitted = geometry[name]
+                    assert fitted is not None  # a fitted codec holds every tensor of its layout
+                    self.wire.send("pp_fwd", fitted.contiguous(), dst, group=group, tag=CALIBRATION_TAG)
         self.result.calibration_bytes = self.wire.sent["pp_fwd"] - before
 
     # --- the pipeline ---------------------------------------------------------------------------
