@@ -66,6 +66,7 @@ class TrainerConsole(StageCallback):
                 logging.getLogger(name).setLevel(logging.WARNING)
         if not self.has_loss:
             _quiet_progress_bars()
+        _name_the_level()
         self._call("on_train_begin")
 
     def on_step_end(self, view: StageView) -> None:
@@ -105,6 +106,18 @@ def step_rates(wire, since: float, tokens: int, tokens_per_step: int, fast_repli
     }
 
 
+def _name_the_level() -> None:
+    """hf_meshtune's own warnings print as ``WARNING hf_meshtune.<module>: message`` when nothing else handles
+    them (Python's last-resort handler prints the bare message), so the launcher's console tells them from
+    a quiet rank's other lines; a user's logging configuration is left alone."""
+    ours = logging.getLogger("hf_meshtune")
+    if ours.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    ours.addHandler(handler)
+
+
 def _quiet_progress_bars() -> None:
     """transformers' and datasets' progress bars off in this process (a rank without the loss)."""
     from transformers.utils import logging as hf_logging
@@ -127,7 +140,8 @@ def summary_table(summary: dict, path: str) -> str:
     steps, tokens = summary.get("steps", 0), summary.get("fast_tokens", 0)
     lines = [
         f"mesh {summary.get('mesh')}: {steps} steps, {tokens:,} fast tokens ({summary.get('fast_replicas')} fast "
-        f"replicas{', anchor' if summary.get('anchor') else ''}), final loss {_number(summary.get('final_loss'))}, "
+        f"replicas{', anchor' if summary.get('anchor') else ''}), the last fast replica's final loss "
+        f"{_number(summary.get('final_loss'))}, "
         f"{_number(summary.get('step_seconds_mean'), 3)} s/step",
         "| bytes per fast token | " + " | ".join(CIRCUITS) + " | total |",
         "|---|" + "---:|" * (len(CIRCUITS) + 1),
