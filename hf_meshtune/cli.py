@@ -16,9 +16,13 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import fields, replace
 from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
 from hf_meshtune._validation import require
 from hf_meshtune.launch import launch_mesh
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
 
 _DEFAULT_PRESET = "llama-3.2-1b"
 _DEFAULT_ROWS = "Dense,+DP,M95,M90+AP,M95+AP"
@@ -210,7 +214,7 @@ def _lora_config(args: argparse.Namespace):
     return LoraConfig(r=args.lora_r, target_modules=modules, task_type="CAUSAL_LM")
 
 
-def _ledger_config(args: argparse.Namespace, presets: dict) -> tuple[object, str | None]:
+def _ledger_config(args: argparse.Namespace, presets: dict) -> tuple[PreTrainedConfig, str | None]:
     if args.config is not None:
         require(
             os.path.exists(args.config), "config", args.config, "be an existing config.json file or model directory"
@@ -236,6 +240,7 @@ def _parse_mesh(text: str) -> tuple[int, int]:
         text,
         "be XxY with X >= 1 replicas and Y >= 1 stages, e.g. 8x4",
     )
+    assert match is not None
     return int(match[1]), int(match[2])
 
 

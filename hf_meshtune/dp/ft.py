@@ -177,7 +177,7 @@ def make_manager(
     replica: int,
     stage: int,
     num_stages: int,
-    lighthouse_addr: str,
+    lighthouse_addr: str | None,
     store_addr: str,
     store_port: int,
     timeout_s: float = 60.0,
@@ -192,6 +192,7 @@ def make_manager(
     quorum needs before it commits (1: a single surviving replica still commits, and a replica that
     comes back heals from a peer). Healthy replicas are not left out of a quorum as long as the
     lighthouse's ``join_timeout_ms`` exceeds how far apart they reach a sync (``start_lighthouse``).
+    ``lighthouse_addr`` None: torchft's ``$TORCHFT_LIGHTHOUSE``.
     ``store_addr``/``store_port``: this replica's own TCPStore,
     hosted before this call by one process of the replica (``host_replica_store``: stage 0) and
     reachable by every fast process. ``timeout_s`` bounds collectives, RPCs and connects;

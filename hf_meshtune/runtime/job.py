@@ -24,6 +24,7 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -45,6 +46,9 @@ from .checkpoint import resolve_resume
 from .console import TrainerConsole
 from .results import MeshResult, gather_results, log_history, predicted_memory, summarize
 from .settings import RunSettings
+
+if TYPE_CHECKING:
+    from torchft.coordination import LighthouseServer
 
 __all__ = ["LIGHTHOUSE_ENV", "SUMMARY_NAME", "MeshRun", "is_distributed_job", "train_on_mesh", "validate_mesh_job"]
 
@@ -129,7 +133,7 @@ def _fixed_length(dataset) -> int:
     return max(len(ids) for ids in dataset["input_ids"])
 
 
-def _lighthouse(rank: int, topology: MeshTopology) -> tuple[str, object | None]:
+def _lighthouse(rank: int, topology: MeshTopology) -> tuple[str, LighthouseServer | None]:
     """The torchft lighthouse: ``$TORCHFT_LIGHTHOUSE``, or one that rank 0 starts for the job."""
     address = os.environ.get(LIGHTHOUSE_ENV)
     if address:
@@ -323,6 +327,7 @@ def _finish(trainer, result: MeshResult, groups: MeshGroups, settings: RunSettin
     """After the last step: agree on who is left, gather every result, share the final parameters,
     write ``mesh_summary.json`` (rank 0) and fill the Trainer's state; returns the ``TrainOutput``."""
     args, topology = trainer.args, groups.topology
+    assert settings.dp_timeout_s is not None  # RunSettings resolves it
     survivors = _survivors(result, topology, groups.fast_group, settings.dp_timeout_s)
     if survivors is not None and result.role == "anchor":  # given up by the fast ranks: nothing to share
         trainer.mesh_run = MeshRun(groups, survivors, left_out=True)
@@ -382,5 +387,5 @@ def _share_final_parameters(model, topology: MeshTopology, group=None) -> None:
             owned = StageModule(model, stage, topology.stages, None, None)
             for param in owned.parameters():
                 if param.requires_grad:
-                    param = materialise(model, names[id(param)], "cpu")
-                    dist.broadcast(param.data, src=topology.process_rank(topology.rank(source, stage)), group=group)
+                    held = materialise(model, names[id(param)], "cpu")
+                    dist.broadcast(held.data, src=topology.process_rank(topology.rank(source, stage)), group=group)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
@@ -48,6 +49,9 @@ from .results import MeshResult
 from .settings import Batches, RunSettings
 from .stage import StageWorker
 
+if TYPE_CHECKING:
+    from torchft import Manager
+
 __all__ = ["FastWorker"]
 
 
@@ -59,7 +63,8 @@ class FastWorker(StageWorker):
         self.calibrate_codecs()
         self.optimizer = self._build_optimizer()
         self.scheduler = settings.scheduler(self.optimizer) if settings.scheduler else None
-        self.manager = self.gradient_sync = None
+        self.manager: Manager | None = None  # torchft's, with dp_mode="streaming_diloco"
+        self.gradient_sync: GradientSync | None = None  # with a per-step dp_mode
         self.diloco: StreamingDiLoCo | contextlib.nullcontext = contextlib.nullcontext()
         if settings.dp_mode == "streaming_diloco":
             self._setup_diloco()
@@ -96,8 +101,9 @@ class FastWorker(StageWorker):
 
     def _setup_diloco(self) -> None:
         s, cfg = self.settings, self.settings.config
+        assert s.dp_timeout_s is not None  # RunSettings resolves it
         self.replica_store = host_replica_store(self.replica, self.stage, timeout_s=s.dp_timeout_s)
-        self.manager = make_manager(
+        self.manager = manager = make_manager(
             replica=self.replica,
             stage=self.stage,
             num_stages=self.topology.stages,
@@ -122,7 +128,7 @@ class FastWorker(StageWorker):
         )
         # a restarted replica heals this stage's whole state from a peer (DiLoCo's fragments and
         # PowerSGD's Q heal under their own keys)
-        self.manager.register_state_dict_fn("mesh_stage", self._load_stage_state, self._stage_state)
+        manager.register_state_dict_fn("mesh_stage", self._load_stage_state, self._stage_state)
 
     def _setup_gradient_sync(self) -> None:
         s, cfg = self.settings, self.settings.config
@@ -137,6 +143,17 @@ class FastWorker(StageWorker):
             seed=cfg.mask_seed,
         )
 
+    @property
+    def _streaming(self) -> StreamingDiLoCo:
+        """``diloco`` with dp_mode="streaming_diloco" (``manager`` set), behind which every use of it sits."""
+        return cast(StreamingDiLoCo, self.diloco)
+
+    def _anchor_rank(self, stage: int) -> int:
+        """The anchor replica's rank at ``stage``, on a mesh that has the anchor."""
+        rank = self.topology.anchor_rank(stage)
+        assert rank is not None  # called only with the anchor on
+        return rank
+
     def _setup_anchor_link(self) -> FastAnchorLink | None:
         cfg = self.settings.config
         if not cfg.anchor:
@@ -145,7 +162,7 @@ class FastWorker(StageWorker):
         return FastAnchorLink(
             self.wire,
             self.groups.link_group,
-            self.topology.anchor_rank(self.stage),
+            self._anchor_rank(self.stage),
             self.matrices,
             forwards=self.replica == 0,
             who=who,
@@ -163,7 +180,7 @@ class FastWorker(StageWorker):
         if not refit or self.anchor is None:
             return None
         sources = [
-            (side, module.side_codecs(side), topology.anchor_rank(boundary))
+            (side, module.side_codecs(side), self._anchor_rank(boundary))
             for side, boundary in (("in", self.stage - 1), ("out", self.stage))
             if module.side_codecs(side)
         ]
@@ -188,7 +205,7 @@ class FastWorker(StageWorker):
         return FastLevelLink(
             self.wire,
             self.groups.link_group,
-            topology.anchor_rank(self.stage),
+            self._anchor_rank(self.stage),
             topology.stages - 1,
             [richest] * (topology.stages - 1),
             self._switch_levels,
@@ -221,7 +238,7 @@ class FastWorker(StageWorker):
         state = [s for s in self.optimizer.state.values()]
         anchor = [{k: v for k, v in s.items() if k.startswith("anchor_")} for s in state]
         adam = [{k: v for k, v in s.items() if not k.startswith("anchor_")} for s in state]
-        dp = self.diloco.state_bytes() if self.manager is not None else 0
+        dp = self._streaming.state_bytes() if self.manager is not None else 0
         if self.gradient_sync is not None:
             dp = self.gradient_sync.state_bytes()
         return {**own, "optimizer": tensor_bytes(adam), "anchor": tensor_bytes(anchor), "dp": dp}
@@ -252,7 +269,7 @@ class FastWorker(StageWorker):
             **self._stage_state(),
             "config": dataclasses.asdict(self.settings.config),
             "rng": torch.get_rng_state(),
-            "diloco": self.diloco.state_dict() if self.manager is not None else None,
+            "diloco": self._streaming.state_dict() if self.manager is not None else None,
             "codecs": [c.geometry() if c is not None else None for c in (self.module.codec_in, self.module.codec_out)],
             "geometry_snapshot": None if self.geometry is None else self.geometry.current,
             "governor": None if self.levels is None else self.levels.state(self._step),
@@ -277,7 +294,7 @@ class FastWorker(StageWorker):
         if self.levels is not None and state.get("governor") is not None:
             self.levels.load_state(state["governor"], self._step)
         if self.manager is not None:
-            self.diloco.load_state_dict(state["diloco"])
+            self._streaming.load_state_dict(state["diloco"])
         torch.set_rng_state(state["rng"])
         self.result.first_step = self._step
 
@@ -333,11 +350,11 @@ class FastWorker(StageWorker):
             self.result.heals.append((step, self._healed_to))
             step, self._healed_to = self._healed_to, None
         if self.manager is not None:
-            committed = self.diloco.take_committed()
+            committed = self._streaming.take_committed()
             for _ in committed:
                 self._count_dp_sync()
             if self.anchor is not None:
-                self.anchor.forward(committed, step + 1, self.diloco.sync_tensors)
+                self.anchor.forward(committed, step + 1, self._streaming.sync_tensors)
         return step
 
     def _train_step(self, step: int) -> tuple[int, float | None]:
@@ -389,6 +406,7 @@ class FastWorker(StageWorker):
                     self.anchor.tick(self._step)
                 self._record_step(time.perf_counter() - start, tokens_per_step, loss, logging)
                 if s.checkpoint_every and self._step % s.checkpoint_every == 0:
+                    assert s.checkpoint_dir is not None  # RunSettings requires it with checkpoint_every
                     save_rank_state(
                         s.checkpoint_dir,
                         self._step,
@@ -441,4 +459,4 @@ class FastWorker(StageWorker):
     def _global_parameters(self) -> list[torch.Tensor]:
         if self.manager is None:  # per-step sync: the replicas' parameters are the global ones
             return super()._global_parameters()
-        return [flatten(self.diloco.global_parameters(i)) for i in range(len(self.fragments))]
+        return [flatten(self._streaming.global_parameters(i)) for i in range(len(self.fragments))]
