@@ -39,7 +39,7 @@ import struct
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from .._validation import require
 from .guard import Guard, _canonical
@@ -79,7 +79,7 @@ class GateRefused(ConnectionError):
 # ---------------------------------------------------------------------------------------------------
 
 
-def secret_key(env: dict[str, str] | None = None) -> bytes | None:
+def secret_key(env: Mapping[str, str] | None = None) -> bytes | None:
     """The key derived from ``$MESHTUNE_SECRET`` or the file ``$MESHTUNE_SECRET_FILE``; None without either."""
     env = os.environ if env is None else env
     value, path = env.get(SECRET_ENV), env.get(SECRET_FILE_ENV)
@@ -318,5 +318,6 @@ def guard_launched_process() -> Guard | None:
         f"be set (or {SECRET_FILE_ENV}) in every process of a mesh with a gate ({GATE_ENV}={gate}): the mesh "
         "admits only processes holding its secret",
     )
+    assert key is not None
     _GUARD.append(Guard(_Admissions(gate, key)))
     return _GUARD[0]

@@ -40,7 +40,8 @@ _ACCEPT, _DROP = 0xFFFFFFFF, 0
 
 def filter_program(addresses: Iterable[str]) -> list[tuple[int, int, int, int]]:
     """A classic BPF program (code, jt, jf, k) that keeps the packets whose IP source is in ``addresses``."""
-    v4, v6 = [], []
+    v4: list[bytes] = []
+    v6: list[bytes] = []
     for a in addresses:
         ip = ipaddress.ip_address(_canonical(a))
         (v4 if ip.version == 4 else v6).append(ip.packed)

@@ -6,6 +6,8 @@ once, when the knobs are validated (``apply_preset``); a knob given explicitly a
 
 from __future__ import annotations
 
+from typing import Any
+
 from .._validation import require
 
 __all__ = [
@@ -45,7 +47,7 @@ CADENCES = ("fixed", "adaptive")
 # (benchmarks/wan/ledger_1b.md: 9 % of the default's 13,508).
 DEFAULT_DP_POWERSGD_RANK = 128
 DEFAULT_DP_QUANTIZE = "int8"
-PRESETS = {
+PRESETS: dict[str, dict[str, Any]] = {
     "quality": {"boundary_codec": QUALITY_CODEC, "mask_ratio": 0.0, "anchor": False},
     "paper": {"boundary_codec": None, "mask_ratio": 0.95, "anchor": True},
 }

@@ -235,6 +235,7 @@ def _apply_boundary_codec(cfg) -> None:
     if cfg.boundary_codec is None:
         return
     spec = composed_codec(cfg) if is_governed(cfg) else parse_codec(cfg.boundary_codec)
+    assert spec is not None  # a governed boundary_codec has a ladder
     if spec.is_mask:
         cfg.mask_ratio, cfg.mask_fill = spec.mask_ratio, spec.fill
         require_fill(cfg.mask_fill, cfg.mask_rescale)

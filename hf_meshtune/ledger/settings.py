@@ -177,12 +177,13 @@ def settings_from_knobs(knobs: Any, *, dtype: str, tokens_per_step: int, **overr
     """The ledger's settings for the mesh the knobs (``config.MeshArguments``) describe, at
     ``tokens_per_step`` tokens per fast replica step in ``dtype``; ``overrides`` replace fields (a mesh
     run puts its real shape and anchor pace there). The one mapping from knobs to ledger settings."""
+    codec = composed_codec(knobs)
     fields = {
         "num_replicas": knobs.num_replicas,
         "num_stages": knobs.num_stages,
         "mask_ratio": knobs.mask_ratio,
         # governed: the ladder's richest level, the most a boundary costs (what it sent is measured)
-        "boundary_codec": None if composed_codec(knobs) is None else composed_codec(knobs).text,
+        "boundary_codec": None if codec is None else codec.text,
         "codec_refit_every": codec_refit_every(knobs),
         "tokens_per_step": tokens_per_step,
         "activation_dtype": dtype,

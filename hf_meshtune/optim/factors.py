@@ -53,9 +53,9 @@ class AnchorMomentum:
         out = []
         for index, grad in enumerate(grads):
             dtype = _anchor_dtype(grad)
-            if self.momenta[index] is None:
-                self.momenta[index] = torch.zeros(grad.shape, dtype=dtype, device=grad.device)
             momentum = self.momenta[index]
+            if momentum is None:
+                momentum = self.momenta[index] = torch.zeros(grad.shape, dtype=dtype, device=grad.device)
             momentum.mul_(self.beta).add_(grad.to(dtype), alpha=1 - self.beta)
             seed = _basis_seed(self.seed, index, self.folds)
             try:
@@ -76,7 +76,8 @@ class AnchorMomentum:
 
 
 def _nan_factors(shape, rank: int, device, dtype) -> tuple[Tensor, Tensor, Tensor]:
-    return tuple(torch.full(sh, float("nan"), device=device, dtype=dtype) for sh in factor_shapes(shape, rank))
+    u, s, v = (torch.full(sh, float("nan"), device=device, dtype=dtype) for sh in factor_shapes(shape, rank))
+    return u, s, v
 
 
 def anchor_momentum(knobs: Any) -> AnchorMomentum | None:

@@ -177,6 +177,7 @@ class SpectralAdamW(torch.optim.Optimizer):
             owner = owners.get(id(key))
             known = owner is not None
             require(known, "grads key of shape", tuple(key.shape), "be a parameter of this optimizer")
+            assert owner is not None
             shape = tuple(owner[1].shape)
             rule = f"equal its parameter's shape {shape}"
             require(tuple(grad.shape) == shape, "grads value shape", tuple(grad.shape), rule)
@@ -276,6 +277,7 @@ class SpectralAdamW(torch.optim.Optimizer):
         for key, triple in factors.items():
             owner = owners.get(id(key))
             require(owner is not None, "factors key of shape", tuple(key.shape), "be a parameter of this optimizer")
+            assert owner is not None
             shape = tuple(owner[1].shape)
             got = tuple(tuple(t.shape) for t in triple)
             ok = _factor_shapes_ok(shape, got)
@@ -325,6 +327,7 @@ class SpectralAdamW(torch.optim.Optimizer):
     def _projected_grad(self, param: Tensor, group: dict[str, Any], diagnostics: _Diagnostics) -> tuple[Tensor, bool]:
         """(G_proj in the gradient's dtype, whether it is a tensor of this step's own rather than ``param.grad``)."""
         grad = param.grad
+        assert grad is not None  # step() skips parameters without one
         state = self.state[param]
         if not self._is_spectral(param, group) or "anchor_U" not in state:
             return grad, False
