@@ -27,9 +27,23 @@ class _CompressedFragment(_StreamingDiLoCoFragment):
     the outer optimizer steps.
     """
 
+    # set by ``adopt`` (torchft's constructor built the rest)
     _codec: PowerSGD | None
     _wire: Wire
     _on_update: Callable[[OuterUpdate], None] | None
+    _quantizer: Int8Sum | None
+    _q_quantizer: Int8Sum | None
+    _coded: list[tuple[str, str]]
+    _first_round: tuple[torch.Tensor, torch.Tensor, Any] | None
+    _codes: tuple[torch.Tensor, torch.Tensor] | None
+    _q_codes: tuple[list[str], torch.Tensor, torch.Tensor] | None
+    _rounds: list[tuple[torch.Tensor, torch.Tensor]]
+    _participants: int
+    _factors: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    _update: OuterUpdate | None
+    _pending: list[tuple[list[tuple[Any, torch.Tensor]], Any]]
+    _keep: bool
+    _prepared: dict[str, torch.Tensor]
 
     @classmethod
     def adopt(
@@ -87,7 +101,7 @@ class _CompressedFragment(_StreamingDiLoCoFragment):
 
         self._manager.register_state_dict_fn(f"PowerSGD_{self._fragment_id}", load, save)
 
-    def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.AVG):
+    def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp.RedOpType = ReduceOp.AVG):
         def reduce(t: torch.Tensor):
             return self._manager.allreduce(t, reduce_op=op)
 
@@ -115,7 +129,8 @@ class _CompressedFragment(_StreamingDiLoCoFragment):
         sent (SUM), so the round's bytes travel while the overlapped inner steps run; ``finish_factors``
         waits them and sends the Q factors likewise.
         """
-        items, coded = [], []
+        items: list[tuple[tuple[str, str], torch.Tensor]] = []
+        coded: list[tuple[tuple[str, str], torch.Tensor]] = []
         for name, _ in self._model_fragment.named_parameters():
             grad = self._grads[name]
             if self._codec is not None and self._codec.compresses(grad.shape):
@@ -126,6 +141,7 @@ class _CompressedFragment(_StreamingDiLoCoFragment):
             else:
                 items.append((("dense", name), grad))
         if coded:
+            assert self._quantizer is not None  # coded only with int8 codes
             self._coded = [key for key, _ in coded]
             keys = [self._key(name) + ("/P" if kind == "p" else "") for (kind, name), _ in coded]
             factors = [key for key, ((kind, _), _) in zip(keys, coded) if kind == "p"]
@@ -157,6 +173,7 @@ class _CompressedFragment(_StreamingDiLoCoFragment):
         orth, items = {}, []
         if self._first_round is not None:
             (codes, scales, summed), self._first_round = self._first_round, None
+            assert self._quantizer is not None and self._codec is not None  # a first round: int8 codes with P
             summed.wait()  # Q = Mᵀ·orth(P̄) needs the averaged P now
             for (kind, name), average in zip(self._coded, self._quantizer.decode(codes, scales)):
                 if kind == "p":
@@ -171,6 +188,7 @@ class _CompressedFragment(_StreamingDiLoCoFragment):
             work.wait()
             for (kind, name), p in views:
                 if kind == "p":
+                    assert self._codec is not None  # P factors come from it
                     orth[name], q = self._codec.q_factor(self._key(name), p)
                     items.append((name, q))
         for flat, views in _buckets(items):
@@ -183,6 +201,7 @@ class _CompressedFragment(_StreamingDiLoCoFragment):
         codes leave out): block maxima all-reduced (MAX) and waited, then the codes (SUM, waited by
         ``perform_sync``)."""
         coder = self._q_quantizer
+        assert coder is not None  # int8 codes
         keys = [self._key(name) + "/Q" for name, _ in items]
         scales = coder.start([(key, q) for key, (_, q) in zip(keys, items)], without_feedback=keys)
         self._all_reduce(scales, ReduceOp.MAX).wait()
@@ -212,11 +231,13 @@ class _CompressedFragment(_StreamingDiLoCoFragment):
         """On commit: decode Δ̄ through ``OuterUpdate`` (so observers replay it bitwise), close the rounds."""
         named = list(self._model_fragment.named_parameters())
         if self._codes is not None:  # the int8 codes' sum, decoded to the average pseudo-gradients
+            assert self._quantizer is not None
             codes, scales = self._codes
             for (_, name), average in zip(self._coded, self._quantizer.decode(codes, scales)):
                 self._grads[name] = average.to(self._grads[name].dtype)
         if self._q_codes is not None:
             names, codes, scales = self._q_codes
+            assert self._q_quantizer is not None
             for name, q in zip(names, self._q_quantizer.decode(codes, scales)):
                 self._factors[name] = (self._factors[name][0], q.to(self._factors[name][0].dtype))
         if self._quantizer is not None and self._quantizer.busy():
@@ -233,6 +254,7 @@ class _CompressedFragment(_StreamingDiLoCoFragment):
         )
         for (name, _), grad in zip(named, update.pseudo_gradients([p.shape for _, p in named])):
             if name in self._factors:
+                assert self._codec is not None  # factors come from it
                 self._codec.commit(self._key(name), grad, self._factors[name][1])
             self._grads[name] = grad
         self._update = update
@@ -251,6 +273,7 @@ class _CompressedFragment(_StreamingDiLoCoFragment):
                 self._codec.discard()
             if self._quantizer is not None:
                 self._quantizer.discard()
+                assert self._q_quantizer is not None  # adopted with _quantizer
                 self._q_quantizer.discard()
         update, self._update = self._update, None
         if committed and update is not None and self._on_update is not None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -21,6 +21,9 @@ from ..powersgd import PowerSGD, is_int
 from ..quantize import QUANTIZERS, Int8Sum
 from .fragment import _CompressedFragment
 from .internals import require_torchft_internals
+
+if TYPE_CHECKING:
+    from torch.utils.hooks import RemovableHandle
 
 __all__ = ["StreamingDiLoCo", "p_round_steps"]
 
@@ -113,9 +116,9 @@ class StreamingDiLoCo:
         self.codec = PowerSGD(powersgd_rank, seed) if powersgd_rank is not None else None
         p_steps = p_round_steps(fragments, self.codec, fragment_sync_delay)
         self._finish_at = interval - fragment_sync_delay + p_steps if fragment_sync_delay > 1 else None
-        self._hook = None
+        self._hook: RemovableHandle | None = None
         self.quantizer = Int8Sum() if quantize is not None else None  # the dense tensors' error feedback is here
-        quantizers = None if quantize is None else (self.quantizer, Int8Sum())
+        quantizers = None if self.quantizer is None else (self.quantizer, Int8Sum())
         self.fragments = fragments
         outer = [outer_optimizer(f.parameters(), outer_lr, outer_momentum) for f in fragments]
         self._diloco = DiLoCo(
@@ -173,7 +176,7 @@ class StreamingDiLoCo:
     def state_bytes(self) -> int:
         """Bytes this stage keeps for DP: θ_global of every fragment, the outer momentum, PowerSGD's Q
         and error feedback (``memory``)."""
-        held = [[f.original_parameters, f._outer_optimizer.state] for f in self._diloco._fragments]
+        held: list[Any] = [[f.original_parameters, f._outer_optimizer.state] for f in self._diloco._fragments]
         if self.codec is not None:
             held.append([self.codec.q, self.codec.error])
         if self.quantizer is not None:
