@@ -96,7 +96,7 @@ class AnchorWorker(StageWorker):
         spec, last = composed_codec(cfg), self.stage == self.topology.stages - 1
         self.refit_codecs = None  # fit boundary `stage` (this stage's output) on each refit round
         self.governor: MeshGovernor | None = None
-        specs = codec_ladder(cfg) if is_governed(cfg) else [spec]
+        specs = codec_ladder(cfg) if is_governed(cfg) else [spec] if spec is not None else []  # refits need one
         wanted = not last and (self.refit_every or is_governed(cfg))
         codecs = (
             [ComposedCodec(s, self.stage, self.module.hidden_size, cfg.mask_seed) for s in specs] if wanted else None
@@ -252,8 +252,8 @@ class AnchorWorker(StageWorker):
         self.module.step = round_index
         refit = self.refit_codecs is not None and round_index % self.refit_every == 0
         governor, last = self.governor, self.stage == self.topology.stages - 1
-        probing = governor is not None and governor.ladder is not None
-        fit = probing and not all(c.ready for c in governor.ladder)  # the probes' first geometry
+        ladder = governor.ladder if governor is not None else None
+        fit = ladder is not None and not all(c.ready for c in ladder)  # the probes' first geometry
         self.module.record = [] if refit or fit else None
         dense_probe = SendProbe() if governor is not None and not last else None
         self.module.probe = dense_probe
@@ -267,15 +267,17 @@ class AnchorWorker(StageWorker):
             self.result.losses.append(loss)
         posts = []
         if refit:  # the geometry first: it is small, and the fast side waits for it with the gradient
+            assert self.refit_codecs is not None and recorded is not None  # a refit round records
             header, geometry, digest, geometries = refit_message(self.refit_codecs, snapshot, torch.cat(recorded))
-            if probing:
-                for codec, fitted in zip(governor.ladder, geometries):
+            if ladder is not None:  # the probes' codecs take the geometry this stage fitted
+                for codec, fitted in zip(ladder, geometries):
                     codec.load_geometry(fitted)
             for dst in self._geometry_targets():
                 posts += self._post(dst, snapshot, GEOMETRY, header, geometry)
             self.result.geometry.append((snapshot, digest))
         elif fit:
-            for codec in governor.ladder:
+            assert ladder is not None and recorded is not None  # a first fit records
+            for codec in ladder:
                 codec.fit(torch.cat(recorded))
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for _, p in self.matrices]
         if self.factors is None:
@@ -301,6 +303,7 @@ class AnchorWorker(StageWorker):
         """The round's fidelity probes (each replaying the dense pass's RNG; the run's stream goes on as if
         none had run), the decision, and the ``LEVELS`` message to stage s of every fast replica."""
         governor = self.governor
+        assert governor is not None  # called only when governed
 
         def run_pass() -> None:
             self.model.zero_grad(set_to_none=True)
