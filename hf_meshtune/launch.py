@@ -201,7 +201,7 @@ def _normalize_lighthouse(address: str) -> str:
 # ---------------------------------------------------------------------------------------------------
 
 
-def _maybe_start_lighthouse(lighthouse: str | None, host: str) -> tuple[Any, str | None]:
+def _maybe_start_lighthouse(lighthouse: str | None, host: str) -> tuple[Any, str]:
     """The lighthouse given, or one started on ``host`` (listening there only, so that address works)."""
     if lighthouse is not None:
         return None, _normalize_lighthouse(lighthouse)
@@ -358,6 +358,7 @@ class _Starter:
             self.start(rank, ranked_env | dict(self.env or {}))
 
     def start_replica(self, replica: int, restart: int) -> None:
+        assert self.jobs is not None  # replicas restart as jobs of their own
         replica_port = free_port()
         for rank in range(replica * self.mesh[1], (replica + 1) * self.mesh[1]):
             ranked_env = child_env(
@@ -402,9 +403,11 @@ class _Gatekeeper:
         self._ports.add(int(lighthouse.rstrip("/").rsplit(":", 1)[1]))
         if jobs is not None:
             self._ports.add(jobs.store.port)
+        assert self._guard is not None  # set by __init__
         self._guard.scan()
 
     def close(self) -> None:
+        assert self._guard is not None  # set by __init__
         self._guard.stop()
         self.gate.close()
         if self.gate.refusals:

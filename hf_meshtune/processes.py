@@ -216,6 +216,7 @@ def supervise(
             say(f"rank {child.rank} ({child.tag}) failed first with exit code {code}; stopping the others")
             return code
         if restart:
+            assert jobs is not None  # restart needs the bookkeeping
             jobs.restarts[replica] += 1
             what = f"restarting replica {replica} ({jobs.restarts[replica]}/{jobs.max_restarts})"
         else:
@@ -226,5 +227,6 @@ def supervise(
             mate.retired = True
         running.stop(mates)
         if restart:
+            assert jobs is not None and start_replica is not None  # restarts come with both
             start_replica(replica, jobs.restarts[replica])
     return 0

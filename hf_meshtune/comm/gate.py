@@ -136,7 +136,7 @@ class Gate:
     admitted addresses. ``refusals``: (peer "ip:port", reason) of every refused handshake.
     ``on_admit(addresses)`` is called after each new admission (the launcher's own guard)."""
 
-    def __init__(self, key: bytes, host: str, on_admit: Callable[[list[str]], None] | None = None) -> None:
+    def __init__(self, key: bytes, host: str, on_admit: Callable[[list[str]], object] | None = None) -> None:
         self._key = key
         self._on_admit = on_admit
         self._lock = threading.Lock()
