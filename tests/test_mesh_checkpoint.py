@@ -287,6 +287,7 @@ def test_a_state_of_another_stage_split_is_refused_before_it_is_loaded():
     """Healing or resuming copies a peer's parameters by name: a state whose names differ (another
     model or stage split) is refused, naming what it holds, before anything is overwritten."""
     from hf_meshtune.pipeline.stage import StageModule
+    from hf_meshtune.runtime.fast_state import restore_stage
     from hf_meshtune.runtime.worker import FastWorker
     from tests.tiny import tiny_llama
 
@@ -299,5 +300,5 @@ def test_a_state_of_another_stage_split_is_refused_before_it_is_loaded():
         match=r"healing state=\['model.layers.3.mlp.down_proj.weight'\] is invalid: it must "
         r"hold this stage's trainable parameters",
     ):
-        worker._restore_stage({"params": {"model.layers.3.mlp.down_proj.weight": torch.zeros(64, 128)}, "step": 3})
+        restore_stage(worker, {"params": {"model.layers.3.mlp.down_proj.weight": torch.zeros(64, 128)}, "step": 3})
     assert torch.equal(model.model.embed_tokens.weight, before)

@@ -22,7 +22,6 @@ One fast step, top to bottom (``FastWorker.run``):
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import time
 from typing import TYPE_CHECKING, cast
 
@@ -30,20 +29,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .._validation import require
 from ..anchor.geometry import FastGeometryLink, agree_min
 from ..anchor.link import FastAnchorLink
 from ..anchor.mesh_governor import FastLevelLink
 from ..comm.messages import flatten
-from ..config import codec_ladder, codec_refit_every, is_governed, require_saved_knobs
+from ..config import codec_ladder, codec_refit_every, is_governed
 from ..dp.baselines import GradientSync
 from ..dp.diloco import StreamingDiLoCo
 from ..dp.ft import host_replica_store, make_manager
 from ..memory import tensor_bytes
 from ..optim.spectral import SpectralAdamW, spectral_options
-from ..pipeline.stage import stage_parameter_names
 from ..topology import MeshGroups
-from .checkpoint import read_rank_state, save_rank_state
+from . import fast_state
+from .checkpoint import save_rank_state
 from .console import step_rates, wire_bytes
 from .results import MeshResult
 from .settings import Batches, RunSettings
@@ -243,77 +241,20 @@ class FastWorker(StageWorker):
             dp = self.gradient_sync.state_bytes()
         return {**own, "optimizer": tensor_bytes(adam), "anchor": tensor_bytes(anchor), "dp": dp}
 
-    # --- state: heals, checkpoints, resume ----------------------------------------------------------
+    # --- state: heals, checkpoints, resume (``runtime.fast_state``) ----------------------------------
     def _stage_state(self) -> dict:
-        """What a peer's stage s gives a restarted replica's stage s when it heals (torchft reads it in
-        DiLoCo's step post-hook, during the quorum: the inner step of ``self._step`` is done; its
-        scheduler step is not)."""
-        return {
-            "step": self._step,
-            "params": {
-                n: p.detach() for n, p in stage_parameter_names(self.model, self.module).items() if p.requires_grad
-            },
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-        }
+        return fast_state.stage_state(self)
 
     def _load_stage_state(self, state: dict) -> None:
         """Heal (called by torchft inside the optimizer step): take the peer's local parameters, inner
         optimizer and scheduler now, as torchft's contract wants; the peer's step goes back to the loop."""
-        self._healed_to = self._restore_stage(state)
+        self._healed_to = fast_state.restore_stage(self, state)
 
     def checkpoint_state(self) -> dict:
-        """This process's part of a mesh checkpoint (``runtime.checkpoint``): the healing state plus the
-        knobs, the RNG and DiLoCo's state (θ_global, outer momentum, PowerSGD, manager step)."""
-        return {
-            **self._stage_state(),
-            "config": dataclasses.asdict(self.settings.config),
-            "rng": torch.get_rng_state(),
-            "diloco": self._streaming.state_dict() if self.manager is not None else None,
-            "codecs": [c.geometry() if c is not None else None for c in (self.module.codec_in, self.module.codec_out)],
-            "geometry_snapshot": None if self.geometry is None else self.geometry.current,
-            "governor": None if self.levels is None else self.levels.state(self._step),
-            "ladder_codecs": [[c.geometry() for c in ladder] for ladder in self.module.ladders.values() if ladder],
-        }
+        return fast_state.checkpoint_state(self)
 
     def _resume(self, checkpoint: str) -> None:
-        state = read_rank_state(checkpoint, self.rank, self.topology)
-        require_saved_knobs(state["config"], self.settings.config, context=f"to resume from {checkpoint}")
-        self._step = self._restore_stage(state)
-        ladders = [ladder for ladder in self.module.ladders.values() if ladder]
-        if ladders:  # governed: every level's geometry
-            for ladder, geometries in zip(ladders, state["ladder_codecs"], strict=True):
-                for codec, geometry in zip(ladder, geometries, strict=True):
-                    codec.load_geometry(geometry)
-        saved = state.get("codecs") or (None, None)
-        for codec, geometry in zip((self.module.codec_in, self.module.codec_out), saved):
-            if not ladders and codec is not None and geometry is not None and geometry["rest_dims"] is not None:
-                codec.load_geometry(geometry)  # the geometry the run had, not a new fit
-        if self.geometry is not None and state.get("geometry_snapshot") is not None:
-            self.geometry.current = state["geometry_snapshot"]  # later refits only
-        if self.levels is not None and state.get("governor") is not None:
-            self.levels.load_state(state["governor"], self._step)
-        if self.manager is not None:
-            self._streaming.load_state_dict(state["diloco"])
-        torch.set_rng_state(state["rng"])
-        self.result.first_step = self._step
-
-    def _restore_stage(self, state: dict) -> int:
-        """Load a stage state's parameters, optimizer and scheduler; returns its step."""
-        params = stage_parameter_names(self.model, self.module)
-        require(
-            set(state["params"]) == {n for n, p in params.items() if p.requires_grad},
-            "healing state",
-            sorted(state["params"])[:3],
-            "hold this stage's trainable parameters (a peer with another model or stage split)",
-        )
-        with torch.no_grad():
-            for name, value in state["params"].items():
-                params[name].copy_(value)
-        self.optimizer.load_state_dict(state["optimizer"])
-        if self.scheduler is not None and state["scheduler"] is not None:
-            self.scheduler.load_state_dict(state["scheduler"])
-        return int(state["step"])
+        fast_state.resume(self, checkpoint)
 
     # --- one step -------------------------------------------------------------------------------
     def _clip(self) -> None:
