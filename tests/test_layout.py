@@ -36,13 +36,19 @@ def _runtime_imports(path: Path, modules: set[str]) -> set[str]:
 def test_no_module_imports_one_that_imports_it_back():
     paths = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
     graph = {name: _runtime_imports(path, set(paths)) for name, path in paths.items()}
+    cycles = _cycles(graph)
+    assert not cycles, "modules that import each other back:\n" + "\n".join(cycles)
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[str]:
+    """Every cycle a depth-first walk of ``graph`` (node → the nodes it imports) meets, as ``a -> b -> a``."""
     cycles, state = [], {}
 
     def visit(node: str, stack: list[str]) -> None:
         state[node] = "open"
-        for child in sorted(graph[node]):
+        for child in sorted(graph.get(node, ())):
             if state.get(child) == "open":
-                cycles.append(stack[stack.index(child) :] + [child])
+                cycles.append(" -> ".join(stack[stack.index(child) :] + [child]))
             elif child not in state:
                 visit(child, [*stack, child])
         state[node] = "done"
@@ -50,7 +56,7 @@ def test_no_module_imports_one_that_imports_it_back():
     for name in sorted(graph):
         if name not in state:
             visit(name, [name])
-    assert not cycles, cycles
+    return cycles
 
 
 def _is_type_checking(node: ast.AST) -> bool:
@@ -98,21 +104,9 @@ def folder_graph() -> dict[str, set[str]]:
 
 def test_no_folder_imports_one_that_imports_it_back():
     """Folders meet one way only: counting every import, lazy ones too, the folder graph has no cycle."""
-    graph, cycles, state = folder_graph(), [], {}
+    graph = folder_graph()
     assert {"anchor", "dp", "pipeline"} <= graph["runtime"]  # the parser sees the imports it is to judge
-
-    def visit(node: str, stack: list[str]) -> None:
-        state[node] = "open"
-        for child in sorted(graph.get(node, ())):
-            if state.get(child) == "open":
-                cycles.append(" -> ".join(stack[stack.index(child) :] + [child]))
-            elif child not in state:
-                visit(child, [*stack, child])
-        state[node] = "done"
-
-    for name in sorted(graph):
-        if name not in state:
-            visit(name, [name])
+    cycles = _cycles(graph)
     assert not cycles, "folders that import each other back:\n" + "\n".join(cycles)
 
 
