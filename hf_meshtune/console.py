@@ -5,6 +5,9 @@
   dicts) and the end-of-run summary table it prints.
 - **One progress bar** over the optimizer steps, fed by those step lines: step/total, ETA (tqdm's, from
   the steps' rate), loss, the fast circuit's tokens/s and the loss rank's bytes on the wire per token.
+- **Process 0's standard output** (``r0s0``, the Trainer's world process zero, where a script's
+  ``if trainer.is_world_process_zero(): print(...)`` and ``trainer.log_metrics`` print) is shown too; its
+  standard error (progress bars, library logs) is quiet like the other ranks'.
 - **Every other rank is quiet** unless a line of its output warns or fails (``LOUD``), and then each
   distinct line once (six ranks' identical deprecation warning is one warning); when a rank exits
   non-zero, the last lines it wrote that were not shown follow, so a crash is never silent. Every line of
@@ -94,8 +97,10 @@ class StepProgress:
 class Console:
     """Decides, line by line, which child output reaches the launcher's terminal (module docstring)."""
 
-    def __init__(self, loss_tag: str, progress: StepProgress | None = None, all_ranks: bool = False) -> None:
-        self.loss_tag, self.progress, self.all_ranks = loss_tag, progress, all_ranks
+    def __init__(
+        self, loss_tag: str, progress: StepProgress | None = None, all_ranks: bool = False, main_tag: str = "r0s0"
+    ) -> None:
+        self.loss_tag, self.progress, self.all_ranks, self.main_tag = loss_tag, progress, all_ranks, main_tag
         self._unshown: dict[str, collections.deque[tuple[str, bool]]] = {}
         self._said: set[str] = set()  # loud lines of quiet ranks already shown
         self._lock = threading.Lock()
@@ -104,7 +109,7 @@ class Console:
         """Whether this line of rank ``tag`` goes to the terminal; lines that do not are kept for its tail."""
         if self.progress is not None:
             self.progress.feed(tag, text)
-        if self.all_ranks or tag == self.loss_tag:
+        if self.all_ranks or tag == self.loss_tag or (tag == self.main_tag and not is_err):
             return True
         with self._lock:
             if LOUD.search(text) and text not in self._said:  # the same warning from six ranks: said once

@@ -8,8 +8,9 @@ launcher runs in its own process (loopback only, ``min_replicas=1``: the anchor 
 torchft participant, and a fast circuit of one replica must still form a quorum).
 
 Output (``console.py``): the terminal shows one training run: the lines of the rank with the loss
-(replica 0's last stage) as ``[r0s{Y-1}] line``, a progress bar over the steps, and of every other rank
-only the lines that warn or fail (and its last lines when it exits non-zero); ``all_ranks`` forwards every
+(replica 0's last stage) as ``[r0s{Y-1}] line``, a progress bar over the steps, process 0's standard
+output (a script's results), and of every other rank only the lines that warn or fail (and its last
+lines when it exits non-zero); ``all_ranks`` forwards every
 line, as ``[r{replica}s{stage}] line`` (stdout to stdout, stderr to stderr). Every line of every rank goes
 to ``log_dir/rank{N}.log`` (a fresh temporary folder when none is given; the launcher says where).
 torchft's Rust servers log at ``RUST_LOG=warn`` unless the environment sets RUST_LOG.
@@ -282,7 +283,7 @@ def launch_mesh(
     loss_tag = _rank_tag(mesh, mesh[1] - 1)
     _say(
         f"every rank's output: {os.path.join(log_dir, 'rank<N>.log')}; "
-        + ("showing all ranks" if all_ranks else f"showing {loss_tag} (the loss), other ranks' warnings and failures")
+        + ("showing all ranks" if all_ranks else f"showing {loss_tag} (the loss), r0s0's prints, warnings and failures")
     )
     console = Console(loss_tag, StepProgress(command, loss_tag), all_ranks)
     running = _Mesh(grace_s, console)

@@ -77,19 +77,6 @@ def logs_after_step(args, state, step: int) -> bool:
     return (step == 1 and bool(args.logging_first_step)) or (bool(every) and step % every == 0)
 
 
-class _AsLossRank:
-    """A trainer seen by ``Trainer.log_metrics`` as world process zero exactly on the mesh's loss rank."""
-
-    def __init__(self, trainer) -> None:
-        self._trainer = trainer
-
-    def is_world_process_zero(self) -> bool:
-        return bool(self._trainer.state.is_world_process_zero)
-
-    def __getattr__(self, name: str):
-        return getattr(self._trainer, name)
-
-
 if TYPE_CHECKING:  # the mixin's methods run on a Trainer: let the type checker see its attributes
     _TrainerBase = Trainer
 else:
@@ -223,13 +210,6 @@ class MeshTrainerMixin(_TrainerBase):
         if not is_distributed_job():
             return super().train(resume_from_checkpoint, *args, **kwargs)
         return train_on_mesh(self, resume_from_checkpoint)
-
-    def log_metrics(self, split, metrics):
-        """The Trainer's metrics table; after a mesh run printed by the rank with the loss, the one whose
-        lines ``meshtune launch`` shows (``runtime.console``), instead of process 0."""
-        if getattr(self, "mesh_run", None) is None:
-            return super().log_metrics(split, metrics)
-        return Trainer.log_metrics(_AsLossRank(self), split, metrics)
 
     def _move_model_to_device(self, model, device):
         """A model that holds one mesh stage (``pipeline.placement``) moves only the tensors it holds."""

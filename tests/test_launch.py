@@ -235,11 +235,11 @@ def test_cli_starts_every_rank_with_its_env_and_prefixes_output(tmp_path: Path) 
     assert envs[0]["TORCHFT_LIGHTHOUSE"].startswith("http://127.0.0.1:")
     assert all(rep["argv"] == ["arg", "--flag"] and rep["lighthouse_connectable"] for rep in reports)
     for rank, tag in enumerate(["r0s0", "r0s1", "r1s0", "r1s1"]):  # rank r = replica r // Y, stage r % Y
-        # the terminal shows the loss rank (replica 0's last stage) whole, the others' warnings only
-        assert (f"[{tag}] hello from rank {rank}\n" in done.stdout) == (tag == "r0s1")
+        # the terminal shows the loss rank (replica 0's last stage) whole, process 0's prints, the others' warnings
+        assert (f"[{tag}] hello from rank {rank}\n" in done.stdout) == (tag in ("r0s1", "r0s0"))
         assert f"[{tag}] warning from rank {rank}\n" in done.stderr
         assert f"[{tag}] hello from rank {rank}" in (logs / f"rank{rank}.log").read_text()
-    assert f"every rank's output: {logs}/rank<N>.log; showing r0s1 (the loss)" in done.stderr
+    assert f"every rank's output: {logs}/rank<N>.log; showing r0s1 (the loss), r0s0's prints" in done.stderr
     assert _port_closed(envs[0]["TORCHFT_LIGHTHOUSE"])  # the launcher stopped its lighthouse
 
 
@@ -475,7 +475,8 @@ def test_the_console_shows_the_loss_rank_warnings_and_keeps_a_failed_ranks_tail(
     assert console.shows("r1s0", "UserWarning: something is off", True)  # ... unless it warns
     assert not console.shows("r2s1", "UserWarning: something is off", True)  # the same warning: said once
     assert console.shows("r2s0", "Traceback (most recent call last):", True)  # or fails
-    assert console.shows("r0s0", '  File "x.py", line 3', True) is False
+    assert console.shows("r0s0", '  File "x.py", line 3', True) is False  # process 0's stderr: quiet
+    assert console.shows("r0s0", "exact match after training: 0.58", False)  # its prints: shown
     step = '{"mesh": "3x2", "step": 4, "loss": 2.5, "mesh_tokens_per_s": 1234.5, "comm/rank_bytes_per_token": 56789}'
     assert console.shows("r0s1", step, False) and progress.bar.n == 4
     assert progress.bar.postfix == "loss=2.5, tok/s=1.23k, wire B/tok=56.8k"
