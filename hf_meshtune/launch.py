@@ -267,7 +267,6 @@ def launch_mesh(
     _validate_restarts(mesh, max_restarts, optional_replicas, master_port)
     log_dir = log_dir if log_dir is not None else tempfile.mkdtemp(prefix="meshtune-logs-")
     os.makedirs(log_dir, exist_ok=True)
-    os.environ.setdefault("RUST_LOG", "warn")  # the lighthouse below logs in this process
     port = master_port if master_port is not None else free_port()
     gate = _Gatekeeper.from_environment(host, lighthouse)
     server, address = _maybe_start_lighthouse(lighthouse, host)

@@ -55,11 +55,11 @@ class TrainerConsole(StageCallback):
         t = self.trainer
         t.control = getattr(self.handler, event)(t.args, t.state, t.control, **kwargs)
 
-    def begin(self, first_step: int) -> None:
+    def begin(self) -> None:
         """Before the first step: the state the callbacks read, quiet ranks, ``on_train_begin``."""
         state, args = self.trainer.state, self.trainer.args
         state.is_world_process_zero = state.is_local_process_zero = self.has_loss
-        state.max_steps, state.global_step = args.max_steps, first_step
+        state.max_steps, state.global_step = args.max_steps, 0  # then every step's end (a resumed run's too)
         state.logging_steps = args.logging_steps
         if args.get_process_log_level() > logging.INFO or not self.has_loss:
             for name in _TORCHFT_LOGGERS:
@@ -89,20 +89,14 @@ class TrainerConsole(StageCallback):
             print(summary_table(summary, path), flush=True)
 
 
-def wire_bytes(wire) -> float:
-    """Every byte this process's ``Wire`` counted: sent, received and booked (all-reduces), all circuits."""
-    return sum(wire.sent.values()) + sum(wire.received.values()) + sum(wire.booked.values())
-
-
-def step_rates(wire, since: float, tokens: int, tokens_per_step: int, fast_replicas: int, seconds: float) -> dict:
+def step_rates(moved: float, tokens: int, tokens_per_step: int, fast_replicas: int, seconds: float) -> dict:
     """What the loss rank adds to a step's log entry: ``mesh_tokens_per_s``, the fast circuit's positions per
     second at this step's pace (every fast replica runs the replica's ``tokens_per_step`` in ``seconds``), and
-    ``comm/rank_bytes_per_token``, the bytes this process moved (``wire_bytes`` minus ``since``, its count
-    when the steps began) per position its replica trained: measured by this process alone, the mesh-wide
-    figure is in the summary."""
+    ``comm/rank_bytes_per_token``, the bytes this process moved since its steps began (``Wire.moved``) per
+    position its replica trained: measured by this process alone, the mesh-wide figure is in the summary."""
     return {
         "mesh_tokens_per_s": tokens_per_step * fast_replicas / seconds if seconds > 0 else float("nan"),
-        "comm/rank_bytes_per_token": (wire_bytes(wire) - since) / max(tokens, 1),
+        "comm/rank_bytes_per_token": moved / max(tokens, 1),
     }
 
 

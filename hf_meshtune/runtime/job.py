@@ -201,7 +201,7 @@ def train_on_mesh(trainer, resume_from_checkpoint: bool | str | None = None):
         )
     model.train()  # as Trainer.train() does (from_pretrained leaves eval mode: no dropout, no checkpointing)
     torch.manual_seed(args.seed)
-    console.begin(0)
+    console.begin()
     result = run_worker(model, groups, settings, batches, anchor_batches)
     try:
         output = _finish(trainer, result, groups, settings, seq_len)

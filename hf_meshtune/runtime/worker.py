@@ -42,7 +42,7 @@ from ..optim.spectral import SpectralAdamW, spectral_options
 from ..topology import MeshGroups
 from . import fast_state
 from .checkpoint import save_rank_state
-from .console import step_rates, wire_bytes
+from .console import step_rates
 from .results import MeshResult
 from .settings import Batches, RunSettings
 from .stage import StageWorker
@@ -337,7 +337,7 @@ class FastWorker(StageWorker):
         s, cfg = self.settings, self.settings.config
         tokens_per_step = s.microbatch_size * s.microbatches * s.seq_len
         logging = self.stage == self.topology.stages - 1 and self.replica == 0
-        self._tokens_at_start, self._bytes_at_start = self.result.tokens, wire_bytes(self.wire)  # calibration aside
+        self._tokens_at_start, self._bytes_at_start = self.result.tokens, self.wire.moved()  # calibration aside
         with self.diloco:
             while self._step < s.max_steps:
                 start = time.perf_counter()
@@ -375,7 +375,7 @@ class FastWorker(StageWorker):
         if logging and s.log is not None and self._step % s.log_every == 0:
             lr = self.optimizer.param_groups[0]["lr"]
             fast, done = len(self.topology.fast_replicas), self.result.tokens - self._tokens_at_start
-            rates = step_rates(self.wire, self._bytes_at_start, done, tokens, fast, seconds)
+            rates = step_rates(self.wire.moved() - self._bytes_at_start, done, tokens, fast, seconds)
             s.log({"step": self._step, "loss": loss, "lr": lr, "step_seconds": seconds, **rates, **self._step_metrics})
 
     def _finish_fast(self) -> MeshResult:
