@@ -141,6 +141,16 @@ def unwritable_cache(tmp: str) -> None:
         smollm2_checkpoint()
 
 
+def partial_fill(tmp: str) -> None:
+    """``filled_once`` given a fill that writes one of the two files it requires."""
+    from hf_meshtune.apps.cache import filled_once
+
+    def config_only(folder: Path) -> None:
+        (folder / "config.json").write_text("{}")
+
+    filled_once(Path(tmp, "model"), config_only, ("config.json", "model.safetensors"))
+
+
 def launched(world_size: int, mesh: str | None = None) -> contextlib.AbstractContextManager[None]:
     """The environment of one rank of a launched job (``meshtune launch`` sets both variables)."""
     return environ(WORLD_SIZE=str(world_size), MESHTUNE_MESH=mesh)
@@ -3006,6 +3016,15 @@ def _cases() -> list[Case]:
             "(the first use fills smollm2-135m-instruct there; NotADirectoryError: Not a directory)",
             note="checked before the conversion starts; an interrupted conversion is redone, never read "
             "(`tests/test_cache.py`)",
+        ),
+        Case(
+            RECIPES,
+            "a first-use fill that writes config.json only",
+            "`hf_meshtune.apps.cache.filled_once` (the embedded model's conversion, the tiny-Llama pretrain)",
+            partial_fill,
+            ValueError,
+            "fill='config_only' is invalid: it must write config.json, model.safetensors into the folder it is given",
+            note="nothing is renamed into place: the cache keeps no incomplete folder",
         ),
         # --- anchor / AnchorBatches ----------------------------------------------------------------------
         Case(
