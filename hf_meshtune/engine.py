@@ -172,6 +172,9 @@ class MeshEngine:
             if self.boundaries.boundary_layers:
                 entries["comm/measured_pp_fwd_bytes_per_token"] = counter.fwd_bytes / counter.tokens
                 entries["comm/measured_pp_bwd_bytes_per_token"] = counter.bwd_bytes / counter.tokens
+                coded = counter.fwd_bytes + counter.bwd_bytes
+                if coded and coded != counter.fwd_uncoded + counter.bwd_uncoded:  # a coder ends the codec
+                    entries["comm/pp_coding_ratio"] = (counter.fwd_uncoded + counter.bwd_uncoded) / coded
             counter.reset()
         if optimizer is not None:
             entries.update(getattr(optimizer, "last_diagnostics", {}) or {})

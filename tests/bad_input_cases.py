@@ -940,10 +940,27 @@ def codec(name: str, *args: object, **kwargs: object) -> Callable[[], object]:
 
 def _governed_handle():
     """A governed handle (ladder int4, int8) on the tiny Llama split in 2 stages."""
+    from hf_meshtune.boundary.compose.grammar import parse_codec
     from hf_meshtune.boundary.compose.handle import attach_composed
-    from hf_meshtune.boundary.compose.spec import parse_codec
 
     return attach_composed(tiny_llama(), 2, "int8", ladder=[parse_codec("int4"), parse_codec("int8")])
+
+
+def without_module(name: str, call: Callable[[], object]) -> Callable[[], object]:
+    """A trigger: ``call`` while ``import name`` fails (an environment that lacks the package)."""
+
+    def trigger() -> object:
+        saved = sys.modules.get(name)
+        sys.modules[name] = None  # type: ignore[assignment]  # makes `import name` raise ImportError
+        try:
+            return call()
+        finally:
+            if saved is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = saved
+
+    return trigger
 
 
 def attach_composed_to_tiny(codec: str) -> Callable[[], object]:
@@ -3290,7 +3307,8 @@ def _cases() -> list[Case]:
             lambda: MeshConfig(boundary_codec="int4+zip"),
             ValueError,
             "boundary_codec='int4+zip' is invalid: it must be stages joined by '+' from outliers<N>, pca<r>/spca<r>, "
-            "int<b>[g<G>|x<K>][sr], fp8[g<G>|x<K>], or mask<p>[+fill] ('zip' is none of them)",
+            "rot[<b>], int<b>[g<G>|x<K>][e8m0][sr], fp8[g<G>|x<K>][e8m0], then optionally /<backward> and a coder "
+            "(zstd/zlib), or mask<p>[+fill] ('zip' is none of them)",
         ),
         Case(
             COMPOSED,
@@ -3307,7 +3325,7 @@ def _cases() -> list[Case]:
             lambda: MeshConfig(boundary_codec="int4+outliers8"),
             ValueError,
             "boundary_codec='int4+outliers8' is invalid: it must order its stages as outliers, then a projection, then "
-            "a quantiser ('outliers8' comes too late)",
+            "a rotation, then a quantiser ('outliers8' comes too late)",
         ),
         Case(
             COMPOSED,
@@ -3345,11 +3363,96 @@ def _cases() -> list[Case]:
         ),
         Case(
             COMPOSED,
-            "boundary_codec='int5'",
+            "boundary_codec='int7'",
             "`MeshConfig(...)`",
-            lambda: MeshConfig(boundary_codec="int5"),
+            lambda: MeshConfig(boundary_codec="int7"),
             ValueError,
-            "boundary_codec='int5' is invalid: it must quantise to one of [2, 3, 4, 8] bits (int5 is not supported)",
+            "boundary_codec='int7' is invalid: it must quantise to one of [2, 3, 4, 5, 6, 8] bits (int7 is not "
+            "supported)",
+        ),
+        Case(
+            COMPOSED,
+            "boundary_codec='outliers8+rot' (a rotation without a quantiser after it)",
+            "`MeshConfig(...)`",
+            lambda: MeshConfig(boundary_codec="outliers8+rot"),
+            ValueError,
+            "boundary_codec='outliers8+rot' is invalid: it must follow a rotation with a quantiser (rot only spreads "
+            "values for one to code)",
+        ),
+        Case(
+            COMPOSED,
+            "boundary_codec='rot48+int4' (a Hadamard block that is not a power of 2)",
+            "`MeshConfig(...)`",
+            lambda: MeshConfig(boundary_codec="rot48+int4"),
+            ValueError,
+            "boundary_codec='rot48+int4' is invalid: it must rotate in blocks of a power of 2 >= 2 (rot48 is not: a "
+            "Hadamard block)",
+        ),
+        Case(
+            COMPOSED,
+            "boundary_codec='outliers8+zstd+int4' (an entropy stage that is not last)",
+            "`MeshConfig(...)`",
+            lambda: MeshConfig(boundary_codec="outliers8+zstd+int4"),
+            ValueError,
+            "boundary_codec='outliers8+zstd+int4' is invalid: it must end with the coder 'zstd': lossless coding is "
+            "the last stage (it codes the bytes)",
+        ),
+        Case(
+            COMPOSED,
+            "boundary_codec='zstd' (a coder with nothing to code)",
+            "`MeshConfig(...)`",
+            lambda: MeshConfig(boundary_codec="zstd"),
+            ValueError,
+            "boundary_codec='zstd' is invalid: it must code something before the coder: stages from outliers<N>, "
+            "pca<r>/spca<r>, rot[<b>], int<b>[g<G>|x<K>][e8m0][sr], fp8[g<G>|x<K>][e8m0], then optionally "
+            "/<backward> and a coder (zstd/zlib), or mask<p>[+fill]",
+        ),
+        Case(
+            COMPOSED,
+            "boundary_codec='outliers8+int4+zstd' without the zstandard package",
+            "`MeshConfig(...)`",
+            without_module("zstandard", lambda: MeshConfig(boundary_codec="outliers8+int4+zstd")),
+            ValueError,
+            "boundary_codec='outliers8+int4+zstd' is invalid: it must name a coder this environment has (zstd needs "
+            "the zstandard package: pip install 'zstandard>=0.22')",
+        ),
+        Case(
+            COMPOSED,
+            "boundary_codec='mask0.95/int8' (a backward spec on a codec that has no backward codec)",
+            "`MeshConfig(...)`",
+            lambda: MeshConfig(boundary_codec="mask0.95/int8"),
+            ValueError,
+            "boundary_codec='mask0.95/int8' is invalid: it must not spell a backward part on a mask (its gradient "
+            "has the mask's support: no codec)",
+        ),
+        Case(
+            COMPOSED,
+            "boundary_codec='outliers8+int4/outliers4+int8' (outliers in the backward part)",
+            "`MeshConfig(...)`",
+            lambda: MeshConfig(boundary_codec="outliers8+int4/outliers4+int8"),
+            ValueError,
+            "boundary_codec='outliers8+int4/outliers4+int8' is invalid: it must spell only a rotation and a quantiser "
+            "after '/' (the backward shares the forward's outliers and projection; 'outliers4' is the forward part's "
+            "outliers<N> stage)",
+        ),
+        Case(
+            COMPOSED,
+            "boundary_codec='outliers8+int4sr/int8' (stochastic rounding on the forward part)",
+            "`MeshConfig(...)`",
+            lambda: MeshConfig(boundary_codec="outliers8+int4sr/int8"),
+            ValueError,
+            "boundary_codec='outliers8+int4sr/int8' is invalid: it must put 'sr' on the backward part: stochastic "
+            "rounding codes the backward message",
+        ),
+        Case(
+            COMPOSED,
+            "boundary_codec='outliers2+rot16+int4g12' at H = 64 (a group that does not divide the rotation's "
+            "padded width)",
+            "`attach_composed(model, 2, codec)`",
+            attach_composed_to_tiny("outliers2+rot16+int4g12"),
+            ValueError,
+            "boundary_codec='outliers2+rot16+int4g12' is invalid: it must use a group size that divides the 64 coded "
+            "values per token (g12 does not; H=64, outliers=2, rank=None, padded to whole rot16 blocks)",
         ),
         Case(
             COMPOSED,
@@ -3480,7 +3583,7 @@ def _cases() -> list[Case]:
             lambda: MeshConfig(boundary_codec="governed", codec_ladder="int4,int9"),
             ValueError,
             "codec_ladder='int4,int9' is invalid: it must hold valid codecs (level 'int9': boundary_codec='int9' is "
-            "invalid: it must quantise to one of [2, 3, 4, 8] bits (int9 is not supported))",
+            "invalid: it must quantise to one of [2, 3, 4, 5, 6, 8] bits (int9 is not supported))",
         ),
         Case(
             GOVERNOR,

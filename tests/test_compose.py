@@ -11,7 +11,7 @@ import torch
 
 from hf_meshtune import MeshConfig
 from hf_meshtune.boundary.compose import ComposedCodec, parse_codec
-from hf_meshtune.boundary.compose.codec import geometry_digest
+from hf_meshtune.boundary.compose.codec import geometry_digest, wire_records
 from hf_meshtune.boundary.compose.handle import attach_composed
 from hf_meshtune.boundary.compose.quant import dequantize, int_levels, pack_bits, quantize, unpack_bits
 from hf_meshtune.ledger import LedgerSettings, compute_ledger
@@ -48,19 +48,51 @@ def _ref_scale(absmax: torch.Tensor, top: float) -> torch.Tensor:
     return torch.where(absmax > 0, scale, torch.ones_like(scale))
 
 
-def _ref_quant(z: torch.Tensor, quant: str, bits: int, groups: int) -> torch.Tensor:
+def _ref_e8m0(absmax: torch.Tensor, top: float) -> torch.Tensor:
+    """The stated e8m0 scale: the power of two at or above absmax / top (1 for an all-zero group)."""
+    return torch.where(absmax > 0, 2.0 ** torch.ceil(torch.log2(absmax / top)), torch.ones_like(absmax))
+
+
+def _ref_quant(z: torch.Tensor, quant: str, bits: int, groups: int, scales: str = "bf16") -> torch.Tensor:
     """Float64 quantise-dequantise of z [..., D] with one scale per each of ``groups`` contiguous groups, cut
     as ``torch.tensor_split`` cuts (sizes differ by at most one, the longer ones first)."""
+    scale_of = _ref_e8m0 if scales == "e8m0" else _ref_scale
     out = []
     for g in torch.tensor_split(z.double(), groups, dim=-1):
         if quant == "fp8":
-            scale = _ref_scale(g.abs().amax(-1, keepdim=True), 448.0)
+            scale = scale_of(g.abs().amax(-1, keepdim=True), 448.0)
             out.append((g / scale).float().to(torch.float8_e4m3fn).double() * scale)
         else:
             levels = 2 ** (bits - 1) - 1
-            scale = _ref_scale(g.abs().amax(-1, keepdim=True), levels)
+            scale = scale_of(g.abs().amax(-1, keepdim=True), levels)
             out.append(torch.round(g / scale).clamp(-levels, levels) * scale)
     return torch.cat(out, dim=-1)
+
+
+def _ref_rotation(codec: ComposedCodec, direction: str) -> torch.Tensor:
+    """R [D', D] in float64 from its definition: blockdiag(H_b)/√b · diag(s) · P · pad, with H_b[i, j] =
+    (-1)^popcount(i & j) (Sylvester's matrix) and the codec's seeded permutation and signs."""
+    rotation = codec.rotations[direction]
+    width, padded, block = rotation.width, rotation.padded, rotation.block
+    index = torch.arange(block)
+    parity = torch.tensor([[bin(int(i) & int(j)).count("1") % 2 for j in index] for i in index], dtype=torch.float64)
+    hadamard = (1 - 2 * parity) / math.sqrt(block)
+    blocks = torch.block_diag(*[hadamard] * (padded // block))
+    permute = torch.zeros(padded, padded, dtype=torch.float64)
+    permute[torch.arange(padded), rotation.permutation] = 1.0
+    embed = torch.eye(padded, width, dtype=torch.float64)
+    return blocks @ torch.diag(rotation.signs.double()) @ permute @ embed
+
+
+def _ref_code(codec: ComposedCodec, direction: str, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The quantiser of ``direction``'s message on z [..., D] in float64, rotated before where it says so."""
+    spec = codec.spec.side(direction)
+    if spec.quant is None:
+        return z.to(dtype).double()
+    if spec.rotation is None:
+        return _ref_quant(z, spec.quant, spec.bits, spec.groups(H), spec.scales)
+    rotation = _ref_rotation(codec, direction)
+    return _ref_quant(z.double() @ rotation.T, spec.quant, spec.bits, spec.groups(H), spec.scales) @ rotation
 
 
 def _ref_roundtrip(codec: ComposedCodec, h: torch.Tensor) -> torch.Tensor:
@@ -75,7 +107,7 @@ def _ref_roundtrip(codec: ComposedCodec, h: torch.Tensor) -> torch.Tensor:
         z = centred @ geo["basis"].double()
     else:
         z = rest
-    zq = _ref_quant(z, spec.quant, spec.bits, spec.groups(H)) if spec.quant else z.to(h.dtype).double()
+    zq = _ref_code(codec, "fwd", z, h.dtype)
     if spec.projection:
         back = zq @ geo["basis"].double().T
         if spec.projection == "spca":
@@ -96,7 +128,7 @@ def _ref_gradient(codec: ComposedCodec, g: torch.Tensor) -> torch.Tensor:
         if spec.projection == "spca":
             rest = rest * geo["std"].double()
         rest = rest @ geo["basis"].double()
-    zq = _ref_quant(rest, spec.quant, spec.bits, spec.groups(H)) if spec.quant else rest.to(g.dtype).double()
+    zq = _ref_code(codec, "bwd", rest, g.dtype)
     if spec.projection:
         zq = zq @ geo["basis"].double().T
         if spec.projection == "spca":
@@ -126,6 +158,15 @@ COMPOSITIONS = [
     "outliers3+int3x8",  # 61 in 8: 8 × 5, 7 × 3
     "outliers2+fp8x7",
     "outliers2+spca24+int2x5",
+    "rot+int4",  # one block of 64
+    "outliers8+rot16+int4g16",  # 56 values padded to 64: four blocks, one scale each
+    "outliers2+rot8+int3x8e8m0",  # 62 padded to 64, power-of-two scales
+    "outliers4+pca20+rot8+int4g8",  # rotation after a projection: 20 padded to 24
+    "outliers8+int4x8/int8",  # the backward finer than the forward
+    "outliers8+rot16+int4g16e8m0/rot32+int6g32",  # each direction rotated its own way
+    "outliers2+int8/rot+int5x4",  # a rotation on the backward only
+    "outliers8+rot+int4g64+zstd",  # lossless coding changes no value
+    "outliers8+int3x8/int6+zlib",
 ]
 
 
@@ -139,10 +180,15 @@ def test_forward_and_backward_match_the_float64_transcription(text):
     g = torch.randn(4, 12, H, generator=torch.Generator().manual_seed(2), dtype=torch.float32)
     rebuilt.backward(g)
     torch.testing.assert_close(h.grad.double(), _ref_gradient(codec, g), rtol=0, atol=2e-5 * g.abs().amax() * 10)
-    # the message: its bytes are the stated formula, padded to whole fp32 words
+    # the message: the larger direction's stated formula, padded to whole fp32 words; each direction's
+    # records hold its own formula's bytes
     assert payload.dtype == torch.float32
     assert payload.shape == (4, 12, codec.payload_bytes(torch.float32) // 4)
-    assert payload.numel() * payload.element_size() == 4 * 12 * codec.spec.payload_bytes(H, 4)
+    words = max(codec.spec.payload_bytes(H, 4, d) for d in ("fwd", "bwd"))
+    assert payload.numel() * payload.element_size() == 4 * 12 * words
+    for direction in ("fwd", "bwd"):
+        records = wire_records(codec, direction, payload.detach().reshape(-1, payload.shape[-1]))
+        assert records.shape == (48, codec.spec.side(direction).message_bytes(H, 4))
 
 
 def test_the_quantiser_has_a_zero_level_and_uses_symmetric_levels():

@@ -11,7 +11,7 @@ import pytest
 import transformers
 
 from hf_meshtune.apps.assets import smollm2_checkpoint
-from hf_meshtune.boundary.compose.spec import parse_codec
+from hf_meshtune.boundary.compose.grammar import parse_codec
 from hf_meshtune.config import QUALITY_CODEC
 from tests.distributed import mesh_launch
 from tests.test_recipes import ROOT, load_script

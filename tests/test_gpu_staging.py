@@ -30,18 +30,22 @@ def test_a_launched_process_gets_gloo_and_other_backends_are_refused(monkeypatch
 def _staging(rank: int, world_size: int) -> dict:
     import torch.distributed as dist
 
-    from hf_meshtune.pipeline.schedule import _land, _staged_recvs, _staged_send
+    from hf_meshtune.pipeline.messages import WireFormat
+    from hf_meshtune.pipeline.schedule import _staged_recv, _staged_send
 
     group = dist.new_group([0])
     on_cpu = dist.P2POp(dist.isend, torch.arange(3.0), 0, group, 5)
     on_device = torch.empty(2, 3, dtype=torch.bfloat16, device="meta")
-    recv = dist.P2POp(dist.irecv, on_device, 0, group, 5)
-    staged: list = []
-    (new_recv,) = _staged_recvs([recv], staged)
-    cpu_recv = _staged_recvs([dist.P2POp(dist.irecv, torch.zeros(3), 0, group, 5)], [])[0]
-    # the landing copies each CPU buffer into its device buffer (here a CPU tensor, to read it back)
-    target, received = torch.zeros(4), torch.arange(4.0)
-    _land([(target, received)])
+    new_recv = _staged_recv(dist.P2POp(dist.irecv, on_device, 0, group, 5))
+    cpu_recv = _staged_recv(dist.P2POp(dist.irecv, torch.zeros(3), 0, group, 5))
+    # a boundary message: header and body are CPU tensors whatever the payload's device; the body lands in
+    # the stage's (device) buffer at the carried positions, zeros after
+    form = WireFormat(record=8, width=2, dtype=torch.float32)
+    payload = torch.arange(2 * 3 * 2, dtype=torch.float32).reshape(2, 3, 2)
+    lengths = torch.tensor([3, 1])
+    header, body = form.pack(payload, lengths)
+    target = torch.full((2, 3, 2), 7.0)
+    form.unpack(body, lengths, target)
     return {
         "send_unchanged": _staged_send(on_cpu) is on_cpu,
         "cpu_recv_unchanged": cpu_recv.tensor.device.type == "cpu" and cpu_recv.tag == 5,
@@ -49,7 +53,8 @@ def _staging(rank: int, world_size: int) -> dict:
         "recv_shape": tuple(new_recv.tensor.shape),
         "recv_dtype": str(new_recv.tensor.dtype),
         "recv_peer_tag_group": (new_recv.peer, new_recv.tag, new_recv.group is group, new_recv.op is dist.irecv),
-        "staged_pair": staged[0][0] is on_device and staged[0][1] is new_recv.tensor,
+        "message_on_cpu": header.device.type == "cpu" and body.device.type == "cpu",
+        "header": header.tolist(),
         "landed": target.tolist(),
     }
 
@@ -59,8 +64,8 @@ def test_pipeline_receives_of_device_tensors_land_in_cpu_buffers_then_in_the_dev
     assert out["send_unchanged"] and out["cpu_recv_unchanged"]
     assert out["recv_device"] == "cpu" and out["recv_shape"] == (2, 3) and out["recv_dtype"] == "torch.bfloat16"
     assert out["recv_peer_tag_group"] == (0, 5, True, True)
-    assert out["staged_pair"]
-    assert out["landed"] == [0.0, 1.0, 2.0, 3.0]
+    assert out["message_on_cpu"] and out["header"] == [4 * 8, 4, 8]
+    assert out["landed"] == [[[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]], [[6.0, 7.0], [0.0, 0.0], [0.0, 0.0]]]
 
 
 def test_gpu_mesh_check_refuses_without_cuda(tmp_path, capsys, monkeypatch):

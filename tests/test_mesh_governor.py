@@ -26,8 +26,8 @@ import torch
 from hf_meshtune.anchor.circuit import AnchorCircuit
 from hf_meshtune.anchor.fidelity import stage_parameter_groups
 from hf_meshtune.anchor.mesh_governor import SUMS, FastLevelLink, SendProbe, _fidelity, levels_message
+from hf_meshtune.boundary.compose.grammar import parse_codec
 from hf_meshtune.boundary.compose.handle import attach_composed
-from hf_meshtune.boundary.compose.spec import parse_codec
 from hf_meshtune.comm.messages import LEVELS
 from hf_meshtune.comm.wire import Wire
 from hf_meshtune.pipeline.schedule import MeshStage, build_schedule

@@ -8,7 +8,8 @@ import torch
 from hf_meshtune.boundary.hooks import attach_boundaries
 from hf_meshtune.boundary.masking import BoundaryMask, keep_count
 from hf_meshtune.comm.wire import Wire
-from hf_meshtune.pipeline.schedule import MeshStage, build_schedule
+from hf_meshtune.pipeline.messages import HEADER_VALUES, carried_lengths
+from hf_meshtune.pipeline.schedule import MeshStage, build_schedule, run_schedule
 from hf_meshtune.pipeline.stage import StageModule, causal_lm_loss, stage_parameter_names, untie_embeddings
 from hf_meshtune.topology import MeshTopology
 from tests.tiny import tiny_family, tiny_llama
@@ -64,10 +65,10 @@ def _pipeline_worker(rank: int, world: int, steps: int, arch: str = "llama") -> 
     return run_stage(model, module, groups.pp_group, world, steps, Wire())
 
 
-def run_stage(model, module: StageModule, group, world: int, steps: int, wire: Wire) -> dict:
-    """``steps`` pipeline steps of this rank's ``module`` on ``_batch(step)``: last-stage losses, this
-    stage's gradients after the last step, and the wire's counters."""
-    stage = module.stage
+def run_stage(model, module: StageModule, group, world: int, steps: int, wire: Wire, labels_of=None) -> dict:
+    """``steps`` pipeline steps of this rank's ``module`` on ``_batch(step)`` with ``labels_of(step)`` (default:
+    the ids, every position labelled) through ``run_schedule``, which carries each row up to its last
+    labelled position: last-stage losses, this stage's gradients after the last step, the wire's counters."""
     pipe = MeshStage(
         module,
         group=group,
@@ -83,16 +84,8 @@ def run_stage(model, module: StageModule, group, world: int, steps: int, wire: W
         model.zero_grad()
         module.step = step
         ids = _batch(step)
-        out: list = []
-        if stage == 0 and stage == world - 1:
-            schedule.step(ids, target=ids, losses=out)
-        elif stage == 0:
-            schedule.step(ids)
-        elif stage == world - 1:
-            schedule.step(target=ids, losses=out)
-        else:
-            schedule.step()
-        losses.append(float(sum(v.item() for v in out) / len(out)) if out else None)
+        labels = ids if labels_of is None else labels_of(step)
+        losses.append(run_schedule(schedule, module, ids, labels, carried_lengths(labels)))
     grads = {n: p.grad.clone() for n, p in stage_parameter_names(model, module).items() if p.grad is not None}
     return {"losses": losses, "grads": grads, "wire": wire.to_dict()}
 
@@ -114,16 +107,16 @@ def test_masked_pipeline_equals_single_process_masked_model(launcher, stages):
     steps = 2
     results = launcher(_pipeline_worker, stages, steps, timeout=180)
     _assert_equals_reference(results, *reference(stages, steps))
-    # the wire: only [MICRO, SEQ, K] payloads, forward and backward, on every boundary
+    # the wire: a header and the [MICRO·SEQ, K] kept values (every position is labelled), both ways, per boundary
     keep = keep_count(HIDDEN, P)
-    per_message = MICRO * SEQ * keep * 4
+    per_message = MICRO * SEQ * keep * 4 + HEADER_VALUES * 8
     microbatches = BATCH // MICRO
     for stage, result in enumerate(results):
         sent = result["wire"]["sent"]
         expect_fwd = per_message * microbatches * steps if stage < stages - 1 else 0
         expect_bwd = per_message * microbatches * steps if stage > 0 else 0
         assert sent["pp_fwd"] == expect_fwd and sent["pp_bwd"] == expect_bwd
-        assert result["wire"]["messages"]["pp_fwd"] == (microbatches * steps if stage < stages - 1 else 0)
+        assert result["wire"]["messages"]["pp_fwd"] == (2 * microbatches * steps if stage < stages - 1 else 0)
 
 
 @pytest.mark.parametrize("arch", ["gemma2", "gpt_neox"])

@@ -317,7 +317,7 @@ def test_gspo_fits_a_composed_codec_on_the_first_prompts_and_trains_through_it(t
     ``codec_refit_every=0`` it is still the one after training). With the default refit the anchor's
     rounds on the rollouts replace it."""
     from hf_meshtune.boundary.compose.codec import ComposedCodec, geometry_digest
-    from hf_meshtune.boundary.compose.spec import parse_codec
+    from hf_meshtune.boundary.compose.grammar import parse_codec
     from hf_meshtune.trl_trainers import CALIBRATION_PROMPTS
 
     trainer = grpo(tokenizer, tmp_path / "codec", boundary_codec="outliers2+spca8+int4", codec_refit_every=0)

@@ -136,7 +136,7 @@ def test_a_mesh_row_trains_across_namespaces_and_the_wire_matches_the_kernel_cou
     from benchmarks.wan.mesh import run_row
     from benchmarks.wan.rows import ROWS, Shape, prepare_data, scratch_model
     from benchmarks.wan.run import read_run
-    from hf_meshtune.boundary.compose.spec import parse_codec
+    from hf_meshtune.boundary.compose.grammar import parse_codec
 
     star.up(6, rate_mbit=200.0, delay_ms=0.0)
     data = prepare_data(Shape(), str(tmp_path / "data.pt"), load=scratch_model)

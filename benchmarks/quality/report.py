@@ -10,7 +10,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from hf_meshtune.boundary.compose.spec import parse_codec
+from hf_meshtune.boundary.compose.grammar import parse_codec
 from hf_meshtune.boundary.masking import keep_count
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -148,12 +148,13 @@ def codecs(runs: list[dict]) -> list[str]:
     return lines
 
 
-def boundary_bf16_bytes(knobs: dict, hidden: int) -> int:
-    """Formula bytes per token and boundary on a bf16 wire (forward; the backward is the same size) of a row's
-    mesh knobs: a composed codec's payload, else K values of a mask (the paper's p = 0.95 unless given; 2·H at 0)."""
+def boundary_bf16_bytes(knobs: dict, hidden: int) -> float:
+    """Formula bytes per real token and boundary on a bf16 wire, the mean of the forward and the backward
+    message (they differ where the codec spells a backward apart), before lossless coding: a composed
+    codec's records, else K values of a mask (the paper's p = 0.95 unless given; 2·H at 0)."""
     codec = knobs.get("boundary_codec")
     if codec is not None:
-        return parse_codec(codec).payload_bytes(hidden, 2)
+        return parse_codec(codec).round_trip_bytes(hidden, 2) / 2
     ratio = knobs.get("mask_ratio", 0.95)
     return 2 * hidden if ratio == 0.0 else keep_count(hidden, ratio) * 2
 

@@ -78,15 +78,32 @@ def _hidden_size(model: nn.Module) -> int:
 
 @dataclass
 class PayloadCounter:
-    """Bytes that boundaries of this process actually produced, forward and backward, and the
-    tokens (positions) of the training forwards that produced them."""
+    """Bytes that boundaries of this process would put on the variable-size wire, forward and backward,
+    and the real tokens (``attention_mask`` == 1; every position without a mask) of the training forwards
+    that produced them: padded positions never cross a link, so neither their bytes nor they count.
+    ``*_uncoded`` are the same messages before lossless coding (equal to the coded bytes without a coder)."""
 
     fwd_bytes: int = 0
     bwd_bytes: int = 0
     tokens: int = 0
+    fwd_uncoded: int = 0
+    bwd_uncoded: int = 0
 
     def reset(self) -> None:
-        self.fwd_bytes = self.bwd_bytes = self.tokens = 0
+        self.fwd_bytes = self.bwd_bytes = self.tokens = self.fwd_uncoded = self.bwd_uncoded = 0
+
+    def book(self, direction: str, coded: int, uncoded: int) -> None:
+        if direction == "fwd":
+            self.fwd_bytes, self.fwd_uncoded = self.fwd_bytes + coded, self.fwd_uncoded + uncoded
+        else:
+            self.bwd_bytes, self.bwd_uncoded = self.bwd_bytes + coded, self.bwd_uncoded + uncoded
+
+
+def real_rows(tensor: torch.Tensor, real: torch.Tensor | None) -> torch.Tensor:
+    """[B, T, W] → [n, W]: the rows of the real tokens (``real`` [B, T] bool; None: every position)."""
+    if real is None or real.shape != tensor.shape[:-1]:
+        return tensor.reshape(-1, tensor.shape[-1])
+    return tensor[real.to(tensor.device)]
 
 
 class BoundaryHooks:
@@ -98,6 +115,7 @@ class BoundaryHooks:
     microbatch: int
     counter: PayloadCounter
     _hooks: list
+    _real_mask: torch.Tensor | None = None  # the current microbatch's real tokens (its attention mask)
 
     @contextlib.contextmanager
     def disabled(self) -> Iterator[None]:
@@ -121,11 +139,25 @@ class BoundaryHooks:
         if not self._is_training_forward(module):
             return
         self.microbatch += 1
+        self.counter.tokens += self._note_real_tokens(args, kwargs)
+
+    def _note_real_tokens(self, args: tuple, kwargs: dict) -> int:
+        """Keep this microbatch's real-token mask (``_real_mask``: the attention mask, or None) and
+        return how many real tokens it has."""
         inputs = kwargs.get("input_ids", args[0] if args else None)
         if inputs is None and kwargs.get("inputs_embeds") is not None:
             inputs = kwargs["inputs_embeds"][..., 0]
-        if isinstance(inputs, torch.Tensor):
-            self.counter.tokens += inputs.numel()
+        mask = kwargs.get("attention_mask")
+        usable = isinstance(mask, torch.Tensor) and isinstance(inputs, torch.Tensor) and mask.shape == inputs.shape
+        self._real_mask = mask.bool() if usable and isinstance(mask, torch.Tensor) else None
+        if self._real_mask is not None:
+            return int(self._real_mask.sum())
+        return inputs.numel() if isinstance(inputs, torch.Tensor) else 0
+
+    def real_fraction(self, positions: int) -> float:
+        """The share of ``positions`` (this microbatch's) that are real tokens."""
+        real = self._real_mask
+        return 1.0 if real is None or not positions else float(real.sum()) / real.numel()
 
     def dense_boundary_tokens(self, model: nn.Module, batch: dict) -> list[torch.Tensor]:
         """``dense_boundary_outputs`` at the real tokens only (``attention_mask`` == 1 when given)."""
@@ -254,13 +286,11 @@ class BoundaryHandle(BoundaryHooks):
         return (masked, *output[1:]) if isinstance(output, tuple) else masked
 
     def _count(self, payload: torch.Tensor) -> None:
-        nbytes = payload.numel() * payload.element_size()
-        self.counter.fwd_bytes += nbytes
+        real = self._real_mask
+        nbytes = real_rows(payload, real).numel() * payload.element_size()
+        self.counter.book("fwd", nbytes, nbytes)
         if payload.requires_grad:
-            payload.register_hook(self._count_backward)
-
-    def _count_backward(self, grad: torch.Tensor) -> None:
-        self.counter.bwd_bytes += grad.numel() * grad.element_size()
+            payload.register_hook(lambda grad: self.counter.book("bwd", nbytes, nbytes))
 
 
 def attach_boundaries(

@@ -5,7 +5,8 @@ cadence's bounds. Each takes any object with the knobs as attributes (a ``MeshAr
 from __future__ import annotations
 
 from .._validation import require
-from ..boundary.compose.spec import CodecSpec, parse_codec
+from ..boundary.compose.grammar import parse_codec
+from ..boundary.compose.spec import CodecSpec
 from .presets import GOVERNED, GOVERNED_LADDER
 
 __all__ = [

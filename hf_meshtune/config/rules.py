@@ -5,7 +5,7 @@ and the rule; the order of the checks is the order a user sees the errors in."""
 from __future__ import annotations
 
 from .._validation import require
-from ..boundary.compose.spec import parse_codec
+from ..boundary.compose.grammar import parse_codec
 from ..boundary.fills import require_fill
 from .derived import cadence_bounds, codec_ladder, composed_codec, is_governed
 from .presets import ANCHOR_PAYLOADS, CADENCES, DP_QUANTIZERS

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import torch
 import transformers
 
-from ..boundary.compose.spec import parse_codec
+from ..boundary.compose.grammar import parse_codec
 from ..boundary.masking import keep_count
 from ..config import DP_QUANT_BLOCK
 from .settings import DTYPE_BYTES, Ledger, LedgerSettings, _require_int

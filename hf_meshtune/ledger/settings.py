@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._validation import require
-from ..boundary.compose.spec import parse_codec
+from ..boundary.compose.grammar import parse_codec
 from ..comm.wire import CIRCUITS
 from ..config import ANCHOR_PAYLOADS, DP_QUANTIZERS, codec_refit_every, composed_codec
 

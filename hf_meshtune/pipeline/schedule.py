@@ -1,17 +1,20 @@
 """Running stages across processes: torch's ``PipelineStage`` on the ``Wire``, and the 1F1B schedule.
 
 ``MeshStage`` is torch's ``PipelineStage`` with three additions: it tells its module which microbatch
-a forward belongs to (the mask's clock); it books every activation and gradient it hands to the
-backend on the ``Wire`` (``pp_fwd``/``pp_bwd``, or ``anchor`` on the anchor's pipeline); and on a GPU
-it stages its point-to-point traffic through CPU memory, since the mesh's gloo links send and
-receive CPU tensors only: a send goes out as a CPU copy, a receive lands in a CPU buffer that is
-copied into the stage's device buffer before the chunk's forward or backward reads it.
-Shapes are static (example tensors at construction), so no metadata inference runs a stray forward.
+a forward belongs to (the mask's clock); its boundary messages are variable-size (``pipeline.messages``):
+a send packs the payload's carried positions (and codes them where the codec ends in a coder) into a
+header and a body, sent at once and booked on the ``Wire`` (``pp_fwd``/``pp_bwd``, or ``anchor`` on the
+anchor's pipeline); a receive reads the header first, then receives the body into a CPU buffer of its
+size, which is decoded into the stage's padded buffer (on its device) before the chunk's forward or
+backward reads it. Everything on the links is a CPU tensor, as the mesh's gloo links need.
+Inside a stage shapes are static (example tensors at construction), so no metadata inference runs a stray
+forward.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import cast
 
 import torch
@@ -20,13 +23,15 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from .._validation import require
 from ..comm.wire import Wire
+from .messages import HEADER_VALUES, WireFormat
 from .stage import StageModule
 
 __all__ = ["MeshStage", "build_schedule", "run_schedule"]
 
 
 class MeshStage(PipelineStage):
-    """A ``PipelineStage`` whose module learns the microbatch index and whose sends go on the ``Wire``."""
+    """A ``PipelineStage`` whose module learns the microbatch index and whose boundary messages travel
+    variable-size (``pipeline.messages``) on the ``Wire``."""
 
     def __init__(
         self,
@@ -56,43 +61,87 @@ class MeshStage(PipelineStage):
         else:
             example_out = payload("out")
         super().__init__(module, stage, num_stages, device, input_args=example_in, output_args=example_out, group=group)
-        self.wire = wire
+        self.wire, self.dtype, self.microbatch_size = wire, dtype, microbatch_size
         self.fwd_circuit, self.bwd_circuit = ("anchor", "anchor") if anchor else ("pp_fwd", "pp_bwd")
-        # GPU stages: per chunk, (device buffer, the CPU buffer its receive lands in) until the copy
-        self._staged_fwd: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        self._staged_bwd: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.lengths: torch.Tensor | None = None  # the step's carried lengths, every row (None: all positions)
+        # per chunk, what lands in the stage's buffers once the schedule has waited for the receives
+        self._landing_fwd: dict[int, list[Callable[[], None]]] = {}
+        self._landing_bwd: dict[int, list[Callable[[], None]]] = {}
+        self._sending: list = []  # the step's sends in flight (work handles and the tensors they read)
+
+    def begin_step(self, lengths: torch.Tensor | None) -> None:
+        """The step's carried lengths (``messages.carried_lengths`` of its labels; None: every position)."""
+        self.lengths = None if lengths is None else lengths.to("cpu", torch.int64)
+
+    def finish_step(self) -> None:
+        """Wait for this step's sends (every peer has received them once its own step is done)."""
+        for work, _ in self._sending:
+            work.wait()
+        self._sending.clear()
+
+    def _chunk_lengths(self, chunk: int) -> torch.Tensor | None:
+        if self.lengths is None:
+            return None
+        return self.lengths[chunk * self.microbatch_size : (chunk + 1) * self.microbatch_size]
 
     def forward_one_chunk(self, fwd_chunk_id: int, args, kwargs=None, save_forward_output: bool = True):
         cast(StageModule, self.submod).microbatch = fwd_chunk_id
-        _land(self._staged_fwd.pop(fwd_chunk_id, []))
+        _land(self._landing_fwd.pop(fwd_chunk_id, []))
         return super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
 
     def backward_one_chunk(self, bwd_chunk_id: int, *args, **kwargs):
-        _land(self._staged_bwd.pop(bwd_chunk_id, []))
+        _land(self._landing_bwd.pop(bwd_chunk_id, []))
         return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
 
+    def _format(self, side: str, direction: str) -> WireFormat:
+        return cast(StageModule, self.submod).wire_format(side, direction, self.dtype)
+
     def get_fwd_recv_ops(self, fwd_chunk_id: int):
-        return _staged_recvs(super().get_fwd_recv_ops(fwd_chunk_id), self._staged_fwd.setdefault(fwd_chunk_id, []))
+        landing = self._landing_fwd.setdefault(fwd_chunk_id, [])
+        return self._receive(super().get_fwd_recv_ops(fwd_chunk_id), self._format("in", "fwd"), fwd_chunk_id, landing)
 
     def get_bwd_recv_ops(self, bwd_chunk_id: int):
-        return _staged_recvs(super().get_bwd_recv_ops(bwd_chunk_id), self._staged_bwd.setdefault(bwd_chunk_id, []))
+        landing = self._landing_bwd.setdefault(bwd_chunk_id, [])
+        return self._receive(super().get_bwd_recv_ops(bwd_chunk_id), self._format("out", "bwd"), bwd_chunk_id, landing)
 
     def get_fwd_send_ops(self, fwd_chunk_id: int):
         ops = super().get_fwd_send_ops(fwd_chunk_id)
-        for op in ops:
-            self.wire.record_send(self.fwd_circuit, op.tensor)
-        return [_staged_send(op) for op in ops]
+        return self._send(ops, self._format("out", "fwd"), fwd_chunk_id, self.fwd_circuit)
 
     def get_bwd_send_ops(self, bwd_chunk_id: int):
         ops = super().get_bwd_send_ops(bwd_chunk_id)
+        return self._send(ops, self._format("in", "bwd"), bwd_chunk_id, self.bwd_circuit)
+
+    def _send(self, ops: list[dist.P2POp], form: WireFormat, chunk: int, circuit: str) -> list[dist.P2POp]:
+        """Send each op's payload now as header + body (booked on ``circuit``); nothing is left for the
+        schedule to batch. Sending at once never waits longer than the schedule's own batching would: a
+        receiver blocks on a header only where the schedule waits for that message anyway."""
         for op in ops:
-            self.wire.record_send(self.bwd_circuit, op.tensor)
-        return [_staged_send(op) for op in ops]
+            header, body = form.pack(op.tensor, self._chunk_lengths(chunk))
+            for tensor in (header, body):
+                self.wire.record_send(circuit, tensor)
+                self._sending.append((dist.isend(tensor, op.peer, op.group, op.tag), tensor))
+        return []
+
+    def _receive(
+        self, ops: list[dist.P2POp], form: WireFormat, chunk: int, landing: list[Callable[[], None]]
+    ) -> list[dist.P2POp]:
+        """For each receive of a padded buffer: its header now (it says the body's size), then a receive of
+        the body for the schedule to wait on, which lands in the buffer before the chunk runs."""
+        lengths = self._chunk_lengths(chunk)
+        out = []
+        for op in ops:
+            header = torch.empty(HEADER_VALUES, dtype=torch.int64)
+            dist.recv(header, op.peer, op.group, op.tag)
+            body = torch.empty(form.expect(header, lengths, op.tensor.shape[0] * op.tensor.shape[1]), dtype=torch.uint8)
+            out.append(dist.P2POp(dist.irecv, body, op.peer, op.group, op.tag))
+            landing.append(partial(form.unpack, body, lengths, op.tensor))
+        return out
 
     def _get_init_p2p_neighbors_ops(self):
         # torch's first step exchanges a scalar with each neighbour (NCCL warm-up) on the stage's device
         ops = super()._get_init_p2p_neighbors_ops()
-        return [_staged_send(op) if op.op is dist.isend else _staged_recvs([op], [])[0] for op in ops]
+        return [_staged_send(op) if op.op is dist.isend else _staged_recv(op) for op in ops]
 
 
 def _with_tensor(op: dist.P2POp, tensor: torch.Tensor) -> dist.P2POp:
@@ -107,24 +156,17 @@ def _staged_send(op: dist.P2POp) -> dist.P2POp:
     return _with_tensor(op, op.tensor.detach().cpu())
 
 
-def _staged_recvs(ops: list[dist.P2POp], staged: list[tuple[torch.Tensor, torch.Tensor]]) -> list[dist.P2POp]:
-    """Receives into CPU buffers for the GPU buffers of ``ops``, noting each pair in ``staged``."""
-    out = []
-    for op in ops:
-        if op.tensor.device.type == "cpu":
-            out.append(op)
-            continue
-        buffer = torch.empty(op.tensor.shape, dtype=op.tensor.dtype)
-        staged.append((op.tensor, buffer))
-        out.append(_with_tensor(op, buffer))
-    return out
+def _staged_recv(op: dist.P2POp) -> dist.P2POp:
+    """The warm-up receive into a CPU buffer on a GPU stage (its value is never read)."""
+    if op.tensor.device.type == "cpu":
+        return op
+    return _with_tensor(op, torch.empty(op.tensor.shape, dtype=op.tensor.dtype))
 
 
-def _land(staged: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Copy received CPU buffers into the stage's device buffers (the schedule has waited for them)."""
-    with torch.no_grad():
-        for device_buffer, buffer in staged:
-            device_buffer.copy_(buffer)
+def _land(landing: list[Callable[[], None]]) -> None:
+    """Decode the chunk's received bodies into the stage's buffers (the schedule has waited for them)."""
+    for land in landing:
+        land()
 
 
 def build_schedule(stage: MeshStage, microbatches: int, loss_fn: Callable):
@@ -136,9 +178,22 @@ def build_schedule(stage: MeshStage, microbatches: int, loss_fn: Callable):
     return ScheduleGPipe(stage, microbatches, loss_fn=loss_fn, scale_grads=True)
 
 
-def run_schedule(schedule, module: StageModule, ids: torch.Tensor, labels: torch.Tensor) -> float | None:
-    """One step of ``schedule``: the first stage feeds ``ids``, the last ``labels``; returns the mean
+def run_schedule(
+    schedule, module: StageModule, ids: torch.Tensor, labels: torch.Tensor, lengths: torch.Tensor | None = None
+) -> float | None:
+    """One step of ``schedule``: the first stage feeds ``ids``, the last ``labels``; boundary messages carry
+    the positions under ``lengths`` (``messages.carried_lengths``; None: every position). Returns the mean
     microbatch loss on the last stage (None elsewhere)."""
+    stage = cast(MeshStage, schedule._stage)
+    stage.begin_step(lengths)
+    try:
+        loss = _step(schedule, module, ids, labels)
+    finally:
+        stage.finish_step()
+    return loss
+
+
+def _step(schedule, module: StageModule, ids: torch.Tensor, labels: torch.Tensor) -> float | None:
     losses: list[torch.Tensor] = []
     first, last = module.stage == 0, module.stage == module.num_stages - 1
     if first and last:

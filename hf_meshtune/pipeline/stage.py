@@ -40,6 +40,7 @@ from .layout import (
     logit_softcap,
     rotary_per_layer_type,
 )
+from .messages import WireFormat
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
@@ -284,6 +285,11 @@ class StageModule(nn.Module):
             return self.mask_out.send(hidden, idx)
         return hidden
 
+    def wire_format(self, side: str, direction: str, dtype: torch.dtype) -> WireFormat:
+        """How ``side``'s ("in"/"out") boundary message travels in ``direction`` ("fwd": the payload,
+        "bwd": its gradient): a codec's record of that direction (and its coder), else the payload's values."""
+        return _wire_format(self, side, direction, dtype)
+
     def payload_width(self, side: str, dtype: torch.dtype = torch.float32) -> int:
         """Values (of ``dtype``, the model's) per token crossing this stage's ``side`` ("in"/"out")
         boundary: a codec's message width, K, or H when dense."""
@@ -294,6 +300,15 @@ class StageModule(nn.Module):
         if mask is None or mask.mask_ratio == 0.0:
             return self.hidden_size
         return keep_count(self.hidden_size, mask.mask_ratio)
+
+
+def _wire_format(module: StageModule, side: str, direction: str, dtype: torch.dtype) -> WireFormat:
+    size = torch.empty((), dtype=dtype).element_size()
+    codec = module.codec_in if side == "in" else module.codec_out
+    if codec is not None and not module.dense:
+        return WireFormat(codec.message_bytes(direction, dtype), codec.payload_width(dtype), dtype, codec.spec.entropy)
+    width = module.payload_width(side, dtype)
+    return WireFormat(width * size, width, dtype)
 
 
 def untie_embeddings(model: nn.Module) -> bool:

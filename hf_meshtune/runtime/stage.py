@@ -15,6 +15,7 @@ from ..comm.wire import Wire
 from ..config import composed_codec
 from ..dp.fragments import stage_fragments
 from ..memory import MEMORY_PARTS, ActivationMeter, current_rss, peak_rss, tensor_bytes
+from ..pipeline.messages import carried_lengths
 from ..pipeline.placement import materialised_bytes, release_unowned, stage_of
 from ..pipeline.schedule import MeshStage, build_schedule, run_schedule
 from ..pipeline.stage import build_stage, causal_lm_loss, stage_parameter_names
@@ -58,6 +59,7 @@ class StageWorker:
         self.activations = ActivationMeter(self.module.parameters())
         self._gradient_peak = 0
         self._rss_at_start = current_rss()
+        self.carried_tokens = 0  # positions the last step's boundaries carried (its real tokens)
 
     def build_pipe(self) -> None:
         """This stage's ``MeshStage`` and 1F1B schedule, sized for its boundaries' payload widths now. A
@@ -142,9 +144,14 @@ class StageWorker:
 
     # --- the pipeline ---------------------------------------------------------------------------
     def pipeline_step(self, ids: torch.Tensor, labels: torch.Tensor) -> float | None:
-        """One pipeline step; a send/receive that fails or times out names the neighbours it waited on."""
+        """One pipeline step; a send/receive that fails or times out names the neighbours it waited on.
+        With the causal-LM loss the boundaries carry each row up to its last labelled position
+        (``pipeline.messages``), and ``carried_tokens`` counts those positions; a loss of its own (RL's)
+        may read any position, so every one travels."""
+        lengths = carried_lengths(labels) if self.settings.loss is None else None
+        self.carried_tokens = int(lengths.sum()) if lengths is not None else labels.numel()
         with self.naming_link_failure("a message to or from", self._neighbours()), self.activations:
-            loss = run_schedule(self.schedule, self.module, ids, labels)
+            loss = run_schedule(self.schedule, self.module, ids, labels, lengths)
         grads = tensor_bytes([p.grad for p in self.module.parameters() if p.grad is not None])
         self._gradient_peak = max(self._gradient_peak, grads)
         return loss

@@ -335,7 +335,6 @@ class FastWorker(StageWorker):
 
     def run(self) -> MeshResult:
         s, cfg = self.settings, self.settings.config
-        tokens_per_step = s.microbatch_size * s.microbatches * s.seq_len
         logging = self.stage == self.topology.stages - 1 and self.replica == 0
         self._tokens_at_start, self._bytes_at_start = self.result.tokens, self.wire.moved()  # calibration aside
         with self.diloco:
@@ -345,7 +344,7 @@ class FastWorker(StageWorker):
                 self._step = step + 1
                 if self.anchor is not None and cfg.anchor_lockstep and self._step % cfg.anchor_every == 0:
                     self.anchor.tick(self._step)
-                self._record_step(time.perf_counter() - start, tokens_per_step, loss, logging)
+                self._record_step(time.perf_counter() - start, self.carried_tokens, loss, logging)
                 if s.checkpoint_every and self._step % s.checkpoint_every == 0:
                     assert s.checkpoint_dir is not None  # RunSettings requires it with checkpoint_every
                     save_rank_state(

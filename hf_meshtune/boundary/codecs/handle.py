@@ -92,10 +92,7 @@ class CodecHandle(BoundaryHooks):
         if not self._is_training_forward(module):
             return
         ids = kwargs.get("input_ids", args[0] if args else None)
-        if isinstance(ids, Tensor):
-            self.counter.tokens += ids.numel()
-        elif kwargs.get("inputs_embeds") is not None:
-            self.counter.tokens += kwargs["inputs_embeds"][..., 0].numel()
+        self.counter.tokens += self._note_real_tokens(args, kwargs)
         wanted = isinstance(ids, Tensor) and any(codec.needs_keys for codec in self._boundary_codecs)
         self._keys = sample_keys(ids) if wanted and isinstance(ids, Tensor) else None
 
@@ -104,14 +101,15 @@ class CodecHandle(BoundaryHooks):
             return None
         hidden = output[0] if isinstance(output, tuple) else output
         rebuilt = codec(hidden, self._keys if codec.needs_keys else None)
-        fwd_bytes, bwd_bytes = codec.last_wire_bytes
-        self.counter.fwd_bytes += fwd_bytes
+        share = self.real_fraction(hidden[..., 0].numel())  # the real tokens' part of what the codec counted
+        fwd_bytes, bwd_bytes = (round(n * share) for n in codec.last_wire_bytes)
+        self.counter.book("fwd", fwd_bytes, fwd_bytes)
         if rebuilt.requires_grad:
             rebuilt.register_hook(partial(self._count_backward, bwd_bytes))
         return (rebuilt, *output[1:]) if isinstance(output, tuple) else rebuilt
 
     def _count_backward(self, nbytes: int, grad: Tensor) -> None:
-        self.counter.bwd_bytes += nbytes
+        self.counter.book("bwd", nbytes, nbytes)
 
 
 def _first_float_parameter(model: nn.Module) -> Tensor | None:

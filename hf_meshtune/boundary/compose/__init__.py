@@ -3,6 +3,7 @@ codec of one boundary with its send/receive autograd pair (``codec``) and the si
 (``handle``). The same ``ComposedCodec`` runs single-process and at the mesh's stage boundaries."""
 
 from .codec import ComposedCodec
-from .spec import QUANT_BITS, CodecSpec, parse_codec
+from .grammar import parse_codec
+from .spec import QUANT_BITS, CodecSpec
 
 __all__ = ["QUANT_BITS", "CodecSpec", "ComposedCodec", "parse_codec"]

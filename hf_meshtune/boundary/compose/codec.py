@@ -28,9 +28,18 @@ from torch import Tensor
 from ..._validation import require
 from ..masking import stable_seed
 from .quant import dequantize, quantize
+from .rotation import DIRECTIONS, Rotation
 from .spec import SCALE_BYTES, CodecSpec, code_bytes
 
-__all__ = ["ComposedCodec", "geometry_digest", "geometry_from_flat", "geometry_layout", "geometry_to_flat"]
+__all__ = [
+    "ComposedCodec",
+    "geometry_digest",
+    "geometry_from_flat",
+    "geometry_layout",
+    "geometry_to_flat",
+    "records_to_payload",
+    "wire_records",
+]
 
 _STD_FLOOR = 1e-6  # a dim that never varies is standardised by this instead of 0
 
@@ -65,6 +74,10 @@ class ComposedCodec:
         self.std: Tensor | None = None
         self.basis: Tensor | None = None
         self.fits = 0  # how many times the geometry was fitted or loaded
+        width = spec.coded_width(hidden_size)
+        self.rotations: dict[str, Rotation | None] = {
+            d: Rotation(width, rot, boundary, d, seed) if (rot := spec.side(d).rotation) else None for d in DIRECTIONS
+        }
         self._device_cache: dict[str, dict[str, Tensor | None]] = {}
 
     # --- geometry ---------------------------------------------------------------------------------
@@ -135,8 +148,15 @@ class ComposedCodec:
 
     # --- sizes ------------------------------------------------------------------------------------
     def payload_bytes(self, dtype: torch.dtype) -> int:
-        """Bytes per token of one message (forward or backward), as ``CodecSpec.payload_bytes`` states."""
-        return self.spec.payload_bytes(self.hidden_size, torch.empty((), dtype=dtype).element_size())
+        """Bytes per token of the message tensor both directions share: the larger direction's
+        ``CodecSpec.payload_bytes`` (a forward and backward spelled apart differ in size)."""
+        size = torch.empty((), dtype=dtype).element_size()
+        return max(self.spec.payload_bytes(self.hidden_size, size, d) for d in DIRECTIONS)
+
+    def message_bytes(self, direction: str, dtype: torch.dtype) -> int:
+        """Bytes per token that ``direction``'s message holds before lossless coding (the rest of the
+        shared layout is zeros the variable-size wire never sends)."""
+        return self.spec.side(direction).message_bytes(self.hidden_size, torch.empty((), dtype=dtype).element_size())
 
     def payload_width(self, dtype: torch.dtype) -> int:
         """Model-dtype values per token of the message tensor."""
@@ -204,14 +224,21 @@ class ComposedCodec:
                 z = z / g["std"]
         return self._merge(g, y, z, dtype)
 
-    def _pack(self, y: Tensor, z: Tensor, dtype: torch.dtype, noise: Tensor | None) -> Tensor:
-        spec = self.spec
+    def _pack(self, y: Tensor, z: Tensor, dtype: torch.dtype, direction: str, clock: tuple[int, int] | None) -> Tensor:
+        """(outlier values, coded values) → the message of ``direction`` in the shared [..., payload_width]
+        layout (zero bytes after the side's own ``message_bytes``). ``clock`` (step, microbatch) seeds
+        stochastic rounding where the side asks for it."""
+        spec = self.spec.side(direction)
         parts = [_as_bytes(y.to(dtype))] if spec.outliers else []
         if spec.quant is None:
             parts.append(_as_bytes(z.to(dtype)))
         else:
             assert spec.bits is not None  # parse_codec gives every quantiser its bits
-            scales, codes = quantize(z, spec.quant, spec.bits, spec.groups(self.hidden_size), noise)
+            rotation = self.rotations[direction]
+            if rotation is not None:
+                z = rotation.forward(z)
+            noise = self._noise(z.shape, *clock, z.device) if spec.stochastic and clock is not None else None
+            scales, codes = quantize(z, spec.quant, spec.bits, spec.groups(self.hidden_size), noise, spec.scales)
             parts += [_as_bytes(scales), codes]
         message = torch.cat(parts, dim=-1)
         pad = self.payload_bytes(dtype) - message.shape[-1]
@@ -219,45 +246,48 @@ class ComposedCodec:
             message = torch.nn.functional.pad(message, (0, pad))
         return message.view(dtype)
 
-    def _unpack(self, payload: Tensor) -> tuple[Tensor, Tensor]:
-        spec, dtype = self.spec, payload.dtype
+    def _unpack(self, payload: Tensor, direction: str) -> tuple[Tensor, Tensor]:
+        spec, dtype = self.spec.side(direction), payload.dtype
         size = torch.empty((), dtype=dtype).element_size()
         message = _as_bytes(payload)
-        width = spec.coded_width(self.hidden_size)
         at = spec.outliers * size
         y = message[..., :at].contiguous().view(dtype)
         if spec.quant is None:
+            width = spec.coded_width(self.hidden_size)
             return y, message[..., at : at + width * size].contiguous().view(dtype).float()
         assert spec.bits is not None  # parse_codec gives every quantiser its bits
-        groups = spec.groups(self.hidden_size)
-        scales = message[..., at : at + SCALE_BYTES * groups].contiguous().view(torch.bfloat16)
-        at += SCALE_BYTES * groups
+        groups, width = spec.groups(self.hidden_size), spec.quantised_width(self.hidden_size)
+        scale_bytes = SCALE_BYTES[spec.scales] * groups
+        scales = message[..., at : at + scale_bytes].contiguous()
+        scales = scales.view(torch.bfloat16) if spec.scales == "bf16" else scales
+        at += scale_bytes
         codes = message[..., at : at + code_bytes(spec.quant, spec.bits, width, size)].contiguous()  # padding dropped
-        return y, dequantize(scales, codes, spec.quant, spec.bits, groups, width)
+        z = dequantize(scales, codes, spec.quant, spec.bits, groups, width)
+        rotation = self.rotations[direction]
+        return y, z if rotation is None else rotation.inverse(z)
 
     def encode_activation(self, h: Tensor) -> Tensor:
         """h [..., H] → the forward message [..., payload_width] (model dtype view of the bytes)."""
         self._require_ready()
         y, z = self._analysis(h)
-        return self._pack(y, z, h.dtype, None)
+        return self._pack(y, z, h.dtype, "fwd", None)
 
     def decode_activation(self, payload: Tensor) -> Tensor:
         """The forward message → the receiver's h̃ [..., H] in the payload's dtype."""
         self._require_ready()
-        y, z = self._unpack(payload)
+        y, z = self._unpack(payload, "fwd")
         return self._synthesis(y, z, payload.dtype)
 
     def encode_gradient(self, grad: Tensor, step: int, microbatch: int) -> Tensor:
-        """The receiver's dL/dh̃ → the backward message (stochastic rounding with ``sr``)."""
+        """The receiver's dL/dh̃ → the backward message (stochastic rounding where the backward asks)."""
         self._require_ready()
         y, z = self._gradient_analysis(grad)
-        noise = self._noise(z.shape, step, microbatch, z.device) if self.spec.stochastic else None
-        return self._pack(y, z, grad.dtype, noise)
+        return self._pack(y, z, grad.dtype, "bwd", (step, microbatch))
 
     def decode_gradient(self, payload: Tensor) -> Tensor:
         """The backward message → the sender's dL/dh [..., H]."""
         self._require_ready()
-        y, z = self._unpack(payload)
+        y, z = self._unpack(payload, "bwd")
         return self._gradient_synthesis(y, z, payload.dtype)
 
     def _noise(self, shape: torch.Size, step: int, microbatch: int, device: torch.device) -> Tensor:
@@ -302,6 +332,18 @@ class _Receive(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
         return ctx.codec.encode_gradient(grad.contiguous(), *ctx.clock), None, None, None
+
+
+def wire_records(codec: ComposedCodec, direction: str, rows: Tensor) -> Tensor:
+    """The bytes of ``direction``'s message for ``rows`` [n, payload_width] (model dtype): [n, message_bytes]
+    uint8, the shared layout's trailing zeros dropped. What the variable-size wire sends, before coding."""
+    return _as_bytes(rows)[:, : codec.message_bytes(direction, rows.dtype)]
+
+
+def records_to_payload(codec: ComposedCodec, records: Tensor, dtype: torch.dtype) -> Tensor:
+    """Inverse of ``wire_records``: [n, message_bytes] uint8 → [n, payload_width] in ``dtype`` (zeros after)."""
+    width = codec.payload_bytes(dtype)
+    return torch.nn.functional.pad(records, (0, width - records.shape[-1])).view(dtype)
 
 
 def geometry_layout(codec: ComposedCodec) -> list[tuple[str, tuple[int, ...], torch.dtype]]:

@@ -22,9 +22,11 @@ import torch
 from torch import Tensor, nn
 
 from ..._validation import require
-from ..hooks import BoundaryHooks, PayloadCounter, _hidden_size, find_decoder_layers, split_stages
-from .codec import ComposedCodec
-from .spec import CodecSpec, parse_codec
+from ..hooks import BoundaryHooks, PayloadCounter, _hidden_size, find_decoder_layers, real_rows, split_stages
+from .codec import ComposedCodec, wire_records
+from .entropy import encode_records
+from .grammar import parse_codec
+from .spec import CodecSpec
 
 __all__ = ["ComposedHandle", "attach_composed"]
 
@@ -49,6 +51,7 @@ class ComposedHandle(BoundaryHooks):
     _hooks: list = field(default_factory=list, repr=False)
     _recorded: list[list[Tensor]] | None = field(default=None, repr=False)
     _real: Tensor | None = field(default=None, repr=False)
+    _real_mask: Tensor | None = field(default=None, repr=False)
     _probe: Any = field(default=None, repr=False)
 
     @property
@@ -179,9 +182,10 @@ class ComposedHandle(BoundaryHooks):
         codec = self.codecs[boundary]
         microbatch = max(self.microbatch, 0)
         payload = codec.send(hidden, self.step, microbatch)
-        self.counter.fwd_bytes += payload.numel() * payload.element_size()
+        real = self._real_mask
+        self._book(codec, "fwd", payload, real)
         if payload.requires_grad:
-            payload.register_hook(self._count_backward)
+            payload.register_hook(lambda grad: self._book(codec, "bwd", grad, real))
         rebuilt = codec.receive(payload, self.step, microbatch)
         return (rebuilt, *output[1:]) if isinstance(output, tuple) else rebuilt
 
@@ -205,8 +209,13 @@ class ComposedHandle(BoundaryHooks):
             hidden.register_hook(keep_grad)  # the decoded gradient the codec hands the sending stage
         return (rebuilt, *output[1:]) if isinstance(output, tuple) else rebuilt
 
-    def _count_backward(self, grad: Tensor) -> None:
-        self.counter.bwd_bytes += grad.numel() * grad.element_size()
+    def _book(self, codec: ComposedCodec, direction: str, message: Tensor, real: Tensor | None) -> None:
+        """Book what the variable-size wire would carry of ``message``: its real tokens' records, coded
+        where the codec ends in a coder (the coded size is measured by coding them)."""
+        records = wire_records(codec, direction, real_rows(message.detach(), real))
+        uncoded = records.numel()
+        coded = len(encode_records(records, codec.spec.entropy)) if codec.spec.entropy else uncoded
+        self.counter.book(direction, coded, uncoded)
 
 
 def attach_composed(

@@ -2,8 +2,10 @@
 
 ``int<b>``: symmetric with a zero level, L = 2^(b-1) - 1, code q + L ∈ [0, 2L] for q = round(x / s)
 ∈ [-L, L], with s = absmax / L per contiguous group of values, stored as bfloat16 and rounded *up* so that
-|x / s| <= L always holds (no clipping, so stochastic rounding stays exactly unbiased). ``fp8``:
-x / s cast to float8 e4m3 with s = absmax / 448. Codes of b bits are packed 8 to b bytes.
+|x / s| <= L always holds (no clipping, so stochastic rounding stays exactly unbiased); or as ``e8m0``, one
+byte holding the exponent of the power of two at or above absmax / L (the OCP microscaling format: half the
+bytes of a bf16 scale, up to 2× coarser steps). ``fp8``: x / s cast to float8 e4m3 with s = absmax / 448.
+Codes of b bits are packed 8 to b bytes.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["dequantize", "int_levels", "pack_bits", "quantize", "unpack_bits"]
+__all__ = ["dequantize", "int_levels", "pack_bits", "quantize", "scale_values", "unpack_bits"]
 
 FP8_MAX = 448.0  # the largest finite float8 e4m3fn value
 _SCALE_MARGIN = 1.0 + 2.0**-7  # > bfloat16's rounding error (2^-8): the stored scale is never below absmax / L
@@ -71,26 +73,39 @@ def _ungrouped(grouped: Tensor, width: int) -> Tensor:
     return torch.cat([flat, grouped[..., groups - short :, : size - 1].reshape(*grouped.shape[:-2], -1)], dim=-1)
 
 
-def _scales(grouped: Tensor, top: float) -> Tensor:
-    """bfloat16 scales [..., groups]: absmax / top, rounded up; 1 where a group is all zero."""
+def _scales(grouped: Tensor, top: float, form: str) -> Tensor:
+    """Scales [..., groups] of absmax / top, rounded up, 1 where a group is all zero: bfloat16, or ``e8m0``
+    uint8 exponents e (the scale is 2^(e - 127), e in [0, 254])."""
     absmax = grouped.abs().amax(-1).float()
+    if form == "e8m0":
+        exponent = torch.ceil(torch.log2(absmax / top)).clamp(-127, 127)
+        return torch.where(absmax > 0, exponent + 127, torch.full_like(exponent, 127)).to(torch.uint8)
     scale = (absmax / top * _SCALE_MARGIN).to(torch.bfloat16)
     return torch.where(absmax > 0, scale, torch.ones_like(scale))
 
 
-def quantize(values: Tensor, quant: str, bits: int, groups: int, noise: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """values [..., D] → (bf16 scales [..., groups], packed uint8 codes [..., code bytes]); one scale per
-    contiguous group (``_grouped``; groups = 1: per token). ``noise`` (uniform [0, 1), the values' shape)
-    turns round-to-nearest into stochastic rounding (int only)."""
+def scale_values(scales: Tensor) -> Tensor:
+    """Stored scales (bf16, or e8m0 uint8 exponents) → float32."""
+    if scales.dtype == torch.uint8:
+        return torch.exp2(scales.float() - 127.0)
+    return scales.float()
+
+
+def quantize(
+    values: Tensor, quant: str, bits: int, groups: int, noise: Tensor | None = None, scales_form: str = "bf16"
+) -> tuple[Tensor, Tensor]:
+    """values [..., D] → (scales [..., groups]: bf16, or uint8 with ``scales_form="e8m0"``; packed uint8 codes
+    [..., code bytes]); one scale per contiguous group (``_grouped``; groups = 1: per token). ``noise``
+    (uniform [0, 1), the values' shape) turns round-to-nearest into stochastic rounding (int only)."""
     grouped = _grouped(values.float(), groups)
     if quant == "fp8":
-        scales = _scales(grouped, FP8_MAX)
-        unit = grouped / scales.float().unsqueeze(-1)
+        scales = _scales(grouped, FP8_MAX, scales_form)
+        unit = grouped / scale_values(scales).unsqueeze(-1)
         codes = unit.to(torch.float8_e4m3fn).view(torch.uint8)
         return scales, _ungrouped(codes, values.shape[-1])
     levels = int_levels(bits)
-    scales = _scales(grouped, float(levels))
-    unit = grouped / scales.float().unsqueeze(-1)
+    scales = _scales(grouped, float(levels), scales_form)
+    unit = grouped / scale_values(scales).unsqueeze(-1)
     if noise is None:
         q = torch.round(unit)
     else:
@@ -105,4 +120,4 @@ def dequantize(scales: Tensor, codes: Tensor, quant: str, bits: int, groups: int
         unit = codes.view(torch.float8_e4m3fn).float()
     else:
         unit = (unpack_bits(codes, bits, width) - int_levels(bits)).float()
-    return _ungrouped(_grouped(unit, groups) * scales.float().unsqueeze(-1), width)
+    return _ungrouped(_grouped(unit, groups) * scale_values(scales).unsqueeze(-1), width)
