@@ -102,6 +102,13 @@ def _add_ledger_parser(subparsers: argparse._SubParsersAction) -> None:
         help="also the rows of this composed codec (e.g. outliers8+int4g71) with DiLoCo + PowerSGD, without and "
         "with the anchor: the M95 and M95+AP rows with the codec's message at every boundary",
     )
+    p.add_argument(
+        "--coding-ratio",
+        type=float,
+        default=None,
+        help="bytes before / after the codec's lossless coder (+zstd) as a run measured it (mesh_summary.json's "
+        "pp_coding_ratio, or benchmarks/wire); without it a coded codec's records are booked uncoded",
+    )
     p.add_argument("--json", action="store_true", help="print {row: ledger dict} as JSON")
     memory = p.add_argument_group(
         "memory", "--memory: the predicted memory of every process instead of bytes per token (memory_ledger)"
@@ -170,7 +177,13 @@ def run_ledger(args: argparse.Namespace) -> int:
             # the knob's own default: refits every round with the anchor and a codec that fits geometry
             refit = codec_refit_every(SimpleNamespace(anchor=settings.anchor, boundary_codec=args.boundary_codec))
             ledgers[name] = L.ledger_for_config(
-                config, replace(settings, boundary_codec=args.boundary_codec, codec_refit_every=refit)
+                config,
+                replace(
+                    settings,
+                    boundary_codec=args.boundary_codec,
+                    codec_refit_every=refit,
+                    coding_ratio=args.coding_ratio,
+                ),
             )
     if args.json:
         print(json.dumps({name: led.to_dict() for name, led in ledgers.items()}, indent=2))

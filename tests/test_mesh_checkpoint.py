@@ -188,14 +188,21 @@ def test_a_mesh_killed_by_pid_resumes_bit_exactly_without_the_anchor(tmp_path, u
 
 
 @pytest.mark.slow
-def test_a_run_with_int8_pseudo_gradients_resumes_bit_exactly(tmp_path):
+def test_a_run_with_int8_pseudo_gradients_on_a_variable_size_coded_wire_resumes_bit_exactly(tmp_path):
     """The int8 codes' error feedback (``dp_quantize``) is part of the checkpoint: resumed from step 8, the
-    run ends as the uninterrupted one did, bit for bit (without it the later syncs would differ)."""
-    config = {"anchor": False, "dp_quantize": "int8", "dp_powersgd_rank": 2}
+    run ends as the uninterrupted one did, bit for bit (without it the later syncs would differ). Its rows
+    are of different lengths and its boundary is rotated, asymmetric and zstd-coded: each boundary message
+    carries a row only up to its length, and the resumed run still repeats the run exactly."""
+    codec = "outliers2+rot16+int4g16e8m0/rot16+int8+zstd"
+    config = {"anchor": False, "dp_quantize": "int8", "dp_powersgd_rank": 2, "mask_ratio": 0.0, "boundary_codec": codec}
     full, resumed = tmp_path / "full", tmp_path / "resumed"
-    _finish(_launch("2x2", full, config, CHECKPOINT_EVERY="4"))
-    _finish(_launch("2x2", resumed, config, RESUME_FROM=str(full / "checkpoint-8")))
+    _finish(_launch("2x2", full, config, CHECKPOINT_EVERY="4", VARIABLE_ROWS="1"))
+    _finish(_launch("2x2", resumed, config, RESUME_FROM=str(full / "checkpoint-8"), VARIABLE_ROWS="1"))
     _assert_continues_exactly(full, resumed, 8)
+    for result in _results(full, 4):  # the wire carried fewer positions than the padded batch holds
+        assert result.result.tokens < STEPS * 2 * 2 * 16
+        if result.result.stage == 0:
+            assert result.result.wire["coded"]["pp_fwd"] > 0
 
 
 @pytest.mark.slow

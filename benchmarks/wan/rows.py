@@ -91,6 +91,15 @@ ROWS: dict[str, Row] = {
         anchor_rate_mbit=1.3,
     ),
     "governed": Row("Governed (+anchor)", 0.0, True, "streaming_diloco", R_DP, boundary_codec="governed"),
+    # the rotated int4 codec whose bytes the zstd coder shrinks further (issue 46's wire)
+    "coded": Row(
+        "Rotated int4, zstd: outliers8+rot+int4g64e8m0+zstd",
+        0.0,
+        False,
+        "streaming_diloco",
+        R_DP,
+        boundary_codec="outliers8+rot+int4g64e8m0+zstd",
+    ),
     "codec20": Row(
         "outliers8+spca32+int4", 0.0, False, "streaming_diloco", R_DP, boundary_codec="outliers8+spca32+int4"
     ),

@@ -134,8 +134,10 @@ def read_run(out: str, row_name: str) -> dict:
     ranks = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(row.replicas * shape.stages)]
     fast = [r for r in ranks if r["role"] == "fast"]
     steps = min(r["steps"] for r in fast)
-    tokens_per_step = len({r["replica"] for r in fast}) * shape.tokens_per_replica_step
-    fast_tokens = tokens_per_step * steps
+    # the tokens the fast replicas' wire carried (each row up to its last label: the mesh counts them since the
+    # variable-size wire; records from before it counted every padded position, which was what it carried then)
+    fast_tokens = sum(r["tokens"] for r in fast if r["stage"] == 0)
+    tokens_per_step = fast_tokens / max(steps, 1)
     # measured sends + booked all-reduces (2(n-1)/n × the tensor bytes), checked against the kernel's counter
     # below; the codecs' one-off calibration pass (a dense forward before step 1) is counted apart
     calibration = sum(r.get("calibration_bytes", 0.0) for r in ranks)

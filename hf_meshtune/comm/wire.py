@@ -108,7 +108,9 @@ class Wire:
     ``sent[c]``: measured payload bytes of this process's point-to-point sends for circuit c;
     ``booked[c]``: its all-reduces' ring traffic, 2·(n-1)/n × the tensor bytes (a formula);
     ``received[c]``: bytes of point-to-point messages it received; ``handed[c]``: tensor bytes given
-    to the backend (sends and all-reduce inputs); ``messages[c]``: number of backend calls.
+    to the backend (sends and all-reduce inputs); ``messages[c]``: number of backend calls;
+    ``uncoded[c]``: what the coded boundary messages among the sends held before their lossless coder
+    (``coded[c]`` their bytes after it), so ``uncoded / coded`` is the coding ratio measured on the run.
     """
 
     sent: dict[str, float] = field(default_factory=_zeros)
@@ -116,6 +118,8 @@ class Wire:
     received: dict[str, float] = field(default_factory=_zeros)
     handed: dict[str, float] = field(default_factory=_zeros)
     messages: dict[str, int] = field(default_factory=lambda: dict.fromkeys(WIRE_CIRCUITS, 0))
+    uncoded: dict[str, float] = field(default_factory=_zeros)
+    coded: dict[str, float] = field(default_factory=_zeros)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def _check(self, circuit: str) -> None:
@@ -128,6 +132,13 @@ class Wire:
             self.sent[circuit] += nbytes(tensor)
             self.handed[circuit] += nbytes(tensor)
             self.messages[circuit] += 1
+
+    def record_coding(self, circuit: str, before: int, after: int) -> None:
+        """Book a coded message's size before and after its lossless coder (its send is booked apart)."""
+        self._check(circuit)
+        with self._lock:
+            self.uncoded[circuit] += before
+            self.coded[circuit] += after
 
     def record_recv(self, circuit: str, tensor: torch.Tensor) -> None:
         self._check(circuit)
@@ -174,7 +185,7 @@ class Wire:
             return sum(self.sent.values()) + sum(self.received.values()) + sum(self.booked.values())
 
     def reset(self) -> None:
-        for counters in (self.sent, self.booked, self.received, self.handed, self.messages):
+        for counters in (self.sent, self.booked, self.received, self.handed, self.messages, self.uncoded, self.coded):
             for key in counters:
                 counters[key] = 0
 
@@ -185,4 +196,6 @@ class Wire:
             "received": dict(self.received),
             "handed": dict(self.handed),
             "messages": dict(self.messages),
+            "uncoded": dict(self.uncoded),
+            "coded": dict(self.coded),
         }

@@ -88,17 +88,21 @@ def _circuits(
     shapes: Sequence[tuple[int, ...]], hidden_size: int, s: LedgerSettings
 ) -> tuple[float, float, float, float, int]:
     value_bytes = DTYPE_BYTES[s.activation_dtype]
-    if s.boundary_codec is not None:  # the codec's message, padded to whole values: K = its width
-        keep = parse_codec(s.boundary_codec).payload_bytes(hidden_size, value_bytes) // value_bytes
+    if s.boundary_codec is not None:  # each direction's records (the wire sends them unpadded), over the coder
+        spec = parse_codec(s.boundary_codec)
+        keep = max(spec.payload_bytes(hidden_size, value_bytes, d) for d in ("fwd", "bwd")) // value_bytes
+        ratio = s.coding_ratio if spec.entropy is not None and s.coding_ratio else 1.0
+        fwd, bwd = (spec.side(d).message_bytes(hidden_size, value_bytes) / ratio for d in ("fwd", "bwd"))
     else:
         keep = keep_count(hidden_size, s.mask_ratio)  # the wire's own K; raises naming mask_ratio if 0
-    boundary = (s.num_stages - 1) * keep * value_bytes
+        fwd = bwd = keep * value_bytes
+    boundaries = s.num_stages - 1
     fast = s.fast_replicas
     payload = sum(dp_payload_numel(sh, s.powersgd_rank) for sh in shapes)
     # Ring all-reduce: each of X_f replicas sends 2·(X_f-1)/X_f of the payload, 2·(X_f-1)·P in all.
     dp = 2 * (fast - 1) * payload * _dp_value_bytes(s) / (fast * s.tokens_per_step * s.sync_every)
     anchor = _anchor_bytes_per_token(shapes, hidden_size, s, payload) if s.anchor else 0.0
-    return float(boundary), float(boundary), float(dp), float(anchor), keep
+    return float(boundaries * fwd), float(boundaries * bwd), float(dp), float(anchor), keep
 
 
 def _dp_value_bytes(s: LedgerSettings) -> float:

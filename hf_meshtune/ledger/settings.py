@@ -64,6 +64,9 @@ class LedgerSettings:
     boundary_codec: str | None = None  # a composed codec (compose.spec) instead of the mask p
     codec_refit_every: int = 0  # anchor rounds between refits of the codec's geometry (0: never)
     dp_quantize: str | None = None  # "int8": every DP all-reduce as int8 codes + a float32 max per block
+    # bytes before / after the codec's lossless coder (+zstd): measured (a run's mesh_summary, benchmarks/wire);
+    # None books a coded codec's records uncoded, and the ledger says so (``Ledger.coding``)
+    coding_ratio: float | None = None
 
     def __post_init__(self) -> None:
         _require_int("num_replicas", self.num_replicas, 1)
@@ -106,6 +109,23 @@ class LedgerSettings:
                 self.boundary_codec,
                 "be a composed codec (a mask is mask_ratio)",
             )
+        if self.coding_ratio is not None:
+            ratio = self.coding_ratio
+            require(
+                isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and math.isfinite(ratio) and ratio > 0,
+                "coding_ratio",
+                ratio,
+                "be None or a finite number > 0 (bytes before the coder / bytes after, as a run measured it)",
+            )
+
+    @property
+    def coding(self) -> str:
+        """How the ledger books the boundary's lossless coder: "none" (the codec has no coder), "measured
+        ratio R" (``coding_ratio``), or "not counted" (a coder without a measured ratio: records uncoded)."""
+        coder = parse_codec(self.boundary_codec).entropy if self.boundary_codec is not None else None
+        if coder is None:
+            return "none"
+        return f"{coder} at a measured ratio {self.coding_ratio:.3f}" if self.coding_ratio else "not counted"
 
     @property
     def fast_replicas(self) -> int:
@@ -161,6 +181,7 @@ class Ledger:
             "compression_vs_dense": self.compression,
             "keep": self.keep,
             "hidden_size": self.hidden_size,
+            "boundary_coding": self.settings.coding,
             "settings": dataclasses.asdict(self.settings),
         }
 

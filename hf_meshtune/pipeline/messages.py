@@ -54,7 +54,8 @@ class WireFormat:
     coder: str | None = None
 
     def pack(self, payload: Tensor, lengths: Tensor | None) -> tuple[Tensor, Tensor]:
-        """A [mb, T, width] payload → (header, body) CPU tensors; ``lengths`` None carries every position."""
+        """A [mb, T, width] payload → (header, body) CPU tensors; ``lengths`` None carries every position.
+        The header's rows × record is the body's size before coding."""
         rows = payload.detach()
         if lengths is not None:
             rows = rows[carried_mask(lengths, rows.shape[1]).to(rows.device)]

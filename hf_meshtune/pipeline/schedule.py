@@ -118,6 +118,8 @@ class MeshStage(PipelineStage):
         receiver blocks on a header only where the schedule waits for that message anyway."""
         for op in ops:
             header, body = form.pack(op.tensor, self._chunk_lengths(chunk))
+            if form.coder is not None:
+                self.wire.record_coding(circuit, int(header[1]) * int(header[2]), body.numel())
             for tensor in (header, body):
                 self.wire.record_send(circuit, tensor)
                 self._sending.append((dist.isend(tensor, op.peer, op.group, op.tag), tensor))

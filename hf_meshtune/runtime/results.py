@@ -187,7 +187,11 @@ def summarize(results: list[MeshResult], topology: MeshTopology, trainer, seq_le
         figures["total"] = sum(figures.values())
     steps = max((r.steps for r in fast), default=0)
     rounds = max((len(r.anchor_rounds) for r in results if r.role == "anchor"), default=0)
+    uncoded = sum(r.wire.get("uncoded", {}).get(c, 0.0) for r in results for c in ("pp_fwd", "pp_bwd"))
+    coded = sum(r.wire.get("coded", {}).get(c, 0.0) for r in results for c in ("pp_fwd", "pp_bwd"))
+    coding_ratio = uncoded / coded if coded else None  # measured: the fast boundaries' records before / after
     settings = _ledger_settings(topology, trainer, seq_len, tokens // max(steps * len(topology.fast_replicas), 1))
+    settings = dataclasses.replace(settings, coding_ratio=coding_ratio)
     analytic = _analytic(trainer.model, settings, rounds, max(steps, 1))
     syncs = [(r.dp_syncs, sum(r.dp_sync_bytes)) for r in fast]
     sync_count = sum(n for n, _ in syncs)
@@ -201,12 +205,18 @@ def summarize(results: list[MeshResult], topology: MeshTopology, trainer, seq_le
         "heals": [{"rank": r.rank, "own_step": own, "peer_step": peer} for r in results for own, peer in r.heals],
         "anchor": topology.anchor,
         "steps": steps,
-        "fast_tokens": tokens,
+        "fast_tokens": tokens,  # real tokens: each row up to its last labelled position (what the wire carries)
         "seq_len": seq_len,
         "measured_bytes_per_token": measured,  # point-to-point payloads, counted
         "booked_bytes_per_token": booked,  # all-reduces at the ring's 2(n-1)/n, a formula
         "wire_bytes_per_token": wire,  # the two together: the analytic ledger's counterpart
         "codec_calibration_bytes": calibration,  # sent once before the first step, not in pp_fwd above
+        # the lossless coder (+zstd): the boundary records' bytes before / after it, measured; per token
+        # "pp_uncoded_bytes_per_token" is what the boundaries would have sent without it
+        "pp_coding_ratio": coding_ratio,
+        "pp_uncoded_bytes_per_token": measured["pp_fwd"] + measured["pp_bwd"] + (uncoded - coded) / max(tokens, 1)
+        if coded
+        else None,
         "analytic_bytes_per_token": analytic,
         "analytic_settings": dataclasses.asdict(settings),
         "dp_syncs_per_rank": sync_count / max(len(fast), 1),

@@ -15,6 +15,7 @@ the first-generation processes wait after that step until a restarted process ha
 300 s). ``CHECKPOINT_EVERY`` writes mesh checkpoints to OUT_DIR every that many steps
 (``CHECKPOINT_KEEP`` kept); ``RESUME_FROM`` continues from one; ``LINK_TIMEOUT_S`` bounds pipeline
 sends/receives (default 30), ``DP_TIMEOUT_S`` the replicas' quorums and all-reduces (default 30).
+``VARIABLE_ROWS=1`` cuts each row's labels at a seeded length of its own (rows of different lengths).
 ``GOVERNOR_SCRIPT`` (a JSON list of [snapshot, levels]) makes a governed anchor decide, at a round on
 snapshot s, the levels of the last entry at or before s instead of the governor's rule, after running its
 probes as usual: a test's way to force level changes at known rounds.
@@ -51,11 +52,17 @@ CONFIG = dict(mask_ratio=0.9, anchor=False, dp_sync_every=4, dp_fragments=2, dp_
 
 
 def batches(replica: int):
+    variable = os.environ.get("VARIABLE_ROWS") == "1"
+
     def draw(step: int):
         gen = torch.Generator().manual_seed(replica * 100_000 + step)
         start = torch.randint(3, 60, (MICRO * MICROBATCHES, 1), generator=gen)
         ids = (start + torch.arange(SEQ)) % 97 + 3
-        return ids, ids.clone()
+        labels = ids.clone()
+        if variable:  # each row ends at its own length: the padding after it never crosses a boundary
+            lengths = torch.randint(2, SEQ + 1, (MICRO * MICROBATCHES,), generator=gen)
+            labels[torch.arange(SEQ) >= lengths.unsqueeze(-1)] = -100
+        return ids, labels
 
     return draw
 
