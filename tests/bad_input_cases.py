@@ -3598,7 +3598,7 @@ def _cases() -> list[Case]:
             ),
             ValueError,
             "codec_ladder='int8,int4' is invalid: it must list levels cheapest first, each dearer than the one before "
-            "(bf16 bytes per token at H=64: [66, 34])",
+            "(bf16 bytes per token forward + backward at H=64: [132, 68])",
         ),
         Case(
             GOVERNOR,

@@ -237,11 +237,11 @@ def test_governed_run_switches_levels_and_equals_a_run_on_its_schedule(tmp_path)
     logs = [h for h in governed.state.log_history if "loss" in h]
     assert {"fidelity/b0/int2/cos", "fidelity/b0/int4/cos", "fidelity/b0/int8/cos"} <= set(logs[0])
     assert logs[0]["fidelity/b0/int8/cos"] > logs[0]["fidelity/b0/int4/cos"] > logs[0]["fidelity/b0/int2/cos"]
-    # the wire follows the level: int8 (H=64: 2 scale bytes + 64 codes = 66 → 68 in fp32 words), then int4 (36)
+    # the wire follows the level: int8 (H=64: 2 scale bytes + 64 codes = 66 B a token), then int4 (2 + 32 = 34)
     sent = [h["comm/measured_pp_fwd_bytes_per_token"] for h in logs]
-    assert sent[0] == 68.0 and set(sent[1:]) == {36.0}, sent
+    assert sent[0] == 66.0 and set(sent[1:]) == {34.0}, sent
     # the over-the-run average the benchmarks book from the switches is what the wire carried (int2, never used: NaN)
-    assert mean_level_bytes(anchor.switches, [math.nan, 36.0, 68.0], 1, len(sent)) == pytest.approx(
+    assert mean_level_bytes(anchor.switches, [math.nan, 34.0, 66.0], 1, len(sent)) == pytest.approx(
         sum(sent) / len(sent)
     )
 

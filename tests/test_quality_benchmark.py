@@ -102,9 +102,9 @@ def test_the_composed_table_trains_through_the_codec_and_reports_its_bytes_besid
         spec = run.RunSpec("composed", row, "arithmetic", 0, dict(knobs))
         result = run_one_small(spec, tokenizer)
         fwd = [h["comm/measured_pp_fwd_bytes_per_token"] for h in result["log_history"] if "loss" in h][0]
-        # fp32 run, 3 boundaries: 2 outliers (8 B) + 3 scales (6 B) + ⌈30/8⌉·4 codes (16 B) = 30 → 32 B a boundary
-        # (bf16: 4 + 6 + 16 = 26 B, 2.5× of 64)
-        assert fwd == (3 * 32 if row != "Dense" else 3 * 4 * 32)
+        # fp32 run, 3 boundaries: 2 outliers (8 B) + 3 scales (6 B) + ⌈30/8⌉·4 codes (16 B) = 30 B a real token and
+        # boundary (bf16: 4 + 6 + 16 = 26 B, 2.5× of 64)
+        assert fwd == (3 * 30 if row != "Dense" else 3 * 4 * 32)
         (tmp_path / "quick" / f"{spec.run_id}.json").write_text(json.dumps(result, default=str))
     report.write_report(tmp_path)
     text = (tmp_path / "quick" / "results.md").read_text()

@@ -333,9 +333,10 @@ def test_gspo_fits_a_composed_codec_on_the_first_prompts_and_trains_through_it(t
     for name, value in reference.geometry().items():
         assert torch.equal(fitted[name].cpu(), value.cpu()), name
     logs = [e for e in trainer.state.log_history if "loss" in e]
+    # the record of a real token (fp32 outliers, a bf16 scale, packed codes), not padded to fp32 words
     assert logs and logs[0]["comm/measured_pp_fwd_bytes_per_token"] == parse_codec(
         "outliers2+spca8+int4"
-    ).payload_bytes(32, 4)
+    ).message_bytes(32, 4)
     assert any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
     refitted = grpo(tokenizer, tmp_path / "refit", boundary_codec="outliers2+spca8+int4")
     refitted.train()

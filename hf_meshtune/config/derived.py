@@ -58,15 +58,16 @@ def codec_ladder(cfg) -> list[CodecSpec]:
 
 
 def require_ladder_order(cfg, hidden_size: int) -> None:
-    """The governed ladder must get dearer level by level at this model's width (bf16 bytes per token)."""
+    """The governed ladder must get dearer level by level at this model's width: bf16 bytes per token of both
+    messages before any lossless coder (a coder's ratio is known only once a run measured it)."""
     ladder = codec_ladder(cfg)
-    sizes = [spec.payload_bytes(hidden_size, 2) for spec in ladder]
+    sizes = [spec.round_trip_bytes(hidden_size, 2) for spec in ladder]
     require(
         all(a < b for a, b in zip(sizes, sizes[1:])),
         "codec_ladder",
         cfg.codec_ladder or GOVERNED_LADDER,
-        f"list levels cheapest first, each dearer than the one before (bf16 bytes per token at H={hidden_size}: "
-        f"{sizes})",
+        f"list levels cheapest first, each dearer than the one before (bf16 bytes per token forward + backward at "
+        f"H={hidden_size}: {sizes})",
     )
 
 
