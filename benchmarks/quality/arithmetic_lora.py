@@ -45,6 +45,20 @@ ROWS: dict[str, dict] = {
     "dense_seed1": dict(mask_ratio=0.0, anchor=False, optim="adamw_torch", seed=1),
     "outliers8_int8_seed1": dict(boundary_codec="outliers8+int8", anchor=False, optim="adamw_torch", seed=1),
     "outliers8_int3g71_seed1": dict(boundary_codec="outliers8+int3g71", anchor=False, optim="adamw_torch", seed=1),
+    # issue 46: forward-only int4 (the backward in int8), rotated codes, e8m0 scales, zstd on the bytes
+    "outliers8_int4x8_bwd_int8": dict(boundary_codec="outliers8+int4x8/int8", anchor=False, optim="adamw_torch"),
+    "outliers8_rot_int4g64e8m0_zstd": dict(
+        boundary_codec="outliers8+rot+int4g64e8m0+zstd", anchor=False, optim="adamw_torch"
+    ),
+    "outliers8_rot_int3g64e8m0_bwd_rot_int4g64e8m0_zstd": dict(
+        boundary_codec="outliers8+rot+int3g64e8m0/rot+int4g64e8m0+zstd", anchor=False, optim="adamw_torch"
+    ),
+    "outliers8_rot_int3g64e8m0_zstd": dict(
+        boundary_codec="outliers8+rot+int3g64e8m0+zstd", anchor=False, optim="adamw_torch"
+    ),
+    "outliers8_rot_int4g64e8m0_zstd_seed1": dict(
+        boundary_codec="outliers8+rot+int4g64e8m0+zstd", anchor=False, optim="adamw_torch", seed=1
+    ),
 }
 
 
@@ -86,6 +100,12 @@ def run_row(name: str) -> dict:
         tokenizer = AutoTokenizer.from_pretrained(tmp)
         exact = arithmetic.exact_match(model, tokenizer, arithmetic.problems(EVAL_ITEMS, seed=1))
     losses = [entry["loss"] for entry in history if "loss" in entry]
+    ratios = [entry["comm/pp_coding_ratio"] for entry in history if "comm/pp_coding_ratio" in entry]
+    measured = [
+        entry["comm/measured_pp_fwd_bytes_per_token"] + entry["comm/measured_pp_bwd_bytes_per_token"]
+        for entry in history
+        if "comm/measured_pp_fwd_bytes_per_token" in entry
+    ]
     return {
         "row": name,
         "knobs": knobs,
@@ -93,6 +113,9 @@ def run_row(name: str) -> dict:
         "exact_match_after": exact,
         "train_loss_last_log": losses[-1] if losses else None,
         "train_seconds": seconds,
+        # measured on this fp32 run, all boundaries, per real token (coded where the codec ends in a coder)
+        "measured_pp_bytes_per_real_token": sum(measured) / len(measured) if measured else None,
+        "coding_ratio": sum(ratios) / len(ratios) if ratios else None,
     }
 
 

@@ -73,6 +73,14 @@ ROWS: dict[str, dict] = {
     "outliers8_pca512_int4g64_seed1": dict(boundary_codec="outliers8+pca512+int4g64", anchor=False, seed=1),
     "outliers8_int3g71_seed1": dict(boundary_codec="outliers8+int3g71", anchor=False, seed=1),
     "outliers8_int3_seed1": dict(boundary_codec="outliers8+int3", anchor=False, seed=1),
+    # issue 46: forward-only int4 (the backward in int8), rotated codes, e8m0 scales, zstd on the bytes
+    "outliers8_int4x8_bwd_int8": dict(boundary_codec="outliers8+int4x8/int8", anchor=False),
+    "outliers8_rot_int4g64e8m0_zstd": dict(boundary_codec="outliers8+rot+int4g64e8m0+zstd", anchor=False),
+    "outliers8_rot_int3g64e8m0_bwd_rot_int4g64e8m0_zstd": dict(
+        boundary_codec="outliers8+rot+int3g64e8m0/rot+int4g64e8m0+zstd", anchor=False
+    ),
+    "outliers8_rot_int3g64e8m0_zstd": dict(boundary_codec="outliers8+rot+int3g64e8m0+zstd", anchor=False),
+    "outliers8_rot_int4g64e8m0_zstd_seed1": dict(boundary_codec="outliers8+rot+int4g64e8m0+zstd", anchor=False, seed=1),
 }
 
 

@@ -35,8 +35,8 @@ from hf_meshtune.anchor.circuit import AnchorCircuit
 from hf_meshtune.anchor.governor import FidelityGovernor
 from hf_meshtune.apps.assets import load_smollm2
 from hf_meshtune.apps.demo import freeze_all_but_last, gsm8k_splits
+from hf_meshtune.boundary.compose.grammar import parse_codec
 from hf_meshtune.boundary.compose.handle import attach_composed
-from hf_meshtune.boundary.compose.spec import parse_codec
 
 HERE = Path(__file__).resolve().parent
 SWEEP, OUT = HERE / "codec_sweep", HERE / "fidelity"

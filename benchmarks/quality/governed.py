@@ -25,7 +25,7 @@ from pathlib import Path
 
 from benchmarks.quality.smollm2_probe import run_rows
 from hf_meshtune.anchor.governor import mean_level_bytes
-from hf_meshtune.boundary.compose.spec import parse_codec
+from hf_meshtune.boundary.compose.grammar import parse_codec
 from hf_meshtune.config import GOVERNED_LADDER
 
 HERE = Path(__file__).resolve().parent

@@ -4,10 +4,10 @@ time of every new codec stage at Llama-3.2-1B boundary shapes.
     python -m benchmarks.wire.run          # ~3 min on 2 CPU cores; writes benchmarks/wire/results.{json,md}
 
 1. **Ratio (measured on real messages).** SmolLM2-135M-Instruct on 12 GSM8K SFT rows of the embedded data (the
-   main job's), Y = 4: the dense activations and activation gradients at the 3 boundaries, real tokens only. Each
-   codec is fitted on the first half of the real tokens and codes the rest; its forward and backward records are coded by
-   each coder, and the table gives bytes per real token and boundary before and after, and the empirical
-   order-0 entropy of the codes (what an ideal coder of independent codes would reach).
+   main job's), Y = 4: the dense activations and activation gradients at the 3 boundaries, real tokens only.
+   Each codec is fitted on the first half of the real tokens and codes the rest; its forward and backward
+   records are coded by each coder, and the table gives bytes per real token and boundary before and after,
+   and the empirical order-0 entropy of int8 codes (what an ideal coder of independent codes would reach).
 2. **CPU time (measured, synthetic values).** At the 1B boundary shape (H = 2,048; 8,192 tokens = a quarter of
    a 32 × 2,048 step's microbatches, values Gaussian with 8 dims 50× larger, the outliers), the seconds to
    encode and decode each codec's forward message, and each coder's seconds per MB of records. No GPU was lent:
