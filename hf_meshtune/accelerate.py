@@ -371,9 +371,19 @@ class MeshAccelerator(Accelerator):
             return {}
         return self.mesh_engine.log_entries(self.mesh_step, self.spectral_optimizer)
 
-    def mesh_ledger(self, tokens_per_step: int) -> Ledger:
-        """The analytic ledger of this model and the plugin's mesh at ``tokens_per_step`` tokens per fast replica."""
-        return self._engine.ledger(tokens_per_step)
+    def mesh_ledger(self, tokens_per_step: int | None = None) -> Ledger:
+        """The analytic ledger of this model and the plugin's mesh at ``tokens_per_step`` tokens per fast replica
+        (None: the real tokens per step the last log measured); a codec's coder at the ratios it measured."""
+        engine = self._engine
+        tokens = tokens_per_step if tokens_per_step is not None else engine.measured_tokens_per_step
+        require(
+            tokens is not None,
+            "tokens_per_step",
+            tokens_per_step,
+            "be given before a training log has measured the real tokens per step",
+        )
+        assert tokens is not None
+        return engine.ledger(tokens, engine.measured_coding_ratios)
 
 
 class _MeshState:

@@ -37,7 +37,7 @@ from .config import (
     require_ladder_order,
     require_saved_knobs,
 )
-from .ledger import Ledger, compute_ledger, param_shapes_of, settings_from_knobs
+from .ledger import Ledger, compute_ledger, measured_ratios, param_shapes_of, settings_from_knobs
 from .optim.factors import anchor_momentum
 from .optim.spectral import SpectralAdamW
 
@@ -98,6 +98,9 @@ class MeshEngine:
         )
         self.anchor: AnchorCircuit | None = None
         self._steps_logged = 0
+        # what the last log measured: real tokens per step and the coder's (forward, backward) ratios
+        self.measured_tokens_per_step: int | None = None
+        self.measured_coding_ratios: tuple[float, float] | None = None
 
     # --- set-up -------------------------------------------------------------------------------
     def build_anchor(
@@ -168,13 +171,17 @@ class MeshEngine:
         counter = self.boundaries.counter
         if counter.tokens:
             # Measured: frozen layers below a boundary mean no backward payload there, so pp_bwd can be lower.
-            entries.update(self.ledger(max(counter.tokens // steps, 1)).log_dict())
+            coded, uncoded = counter.fwd_bytes + counter.bwd_bytes, counter.fwd_uncoded + counter.bwd_uncoded
+            ratio = uncoded / coded if coded and coded != uncoded else None  # a coder ends the codec: measured
+            ratios = None if ratio is None else measured_ratios(counter.fwd_uncoded, counter.fwd_bytes,
+                                                                counter.bwd_uncoded, counter.bwd_bytes)  # fmt: skip
+            self.measured_tokens_per_step, self.measured_coding_ratios = max(counter.tokens // steps, 1), ratios
+            entries.update(self.ledger(self.measured_tokens_per_step, ratios).log_dict())
             if self.boundaries.boundary_layers:
                 entries["comm/measured_pp_fwd_bytes_per_token"] = counter.fwd_bytes / counter.tokens
                 entries["comm/measured_pp_bwd_bytes_per_token"] = counter.bwd_bytes / counter.tokens
-                coded = counter.fwd_bytes + counter.bwd_bytes
-                if coded and coded != counter.fwd_uncoded + counter.bwd_uncoded:  # a coder ends the codec
-                    entries["comm/pp_coding_ratio"] = (counter.fwd_uncoded + counter.bwd_uncoded) / coded
+                if ratio is not None:
+                    entries["comm/pp_coding_ratio"] = ratio
             counter.reset()
         if optimizer is not None:
             entries.update(getattr(optimizer, "last_diagnostics", {}) or {})
@@ -194,11 +201,12 @@ class MeshEngine:
                 entries["anchor/drift"] = float(self.anchor.last_drift)
         return entries
 
-    def ledger(self, tokens_per_step: int) -> Ledger:
-        """The analytic ledger of this model on the mesh the knobs describe, at ``tokens_per_step`` per fast replica."""
+    def ledger(self, tokens_per_step: int, coding_ratio: tuple[float, float] | None = None) -> Ledger:
+        """The analytic ledger of this model on the mesh the knobs describe, at ``tokens_per_step`` per fast
+        replica (with a coder, its records over ``coding_ratio``, as measured on the run)."""
         cfg = self.config
         dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
-        settings = settings_from_knobs(cfg, dtype=dtype, tokens_per_step=tokens_per_step)
+        settings = settings_from_knobs(cfg, dtype=dtype, tokens_per_step=tokens_per_step, coding_ratio=coding_ratio)
         return compute_ledger(param_shapes_of(self.model), self.boundaries.hidden_size, settings)
 
     # --- state ----------------------------------------------------------------------------------

@@ -289,7 +289,7 @@ def test_a_governed_plain_loop_keeps_its_optimizer_and_runs_at_the_governors_lev
     assert rounds == [0.0, 2.0]
     anchor = accelerator.mesh_anchor
     assert anchor.feed is False and anchor.switches == [(0, 0, [1])] and anchor.rounds_done == 2
-    assert sent == [68.0, 36.0, 36.0, 36.0]  # H = 64 in fp32 words: int8 66 → 68 bytes, int4 34 → 36
+    assert sent == [66.0, 34.0, 34.0, 34.0]  # H = 64, a real token's record: int8 2 + 64 = 66 bytes, int4 2 + 32
 
 
 # --- the example -------------------------------------------------------------------------------

@@ -300,7 +300,7 @@ def run_one(spec: RunSpec, mode: Mode, load: Callable = load_tiny_llama) -> dict
         "train_s": train_s,
         "timing": {**timer.totals, "mean_step_s": sum(timer.step_s) / max(1, len(timer.step_s))},
         "log_history": trainer.state.log_history,
-        "ledger": trainer.mesh_ledger(mode.batch_size * mode.seq_len).to_dict(),
+        "ledger": trainer.mesh_ledger().to_dict(),  # at the real tokens per step and coding ratios measured
     }
     anchor = trainer.mesh_anchor
     if anchor is not None and anchor.governor is not None:

@@ -6,9 +6,10 @@ What it runs (chosen so that it finishes in minutes on 2 CPU cores):
   on the answer only; a fixed held-out split for evaluation;
 - trainable: the last ``train_last_layers`` decoder layers and the final norm (a full fine-tune
   step of all 135M parameters takes ~20 s here); the frozen part still runs every compressed boundary;
-- mesh: Y = 4 stages (3 boundaries) with the preset's boundary (default ``quality``: outliers8+int8, no
-  anchor); ``preset="paper"``: p = 0.95 and the anchor every 10 steps with Δ = 10 (the paper uses 20/20
-  over thousands of steps; a short run needs the basis sooner), τ, α, β_anc at paper values.
+- mesh: Y = 4 stages (3 boundaries) with the preset's boundary (default ``quality``:
+  outliers8+rot+int4g64e8m0+zstd, no anchor); ``preset="paper"``: p = 0.95 and the anchor every 10 steps
+  with Δ = 10 (the paper uses 20/20 over thousands of steps; a short run needs the basis sooner), τ, α,
+  β_anc at paper values.
 
 It prints the dense eval loss before and after, the training loss through the compressed boundaries
 (summary keys ``masked_train_loss_*``), and the byte ledger.
@@ -166,7 +167,7 @@ def run_demo(settings: DemoSettings) -> dict:
         "masked_train_loss_last_log": train_logs[-1]["loss"] if train_logs else None,
         "train_runtime_s": result.metrics["train_runtime"],
         "total_runtime_s": time.time() - started,
-        "ledger": trainer.mesh_ledger(settings.batch_size * settings.seq_len).to_dict(),
+        "ledger": trainer.mesh_ledger().to_dict(),  # at the real tokens per step and coding ratios measured
         "last_log": train_logs[-1] if train_logs else {},
         # what the boundaries sent over the whole run (every log covers logging_steps equal steps)
         "measured_boundary_bytes_per_token": _mean_of(train_logs, "comm/measured_pp_fwd_bytes_per_token")
@@ -224,4 +225,8 @@ def format_summary(summary: dict) -> str:
         "total_bytes_per_token",
     ):
         lines.append(f"  {key:28s} {ledger[key]:>12,.1f}")
+    lines.append(
+        f"boundary bytes measured per real token (forward + backward, every boundary): "
+        f"{summary['measured_boundary_bytes_per_token']:,.1f}; lossless coding: {ledger.get('boundary_coding', 'none')}"
+    )
     return "\n".join(lines)

@@ -87,10 +87,14 @@ class MeshArguments:
         default=None,
         metadata={
             "help": "What crosses every stage boundary, as one string (hf_meshtune.boundary.compose.spec): stages "
-            "joined by '+' from outliers<N>, pca<r>/spca<r>, int<b>[g<G>|x<K>][sr] (b in 2,3,4,8), fp8[g<G>|x<K>] "
-            "(g: G values per scale, x: K near-equal groups), e.g. 'outliers8+int4x8'; or 'mask<p>[+fill]' (the "
-            "paper: 'mask0.95'), which sets mask_ratio and mask_fill; or 'governed': the anchor measures each "
-            "boundary's fidelity and the governor picks its level of codec_ladder. None = the preset's (quality: "
+            "joined by '+' from outliers<N>, pca<r>/spca<r>, rot[<b>] (a seeded randomized Hadamard rotation in "
+            "blocks of b, default 64), int<b>[g<G>|x<K>][e8m0][sr] (b in 2,3,4,5,6,8), fp8[g<G>|x<K>][e8m0] "
+            "(g: G values per scale, x: K near-equal groups, e8m0: one-byte power-of-two scales); then optionally "
+            "'/' and the backward's own [rot+]quantiser (e.g. 'outliers8+rot+int3g64/rot+int4g64sr'), and last a "
+            "lossless coder of the bytes, '+zstd' or '+zlib' (e.g. 'outliers8+rot+int4g64e8m0+zstd'); or "
+            "'mask<p>[+fill]' (the paper: 'mask0.95'), which sets mask_ratio and mask_fill; or 'governed': the "
+            "anchor measures each boundary's fidelity and the governor picks its level of codec_ladder. Only each "
+            "row's real tokens cross (up to its last label). None = the preset's (quality: "
             f"{QUALITY_CODEC!r}) or, with a mask_ratio, the mask_* knobs."
         },
     )

@@ -27,7 +27,7 @@ from .circuits import (
     ledger_for_config,
     param_shapes_of,
 )
-from .settings import DTYPE_BYTES, Ledger, LedgerSettings, settings_from_knobs
+from .settings import DTYPE_BYTES, Ledger, LedgerSettings, measured_ratios, settings_from_knobs
 from .tables import (
     PAPER_BYTES_PER_TOKEN,
     PAPER_POWERSGD_RANK,
@@ -55,5 +55,6 @@ __all__ = [
     "ledger_for_config",
     "param_shapes_of",
     "settings_for_row",
+    "measured_ratios",
     "settings_from_knobs",
 ]

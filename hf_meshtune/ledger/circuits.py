@@ -91,8 +91,8 @@ def _circuits(
     if s.boundary_codec is not None:  # each direction's records (the wire sends them unpadded), over the coder
         spec = parse_codec(s.boundary_codec)
         keep = max(spec.payload_bytes(hidden_size, value_bytes, d) for d in ("fwd", "bwd")) // value_bytes
-        ratio = s.coding_ratio if spec.entropy is not None and s.coding_ratio else 1.0
-        fwd, bwd = (spec.side(d).message_bytes(hidden_size, value_bytes) / ratio for d in ("fwd", "bwd"))
+        ratios = s.coding_ratios if spec.entropy is not None else (1.0, 1.0)
+        fwd, bwd = (spec.side(d).message_bytes(hidden_size, value_bytes) / r for d, r in zip(("fwd", "bwd"), ratios))
     else:
         keep = keep_count(hidden_size, s.mask_ratio)  # the wire's own K; raises naming mask_ratio if 0
         fwd = bwd = keep * value_bytes

@@ -13,7 +13,7 @@ from ..boundary.compose.grammar import parse_codec
 from ..comm.wire import CIRCUITS
 from ..config import ANCHOR_PAYLOADS, DP_QUANTIZERS, codec_refit_every, composed_codec
 
-__all__ = ["DTYPE_BYTES", "Ledger", "LedgerSettings", "settings_from_knobs"]
+__all__ = ["DTYPE_BYTES", "Ledger", "LedgerSettings", "measured_ratios", "settings_from_knobs"]
 
 DTYPE_BYTES: dict[str, int] = {
     "float64": 8,
@@ -64,9 +64,10 @@ class LedgerSettings:
     boundary_codec: str | None = None  # a composed codec (compose.spec) instead of the mask p
     codec_refit_every: int = 0  # anchor rounds between refits of the codec's geometry (0: never)
     dp_quantize: str | None = None  # "int8": every DP all-reduce as int8 codes + a float32 max per block
-    # bytes before / after the codec's lossless coder (+zstd): measured (a run's mesh_summary, benchmarks/wire);
-    # None books a coded codec's records uncoded, and the ledger says so (``Ledger.coding``)
-    coding_ratio: float | None = None
+    # bytes before / after the codec's lossless coder (+zstd), one for both directions or (forward, backward):
+    # measured (a run's mesh_summary, benchmarks/wire); None books a coded codec's records uncoded, and the
+    # ledger says so (``LedgerSettings.coding``)
+    coding_ratio: float | tuple[float, float] | None = None
 
     def __post_init__(self) -> None:
         _require_int("num_replicas", self.num_replicas, 1)
@@ -111,12 +112,28 @@ class LedgerSettings:
             )
         if self.coding_ratio is not None:
             ratio = self.coding_ratio
+            values = list(ratio) if isinstance(ratio, (tuple, list)) else [ratio]
             require(
-                isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and math.isfinite(ratio) and ratio > 0,
+                len(values) in (1, 2)
+                and all(
+                    isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+                    for v in values
+                ),
                 "coding_ratio",
                 ratio,
-                "be None or a finite number > 0 (bytes before the coder / bytes after, as a run measured it)",
+                "be None, a finite number > 0 or a (forward, backward) pair of them (bytes before the coder / "
+                "bytes after, as a run measured them)",
             )
+
+    @property
+    def coding_ratios(self) -> tuple[float, float]:
+        """(forward, backward) ratio the ledger divides a coded codec's records by (1, 1 without one)."""
+        ratio = self.coding_ratio
+        if ratio is None:
+            return 1.0, 1.0
+        if isinstance(ratio, (tuple, list)):
+            return float(ratio[0]), float(ratio[1])
+        return float(ratio), float(ratio)
 
     @property
     def coding(self) -> str:
@@ -125,7 +142,10 @@ class LedgerSettings:
         coder = parse_codec(self.boundary_codec).entropy if self.boundary_codec is not None else None
         if coder is None:
             return "none"
-        return f"{coder} at a measured ratio {self.coding_ratio:.3f}" if self.coding_ratio else "not counted"
+        if self.coding_ratio is None:
+            return "not counted"
+        forward, backward = self.coding_ratios
+        return f"{coder} at measured ratios {forward:.3f} (forward), {backward:.3f} (backward)"
 
     @property
     def fast_replicas(self) -> int:
@@ -192,6 +212,15 @@ class Ledger:
         if self.compression is not None:
             out[f"{prefix}compression_vs_dense_ratio"] = float(self.compression)
         return out
+
+
+def measured_ratios(fwd_before: float, fwd_after: float, bwd_before: float, bwd_after: float) -> tuple[float, float]:
+    """(forward, backward) coding ratios from bytes measured before and after a coder; a direction that carried
+    nothing takes the other's (what both carried, where neither did: 1)."""
+    both = (fwd_before + bwd_before) / (fwd_after + bwd_after) if fwd_after + bwd_after else 1.0
+    forward = fwd_before / fwd_after if fwd_after else both
+    backward = bwd_before / bwd_after if bwd_after else both
+    return forward, backward
 
 
 def settings_from_knobs(knobs: Any, *, dtype: str, tokens_per_step: int, **overrides: Any) -> LedgerSettings:

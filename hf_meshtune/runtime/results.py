@@ -17,7 +17,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from ..comm.wire import CIRCUITS, ROLLOUT
-from ..ledger import LedgerSettings, compute_ledger, param_shapes_of, settings_from_knobs
+from ..ledger import LedgerSettings, compute_ledger, measured_ratios, param_shapes_of, settings_from_knobs
 from ..memory import MEMORY_PARTS
 from ..memory_ledger import MemorySettings, predict_memory
 from ..topology import MESH_ENV, MeshTopology
@@ -187,11 +187,13 @@ def summarize(results: list[MeshResult], topology: MeshTopology, trainer, seq_le
         figures["total"] = sum(figures.values())
     steps = max((r.steps for r in fast), default=0)
     rounds = max((len(r.anchor_rounds) for r in results if r.role == "anchor"), default=0)
-    uncoded = sum(r.wire.get("uncoded", {}).get(c, 0.0) for r in results for c in ("pp_fwd", "pp_bwd"))
-    coded = sum(r.wire.get("coded", {}).get(c, 0.0) for r in results for c in ("pp_fwd", "pp_bwd"))
-    coding_ratio = uncoded / coded if coded else None  # measured: the fast boundaries' records before / after
+    before = {c: sum(r.wire.get("uncoded", {}).get(c, 0.0) for r in fast) for c in ("pp_fwd", "pp_bwd")}
+    after = {c: sum(r.wire.get("coded", {}).get(c, 0.0) for r in fast) for c in ("pp_fwd", "pp_bwd")}
+    uncoded, coded = sum(before.values()), sum(after.values())
+    # measured: the fast boundaries' records before / after the coder, per direction (None: no coder)
+    ratios = measured_ratios(before["pp_fwd"], after["pp_fwd"], before["pp_bwd"], after["pp_bwd"]) if coded else None
     settings = _ledger_settings(topology, trainer, seq_len, tokens // max(steps * len(topology.fast_replicas), 1))
-    settings = dataclasses.replace(settings, coding_ratio=coding_ratio)
+    settings = dataclasses.replace(settings, coding_ratio=ratios)
     analytic = _analytic(trainer.model, settings, rounds, max(steps, 1))
     syncs = [(r.dp_syncs, sum(r.dp_sync_bytes)) for r in fast]
     sync_count = sum(n for n, _ in syncs)
@@ -213,7 +215,8 @@ def summarize(results: list[MeshResult], topology: MeshTopology, trainer, seq_le
         "codec_calibration_bytes": calibration,  # sent once before the first step, not in pp_fwd above
         # the lossless coder (+zstd): the boundary records' bytes before / after it, measured; per token
         # "pp_uncoded_bytes_per_token" is what the boundaries would have sent without it
-        "pp_coding_ratio": coding_ratio,
+        "pp_coding_ratio": uncoded / coded if coded else None,
+        "pp_coding_ratios": ratios,  # (forward, backward), what the analytic ledger above divides the records by
         "pp_uncoded_bytes_per_token": measured["pp_fwd"] + measured["pp_bwd"] + (uncoded - coded) / max(tokens, 1)
         if coded
         else None,
