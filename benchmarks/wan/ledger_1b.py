@@ -35,7 +35,7 @@ import transformers
 
 from hf_meshtune import ledger as L
 from hf_meshtune.boundary.masking import keep_count
-from hf_meshtune.config import ANCHOR_PAYLOADS, DEFAULT_DP_POWERSGD_RANK, DEFAULT_DP_QUANTIZE
+from hf_meshtune.config import ANCHOR_PAYLOADS, DEFAULT_DP_POWERSGD_RANK, DEFAULT_DP_QUANTIZE, QUALITY_CODEC
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -115,7 +115,7 @@ def default_ledgers(config=None) -> dict[str, L.Ledger]:
 
     config = config if config is not None else L.PRESETS[PRESET]
 
-    def row(base: str, codec: str, payload: str = "factors") -> L.Ledger:
+    def row(base: str, codec: str, payload: str = "factors", coded: bool = True) -> L.Ledger:
         merged = {
             **KNOBS,
             "anchor_payload": payload,
@@ -123,10 +123,14 @@ def default_ledgers(config=None) -> dict[str, L.Ledger]:
             "dp_quantize": DEFAULT_DP_QUANTIZE,
         }
         settings = L.settings_for_row(base, global_batch=GLOBAL_BATCH, seq_len=SEQ_LEN, **merged)
-        return L.ledger_for_config(config, dataclasses.replace(settings, mask_ratio=0.0, boundary_codec=codec))
+        ratios = wire_ratios(codec) if coded else None
+        return L.ledger_for_config(
+            config, dataclasses.replace(settings, mask_ratio=0.0, boundary_codec=codec, coding_ratio=ratios)
+        )
 
     rows = {
         f"default `{QUALITY_CODEC}`": row("M95", QUALITY_CODEC),
+        f"default `{QUALITY_CODEC}`, its records uncoded": row("M95", QUALITY_CODEC, coded=False),
         f"default `{QUALITY_CODEC}` +AP (gradient)": row("M95+AP", QUALITY_CODEC, "gradient"),
         f"default `{QUALITY_CODEC}` +AP (factors)": row("M95+AP", QUALITY_CODEC),
     }
@@ -135,6 +139,27 @@ def default_ledgers(config=None) -> dict[str, L.Ledger]:
     rows["`outliers8+spca32+int4` (the WAN benchmark's ~20× codec at H = 256)"] = row("M95", "outliers8+spca32+int4")
     rows["`outliers8+spca320+int4` (~20× at H = 2048)"] = row("M95", "outliers8+spca320+int4")
     return rows
+
+
+WIRE_RESULTS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "wire", "results.json")
+
+
+def wire_ratios(codec: str) -> tuple[float, float] | None:
+    """(forward, backward) ratio of ``codec``'s coder as ``benchmarks/wire`` measured it on SmolLM2's boundary
+    messages (records / coded bytes, the library's level); None for a codec without a coder."""
+    from hf_meshtune.boundary.compose.entropy import ZSTD_LEVEL
+    from hf_meshtune.boundary.compose.grammar import parse_codec
+
+    spec = parse_codec(codec)
+    if spec.entropy is None:
+        return None
+    base = codec.rsplit("+", 1)[0]
+    with open(WIRE_RESULTS) as fh:
+        rows = {row["codec"]: row for row in json.load(fh)["ratios"]}
+    level = ZSTD_LEVEL if spec.entropy == "zstd" else 6
+    row = rows[base]
+    coded = row["coded"][f"{spec.entropy}-{level}"]
+    return row["record_bytes"]["fwd"] / coded["fwd"], row["record_bytes"]["bwd"] / coded["bwd"]
 
 
 def _default_lines(data: Mapping[str, Any]) -> list[str]:
@@ -598,7 +623,12 @@ def markdown(data: Mapping[str, Any], wall_s: float) -> str:
         "the paper rows above use float r = 4; the anchor every "
         "20 steps), the mask swapped for the codec; the anchor sends rank-8 factors unless marked. bf16 activations: "
         "a codec's payload "
-        "is counted as its wire bytes (`compose.spec`), so its compression is against bf16.",
+        "is counted as its wire bytes (`compose.spec`), so its compression is against bf16. A codec that ends in a "
+        "coder (`+zstd`) is booked at the coder's ratio `benchmarks/wire` measured on SmolLM2-135M's boundary "
+        "messages (forward, backward: "
+        + ", ".join(f"{r:.3f}" for r in (wire_ratios(QUALITY_CODEC) or ()))
+        + "), a measurement on the smaller model's activations, not on a 1B model's; the uncoded row beside it "
+        "books its records as they are.",
         "",
         *_default_lines(data),
         "",

@@ -48,7 +48,7 @@ CADENCES = ("fixed", "adaptive")
 # (benchmarks/wan/dp_sweep.md) float32 rank 4 ended at eval loss 1.45 against Dense's 0.85 and uncompressed
 # DiLoCo's 0.90, float32 rank 32 at 0.96; rank 128 in int8 codes (dp.quantize) at 0.92 for float32 rank 32's
 # bytes. At Llama-3.2-1B shapes (bf16 gradients in the ledger) DP is 1,160 B/token against float rank 32's 572
-# (benchmarks/wan/ledger_1b.md: 9 % of the default's 13,508).
+# (benchmarks/wan/ledger_1b.md: 19 % of the default's 6,005; 9 % of outliers8+int8's 13,508 before it).
 DEFAULT_DP_POWERSGD_RANK = 128
 DEFAULT_DP_QUANTIZE = "int8"
 PRESETS: dict[str, dict[str, Any]] = {
