@@ -106,11 +106,13 @@ COMPOSED = {
     "outliers8+int4x8": dict(boundary_codec="outliers8+int4x8", anchor=False),
     "outliers8+spca64+int4": dict(boundary_codec="outliers8+spca64+int4", anchor=False),
     "outliers8+spca32+int4": dict(boundary_codec="outliers8+spca32+int4", anchor=False),
+    # the default since the variable-size wire: rotated int4, one-byte scales, zstd-coded records
+    "outliers8+rot+int4g64e8m0+zstd": dict(boundary_codec="outliers8+rot+int4g64e8m0+zstd", anchor=False),
     # the fidelity governor on the default ladder and target (int3x8 / int4x8 / int8); the anchor circuit
     # runs for the governor alone (every 20 steps, landing 20 later)
     "governed": dict(boundary_codec="governed", anchor=False),
 }
-COMPOSED_ALL_SEEDS = ("Dense", "outliers8+int8")  # the default
+COMPOSED_ALL_SEEDS = ("Dense", "outliers8+int8", "outliers8+rot+int4g64e8m0+zstd")  # the defaults, old and new
 # what the anchor sends, side by side on the default codec with the anchor prior: its dense gradient, or its
 # momentum's rank-8 factors (anchor_payload="factors": the anchor keeps M_anc and sends U_r, s_r, V_r)
 AP = dict(boundary_codec="outliers8+int8", mask_ratio=0.0, anchor=True)
