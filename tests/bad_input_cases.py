@@ -3228,6 +3228,15 @@ def _cases() -> list[Case]:
         ),
         Case(
             LEDGER,
+            "LedgerSettings(coding_ratio=0) (or `meshtune ledger --coding-ratio 0`)",
+            "`LedgerSettings(...)`",
+            lambda: LedgerSettings(boundary_codec="outliers8+rot+int4g64e8m0+zstd", coding_ratio=0),
+            ValueError,
+            "coding_ratio=0 is invalid: it must be None, a finite number > 0 or a (forward, backward) pair of them "
+            "(bytes before the coder / bytes after, as a run measured them)",
+        ),
+        Case(
+            LEDGER,
             "LedgerSettings(num_stages=0)",
             "`LedgerSettings(...)`",
             lambda: LedgerSettings(num_stages=0),
