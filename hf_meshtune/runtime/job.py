@@ -4,8 +4,9 @@ When the job has several processes (``WORLD_SIZE`` > 1: ``meshtune launch``, ``t
 ``accelerate launch``), every process runs this instead of the Trainer's single-process loop:
 
 1. the mesh topology is validated (``MeshTopology.from_environment``) before any collective;
-2. the Trainer's data (train dataset + collator) becomes fixed-shape [B·M, T] batches: fast replica r
-   at step t and the anchor at round k each draw their own rows (pure functions of seed and index);
+2. the Trainer's data (train dataset + collator) becomes fixed-shape [B·M, T] batches (T: the longest row;
+   the boundaries carry each row only up to its last label, ``pipeline.messages``): fast replica r at step
+   t and the anchor at round k each draw their own rows (pure functions of seed and index);
 3. the process runs its stage (``runtime.bootstrap.run_worker``);
 4. the rank with the loss runs the Trainer's callbacks and prints the run (``runtime.console``);
 5. at the end rank 0 writes ``mesh_summary.json``: measured bytes per token by circuit next to the
@@ -128,7 +129,8 @@ def _fixed_length(dataset) -> int:
         "train_dataset",
         type(dataset).__name__,
         "be a tokenized datasets.Dataset with an 'input_ids' column on the mesh "
-        "(pipeline stages exchange fixed-shape tensors, so the longest row sets T)",
+        "(pipeline stages compute on fixed-shape tensors, so the longest row sets T; only each row's real "
+        "tokens cross the links)",
     )
     return max(len(ids) for ids in dataset["input_ids"])
 
