@@ -12,6 +12,7 @@ from hf_meshtune.anchor.batches import AnchorBatches
 from hf_meshtune.anchor.circuit import AnchorCircuit
 from hf_meshtune.anchor.fidelity import FidelityProbe, ProbeRecord, gradient_cosine, stage_parameter_groups
 from hf_meshtune.anchor.governor import AnchorCadence, FidelityGovernor, candidate_levels, mean_level_bytes
+from hf_meshtune.boundary.compose.grammar import parse_codec
 from hf_meshtune.boundary.compose.handle import attach_composed
 from hf_meshtune.optim.basis import subspace_drift
 from tests.tiny import GOVERNED_TINY, pattern_dataset, tiny_llama
@@ -299,3 +300,19 @@ def test_governed_without_the_anchor_prior_keeps_the_users_optimizer(tmp_path):
     trainer.train()
     assert trainer.spectral_optimizer is None and trainer.mesh_anchor.feed is False
     assert trainer.mesh_anchor.rounds_done == 2
+
+
+def test_the_wires_stages_join_a_governed_ladder(tmp_path):
+    """Levels with a rotation, a backward of their own and a coder are ladder levels like any: the first round
+    measures each, the governor picks one, and the counter books that level's coded records."""
+    ladder = "int2,rot+int4g64e8m0+zstd,rot16+int3g16e8m0/rot16+int4g16+zstd,int8"
+    trainer = _trainer(tmp_path, codec_ladder=ladder, max_steps=4)
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    levels = ladder.split(",")
+    assert {f"fidelity/b0/{level}/cos" for level in levels} <= set(logs[0])
+    chosen = trainer.mesh_anchor.switches[0][2][0]
+    assert levels[chosen] != "int8"  # a cheaper level met the target: the rotated levels are chosen from
+    if "zstd" in levels[chosen]:  # coded: the bytes booked are below the level's records
+        record = parse_codec(levels[chosen]).message_bytes(64, 4)
+        assert logs[-1]["comm/measured_pp_fwd_bytes_per_token"] < record and logs[-1]["comm/pp_coding_ratio"] > 1
