@@ -119,3 +119,12 @@ def test_the_ledger_divides_a_coded_codec_by_its_measured_ratios():
     with pytest.raises(ValueError, match=r"coding_ratio=-1 is invalid"):
         LedgerSettings(**base, coding_ratio=-1)
     assert not math.isnan(coded.total)
+
+
+def test_a_microbatch_that_carries_nothing_has_an_empty_body_and_lands_zeros():
+    form = WireFormat(record=8, width=2, dtype=torch.float32)
+    header, body = form.pack(torch.ones(2, 3, 2), torch.tensor([0, 0]))
+    assert header.tolist() == [0, 0, 8] and body.numel() == 0  # MeshStage sends the header alone
+    target = torch.ones(2, 3, 2)
+    form.unpack(body, torch.tensor([0, 0]), target)
+    assert target.eq(0).all()

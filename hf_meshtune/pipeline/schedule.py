@@ -120,7 +120,7 @@ class MeshStage(PipelineStage):
             header, body = form.pack(op.tensor, self._chunk_lengths(chunk))
             if form.coder is not None:
                 self.wire.record_coding(circuit, int(header[1]) * int(header[2]), body.numel())
-            for tensor in (header, body):
+            for tensor in (header, body) if body.numel() else (header,):  # an empty body: the header says so
                 self.wire.record_send(circuit, tensor)
                 self._sending.append((dist.isend(tensor, op.peer, op.group, op.tag), tensor))
         return []
@@ -136,7 +136,8 @@ class MeshStage(PipelineStage):
             header = torch.empty(HEADER_VALUES, dtype=torch.int64)
             dist.recv(header, op.peer, op.group, op.tag)
             body = torch.empty(form.expect(header, lengths, op.tensor.shape[0] * op.tensor.shape[1]), dtype=torch.uint8)
-            out.append(dist.P2POp(dist.irecv, body, op.peer, op.group, op.tag))
+            if body.numel():  # no row of the microbatch carries a position: nothing follows the header
+                out.append(dist.P2POp(dist.irecv, body, op.peer, op.group, op.tag))
             landing.append(partial(form.unpack, body, lengths, op.tensor))
         return out
 
