@@ -149,7 +149,8 @@ class StageWorker:
         (``pipeline.messages``), and ``carried_tokens`` counts those positions; a loss of its own (RL's)
         may read any position, so every one travels."""
         lengths = carried_lengths(labels) if self.settings.loss is None else None
-        self.carried_tokens = int(lengths.sum()) if lengths is not None else labels.numel()
+        # every position of a row otherwise (an RL target is [B, T, k]: its positions, not its values, count)
+        self.carried_tokens = int(lengths.sum()) if lengths is not None else labels.shape[0] * labels.shape[1]
         with self.naming_link_failure("a message to or from", self._neighbours()), self.activations:
             loss = run_schedule(self.schedule, self.module, ids, labels, lengths)
         grads = tensor_bytes([p.grad for p in self.module.parameters() if p.grad is not None])
