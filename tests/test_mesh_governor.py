@@ -30,7 +30,8 @@ from hf_meshtune.boundary.compose.grammar import parse_codec
 from hf_meshtune.boundary.compose.handle import attach_composed
 from hf_meshtune.comm.messages import LEVELS
 from hf_meshtune.comm.wire import Wire
-from hf_meshtune.pipeline.schedule import MeshStage, build_schedule
+from hf_meshtune.pipeline.messages import HEADER_VALUES, carried_lengths
+from hf_meshtune.pipeline.schedule import MeshStage, build_schedule, run_schedule
 from hf_meshtune.pipeline.stage import StageModule, causal_lm_loss, stage_parameter_names, untie_embeddings
 from hf_meshtune.topology import MeshTopology
 from tests.distributed import mesh_launch
@@ -100,16 +101,11 @@ def _switching_worker(rank: int, world: int, schedule: list[list[int]]) -> dict:
             runner = build_schedule(pipe, BATCH // MICRO, causal_lm_loss(model))
         model.zero_grad()
         module.step = step
-        ids, out = _batch(step), []
+        ids = _batch(step)
         before = wire.sent["pp_fwd"]
-        if stage == 0:
-            runner.step(ids)
-        elif stage == world - 1:
-            runner.step(target=ids, losses=out)
-        else:
-            runner.step()
-        widths.append((wire.sent["pp_fwd"] - before) / (BATCH * SEQ * 4))
-        losses.append(float(sum(v.item() for v in out) / len(out)) if out else None)
+        losses.append(run_schedule(runner, module, ids, ids, carried_lengths(ids)))  # every position labelled
+        headers = (BATCH // MICRO) * HEADER_VALUES * 8 if stage < world - 1 else 0
+        widths.append((wire.sent["pp_fwd"] - before - headers) / (BATCH * SEQ * 4))
     grads = {n: p.grad.clone() for n, p in stage_parameter_names(model, module).items() if p.grad is not None}
     return {"losses": losses, "grads": grads, "widths": widths}
 
@@ -131,7 +127,7 @@ def test_a_pipeline_switching_levels_equals_the_single_process_model_at_the_same
             torch.testing.assert_close(grad, ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
     # the level changes reached the wire: each stage's forward payload has its level's width
     for stage, result in enumerate(results[:-1]):
-        expected = [SPECS[levels[stage]].payload_bytes(HIDDEN, 4) / 4 for levels in schedule]
+        expected = [SPECS[levels[stage]].message_bytes(HIDDEN, 4) / 4 for levels in schedule]
         assert result["widths"] == expected
     assert len({w for r in results[:-1] for w in r["widths"]}) >= 2  # the schedule changed the widths
 
@@ -311,14 +307,15 @@ def test_a_governed_mesh_measures_like_one_process_and_switches_both_sides_at_th
         )
         late_anchor = _gap(last.losses, _one_process_replica(replica, switches, [(s + 1, n) for s, n in last.arrivals]))
         assert right < 2e-3 and 3 * right < min(late_switch, late_anchor), (right, late_switch, late_anchor)
-    # the wire: the forward payload of each step has the width of the level its forward used
-    widths = {lv: SPECS[lv].payload_bytes(64, 4) for lv in range(3)}
+    # the wire: the forward records of each step have the size of the level its forward used, each of the step's
+    # 2 microbatch messages with its 24-byte header (every position of mesh_run's rows is labelled)
+    widths = {lv: SPECS[lv].message_bytes(64, 4) for lv in range(3)}
     per_step = [2] + [0] * 5 + [1] * 3  # step 0 at the richest level, 1-5 at level 0, 6-8 at level 1
     tokens = 2 * 2 * 16  # MICRO × MICROBATCHES × SEQ of mesh_run
     for replica in (0, 1):
         sender = next(r for r in results if r.role == "fast" and r.replica == replica and r.stage == 0)
         sent = sender.wire["sent"]["pp_fwd"] - sender.calibration_bytes
-        assert sent == sum(tokens * widths[lv] for lv in per_step)
+        assert sent == sum(tokens * widths[lv] + 2 * HEADER_VALUES * 8 for lv in per_step)
 
 
 # --- the pieces --------------------------------------------------------------------------------
