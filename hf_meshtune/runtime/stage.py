@@ -66,8 +66,9 @@ class StageWorker:
         governed level switch changes those widths, so every stage of the replica rebuilds both at the
         same step (torch's schedule runs its start-up handshake with the neighbours again)."""
         settings = self.settings
-        if getattr(self, "pipe", None) is not None:  # the old stage's sends finish before it is let go
-            self.pipe.finish_step()
+        previous: MeshStage | None = getattr(self, "pipe", None)
+        if previous is not None:  # the old stage's sends finish before it is let go
+            previous.finish_step()
         self.pipe = MeshStage(
             self.module,
             group=self.groups.pp_group,
