@@ -75,8 +75,10 @@ def test_meshtrainer_script_runs_unchanged_on_a_launched_3x2_mesh(tmp_path):
     # scalar per step backward is an all-reduce, so it is booked (ring factor) and not measured
     measured, booked = summary["measured_bytes_per_token"], summary["booked_bytes_per_token"]
     wire, analytic = summary["wire_bytes_per_token"], summary["analytic_bytes_per_token"]
-    assert measured["pp_fwd"] == analytic["pp_fwd"] == keep_count(64, 0.9) * 4 and booked["pp_fwd"] == 0
-    assert measured["pp_bwd"] == analytic["pp_bwd"] == keep_count(64, 0.9) * 4
+    # (plus each microbatch message's 24-byte header: under a byte per token here)
+    assert analytic["pp_fwd"] == analytic["pp_bwd"] == keep_count(64, 0.9) * 4 and booked["pp_fwd"] == 0
+    assert analytic["pp_fwd"] < measured["pp_fwd"] < analytic["pp_fwd"] + 1
+    assert analytic["pp_bwd"] < measured["pp_bwd"] < analytic["pp_bwd"] + 1
     clip = 4 * 12 * 4 * (2 * (2 - 1) / 2) / summary["fast_tokens"]  # 4 fast ranks × 12 steps × one fp32 norm, ring
     assert booked["pp_bwd"] == pytest.approx(clip, rel=1e-12)
     # DP is all-reduces only: nothing measured, the booked ring traffic is the ledger's (tensor sizes × factor)
@@ -136,7 +138,8 @@ def test_lora_on_the_mesh_syncs_and_filters_only_the_adapter_and_saves_a_plain_p
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((out / "mesh_summary.json").read_text())
     measured, analytic = summary["measured_bytes_per_token"], summary["analytic_bytes_per_token"]
-    assert measured["pp_fwd"] == analytic["pp_fwd"] == keep_count(64, 0.9) * 4  # LoRA leaves the payload as it is
+    # LoRA leaves the payload as it is (plus each message's 24-byte header, under a byte per token here)
+    assert analytic["pp_fwd"] == keep_count(64, 0.9) * 4 < measured["pp_fwd"] < analytic["pp_fwd"] + 1
     dp = summary["booked_bytes_per_token"]["dp"]  # all-reduces: booked at the ring factor
     assert dp == pytest.approx(analytic["dp"], rel=1e-9) and summary["dp_syncs_per_rank"] == 4 // 2
     # DP: PowerSGD rank 2 of each stage's LoRA matrices (r = 4), nothing of the frozen base
@@ -175,7 +178,8 @@ def test_trl_sft_script_runs_unchanged_on_a_launched_mesh(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((out / "mesh_summary.json").read_text())
     measured, analytic = summary["measured_bytes_per_token"], summary["analytic_bytes_per_token"]
-    assert summary["steps"] == 4 and measured["pp_fwd"] == analytic["pp_fwd"] == keep_count(64, 0.9) * 4
+    assert summary["steps"] == 4 and analytic["pp_fwd"] == keep_count(64, 0.9) * 4
+    assert analytic["pp_fwd"] < measured["pp_fwd"] < analytic["pp_fwd"] + 1  # each message's 24-byte header
     assert summary["booked_bytes_per_token"]["dp"] == pytest.approx(analytic["dp"], rel=1e-9)
     assert summary["anchor_rounds"] >= 1
     history = json.loads((out / "trainer_state.json").read_text())["log_history"]
@@ -339,10 +343,10 @@ def test_a_composed_codec_runs_on_the_mesh_with_one_geometry_per_boundary_and_re
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((first / "mesh_summary.json").read_text())
     measured, analytic = summary["measured_bytes_per_token"], summary["analytic_bytes_per_token"]
-    message = 2 * 4 + 2 + 3 * 4 + 2  # 2 fp32 outliers + a bf16 scale + 24 int4 codes + padding to fp32 words
-    assert measured["pp_fwd"] == analytic["pp_fwd"] == message
+    message = 2 * 4 + 2 + 3 * 4  # a real token's record: 2 fp32 outliers + a bf16 scale + 24 int4 codes
+    assert analytic["pp_fwd"] == message < measured["pp_fwd"] < message + 1  # + each message's 24-byte header
     clip = 4 * 8 * 4 * (2 * (2 - 1) / 2) / summary["fast_tokens"]  # the gradient-norm scalar, as in the 3x2 test
-    assert measured["pp_bwd"] == analytic["pp_bwd"] == message  # the codec's message back, measured
+    assert analytic["pp_bwd"] == message < measured["pp_bwd"] < message + 1  # the codec's record back, measured
     assert summary["booked_bytes_per_token"]["pp_bwd"] == pytest.approx(clip, rel=1e-12)
     # calibration, per replica: stage 0's dense output on batches(0) (2·2 rows × 16 tokens × H fp32) + its geometry
     geometry = (2 + 62) * 8 + (62 + 62 + 62 * 24) * 4  # dims (int64); mean, std, basis (fp32)
