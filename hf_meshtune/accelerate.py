@@ -374,16 +374,7 @@ class MeshAccelerator(Accelerator):
     def mesh_ledger(self, tokens_per_step: int | None = None) -> Ledger:
         """The analytic ledger of this model and the plugin's mesh at ``tokens_per_step`` tokens per fast replica
         (None: the real tokens per step the last log measured); a codec's coder at the ratios it measured."""
-        engine = self._engine
-        tokens = tokens_per_step if tokens_per_step is not None else engine.measured_tokens_per_step
-        require(
-            tokens is not None,
-            "tokens_per_step",
-            tokens_per_step,
-            "be given before a training log has measured the real tokens per step",
-        )
-        assert tokens is not None
-        return engine.ledger(tokens, engine.measured_coding_ratios)
+        return self._engine.measured_ledger(tokens_per_step)
 
 
 class _MeshState:

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ._hf_typing import hf_config
+from ._validation import require
 from .anchor.batches import AnchorBatches
 from .anchor.circuit import AnchorCircuit
 from .anchor.governor import AnchorCadence, FidelityGovernor
@@ -208,6 +209,19 @@ class MeshEngine:
         dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
         settings = settings_from_knobs(cfg, dtype=dtype, tokens_per_step=tokens_per_step, coding_ratio=coding_ratio)
         return compute_ledger(param_shapes_of(self.model), self.boundaries.hidden_size, settings)
+
+    def measured_ledger(self, tokens_per_step: int | None = None) -> Ledger:
+        """``ledger`` at ``tokens_per_step`` (None: the real tokens per step the last log measured), a codec's
+        coder at the ratios the last log measured."""
+        tokens = tokens_per_step if tokens_per_step is not None else self.measured_tokens_per_step
+        require(
+            tokens is not None,
+            "tokens_per_step",
+            tokens_per_step,
+            "be given before a training log has measured the real tokens per step",
+        )
+        assert tokens is not None
+        return self.ledger(tokens, self.measured_coding_ratios)
 
     # --- state ----------------------------------------------------------------------------------
     def state_dict(self) -> dict:

@@ -248,16 +248,7 @@ class MeshTrainerMixin(_TrainerBase):
     def mesh_ledger(self, tokens_per_step: int | None = None) -> Ledger:
         """The analytic ledger of this model and mesh at ``tokens_per_step`` tokens per fast replica (None: the
         real tokens per step the last log measured); a codec's coder at the ratios the last log measured."""
-        engine = self.mesh_engine
-        tokens = tokens_per_step if tokens_per_step is not None else engine.measured_tokens_per_step
-        require(
-            tokens is not None,
-            "tokens_per_step",
-            tokens_per_step,
-            "be given before a training log has measured the real tokens per step",
-        )
-        assert tokens is not None
-        return engine.ledger(tokens, engine.measured_coding_ratios)
+        return self.mesh_engine.measured_ledger(tokens_per_step)
 
     # --- checkpoints --------------------------------------------------------------------------
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
