@@ -9,7 +9,15 @@ import torch.distributed as dist
 
 __all__ = ["LinkDown", "is_link_error", "naming_the_peers"]
 
-_LINK_ERRORS = ("gloo/transport", "Timed out waiting", "Connection reset", "Connection closed", "Broken pipe")
+# gloo's transport errors; a pending send whose pair timed out reads "Application timeout caused pair closure"
+_LINK_ERRORS = (
+    "gloo/transport",
+    "Timed out waiting",
+    "Connection reset",
+    "Connection closed",
+    "Broken pipe",
+    "caused pair closure",
+)
 
 
 class LinkDown(RuntimeError):
