@@ -26,6 +26,7 @@ from ._validation import require
 from .anchor.batches import AnchorBatches
 from .anchor.circuit import AnchorCircuit
 from .anchor.governor import AnchorCadence, FidelityGovernor
+from .boundary.compose.change import change_spec
 from .boundary.compose.handle import ComposedHandle, attach_composed
 from .boundary.hooks import BoundaryHandle, attach_boundaries
 from .config import (
@@ -53,6 +54,7 @@ RESUME_KNOBS = (
     "mask_fill",
     "mask_protect_dims",
     "boundary_codec",
+    "boundary_change_codec",
     "anchor",
     "anchor_every",
     "anchor_delay",
@@ -90,8 +92,9 @@ class MeshEngine:
             hidden = hf_config(model).get_text_config().hidden_size
             require_ladder_order(config, hidden)
         assert config.num_stages is not None and config.mask_ratio is not None  # resolved by __post_init__
+        change = change_spec(config.boundary_change_codec) if config.boundary_change_codec is not None else None
         self.boundaries: BoundaryHandle | ComposedHandle = (
-            attach_composed(model, config.num_stages, codec, config.mask_seed, ladder=ladder)
+            attach_composed(model, config.num_stages, codec, config.mask_seed, ladder=ladder, change=change)
             if codec is not None
             else attach_boundaries(
                 model, config.num_stages, config.mask_ratio, config.mask_seed, config.mask_rescale, config.mask_fill
@@ -99,6 +102,7 @@ class MeshEngine:
         )
         self.anchor: AnchorCircuit | None = None
         self._steps_logged = 0
+        self._visits_logged = {"first": 0, "revisit": 0}  # change coding: the visits counted by the last log
         # what the last log measured: real tokens per step and the coder's (forward, backward) ratios
         self.measured_tokens_per_step: int | None = None
         self.measured_coding_ratios: tuple[float, float] | None = None
@@ -176,6 +180,9 @@ class MeshEngine:
             ratio = uncoded / coded if coded and coded != uncoded else None  # a coder ends the codec: measured
             ratios = None if ratio is None else measured_ratios(counter.fwd_uncoded, counter.fwd_bytes,
                                                                 counter.bwd_uncoded, counter.bwd_bytes)  # fmt: skip
+            held = self.measured_coding_ratios
+            if ratios is not None and held is not None and not counter.fwd_uncoded:  # every row a revisit
+                ratios = (held[0], ratios[1])  # the boundary codec's forward ratio stays the last one measured
             self.measured_tokens_per_step, self.measured_coding_ratios = max(counter.tokens // steps, 1), ratios
             entries.update(self.ledger(self.measured_tokens_per_step, ratios).log_dict())
             if self.boundaries.boundary_layers:
@@ -183,6 +190,7 @@ class MeshEngine:
                 entries["comm/measured_pp_bwd_bytes_per_token"] = counter.bwd_bytes / counter.tokens
                 if ratio is not None:
                     entries["comm/pp_coding_ratio"] = ratio
+                entries.update(self._change_entries(counter.tokens))
             counter.reset()
         if optimizer is not None:
             entries.update(getattr(optimizer, "last_diagnostics", {}) or {})
@@ -200,6 +208,27 @@ class MeshEngine:
             entries["anchor/gap"] = float(self.anchor.gap)
             if self.anchor.last_drift is not None:
                 entries["anchor/drift"] = float(self.anchor.last_drift)
+        return entries
+
+    def _change_entries(self, tokens: int) -> dict[str, float]:
+        """Change coding since the last log: the revisits' change messages are part of the measured forward
+        bytes (``comm/measured_pp_fwd_bytes_per_token``: first visits' boundary-codec messages + changes), and
+        ``change/*`` says how much of it they were; the ledger (``comm/pp_*``) stays that of the boundary codec
+        alone, the bytes of a run that revisits nothing."""
+        handle = self.boundaries
+        if not isinstance(handle, ComposedHandle) or handle.changes is None:
+            return {}
+        changes, visits = handle.change_counter, handle.visits
+        seen = self._visits_logged
+        first, revisit = visits["first"] - seen["first"], visits["revisit"] - seen["revisit"]
+        self._visits_logged = dict(visits)
+        entries = {
+            "comm/measured_pp_fwd_bytes_per_token": (handle.counter.fwd_bytes + changes.fwd_bytes) / tokens,
+            "change/fwd_bytes_per_token": changes.fwd_bytes / tokens,
+            "change/revisit_fraction": revisit / max(first + revisit, 1),
+            "change/cache_bytes": float(handle.cache_bytes),
+        }
+        changes.reset()
         return entries
 
     def ledger(self, tokens_per_step: int, coding_ratio: tuple[float, float] | None = None) -> Ledger:
@@ -240,6 +269,8 @@ class MeshEngine:
         if self.anchor is not None and state["anchor"] is not None:
             self.anchor.load_state_dict(state["anchor"])
         self._steps_logged = step  # the first log after a resume covers the steps since the resume
+        if isinstance(self.boundaries, ComposedHandle):
+            self._visits_logged = dict(self.boundaries.visits)
 
     def remove(self) -> None:
         """Detach the boundaries: the model is the plain dense model again."""

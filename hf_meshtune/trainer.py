@@ -31,6 +31,7 @@ from .ledger import Ledger
 from .model_card import mesh_card_section, write_mesh_card
 from .optim.spectral import SpectralAdamW, spectral_options
 from .pipeline.placement import stage_of
+from .row_ids import ROW_ID, RowIdCollator, RowIds, require_cache_budget, require_row_ids
 from .runtime.checkpoint import atomic_torch_save, load_torch_file
 from .runtime.evaluation import evaluate_on_mesh
 from .runtime.job import MeshRun, is_distributed_job, train_on_mesh, validate_mesh_job
@@ -203,6 +204,37 @@ class MeshTrainerMixin(_TrainerBase):
 
     def _anchor_loss(self, model: nn.Module, batch) -> torch.Tensor:
         return cast(torch.Tensor, self.compute_loss(model, batch))  # a tuple only with return_outputs=True
+
+    # --- change coding: every training row keeps its index (row_ids) ----------------------------------
+    def _get_dataloader(
+        self, dataset, description, batch_size, sampler_fn=None, is_training=False, dataloader_key=None
+    ):
+        keyed = {"dataloader_key": dataloader_key}
+        if not (is_training and self.mesh_config.boundary_change_codec is not None):
+            return super()._get_dataloader(dataset, description, batch_size, sampler_fn, is_training, **keyed)
+        boundaries = self.mesh_boundaries
+        require_row_ids(dataset)
+        if hasattr(dataset, "column_names"):
+            dataset = self._remove_unused_columns(dataset, description=description)
+        dtype = next(self.model.parameters()).dtype  # type: ignore[union-attr]
+        require_cache_budget(dataset, boundaries.hidden_size, len(boundaries.boundary_layers),
+                             torch.empty((), dtype=dtype).element_size(), self.mesh_config.change_cache_gb)  # fmt: skip
+        self._set_signature_columns_if_needed()
+        columns: list[str] = list(self._signature_columns or [])
+        self._signature_columns = columns if ROW_ID in columns else [*columns, ROW_ID]  # type: ignore[assignment]
+        plain, self.data_collator = self.data_collator, RowIdCollator(self.data_collator)
+        try:
+            return super()._get_dataloader(RowIds(dataset), description, batch_size, sampler_fn, is_training, **keyed)
+        finally:
+            self.data_collator = plain
+
+    def compute_loss(self, model, inputs, *args, **kwargs):
+        if ROW_ID in inputs:  # a training batch of a change-coded run: its rows' ids go to the boundaries
+            boundaries = self.mesh_boundaries
+            assert isinstance(boundaries, ComposedHandle)  # boundary_change_codec needs a composed codec
+            boundaries.set_rows(inputs[ROW_ID])
+            inputs = {k: v for k, v in inputs.items() if k != ROW_ID}
+        return super().compute_loss(model, inputs, *args, **kwargs)
 
     # --- training -----------------------------------------------------------------------------
     def train(self, resume_from_checkpoint=None, *args, **kwargs):

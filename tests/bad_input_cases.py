@@ -210,6 +210,39 @@ def mesh_trainer(tmp: Path, model: nn.Module | None = None, **overrides: object)
     )
 
 
+class _Stream(IterableDataset):
+    """A streamed copy of the tiny counting rows: no index per row."""
+
+    def __iter__(self):
+        return iter(pattern_dataset(16, 8))
+
+
+def _change_trainer(tmp: Path, change: str = "rot+delta4g32+zstd", dataset=None, **knobs: object) -> MeshTrainer:
+    """A change-coded MeshTrainer of the tiny Llama (H = 64, Y = 2, a composed codec, AdamW)."""
+    args = mesh_args(tmp, preset="quality", mask_ratio=None, anchor=False, optim="adamw_torch",
+                     boundary_codec="outliers2+int4g31", boundary_change_codec=change, **knobs)  # fmt: skip
+    data = dataset if dataset is not None else pattern_dataset(16, 8)
+    return MeshTrainer(model=tiny_llama(), args=args, train_dataset=data)
+
+
+def _forward_without_row_ids() -> None:
+    from hf_meshtune.boundary.compose.change import change_spec
+    from hf_meshtune.boundary.compose.handle import attach_composed
+
+    model = tiny_llama()
+    handle = attach_composed(model, 2, "int8", change=change_spec("rot+delta4g32+zstd"))
+    ids = torch.randint(3, 50, (2, 8))
+    handle.calibrate(model, {"input_ids": ids})
+    model(input_ids=ids)
+
+
+def _decode_without_the_row() -> None:
+    from hf_meshtune.boundary.compose.change import ChangeCache, ChangeCodec, change_spec, decode_change
+
+    codec = ChangeCodec(change_spec("rot+delta4g32+zstd"), 0, 64)
+    decode_change(codec, ChangeCache(), 5, b"\0" * 8, torch.zeros(3, 64, dtype=torch.int8))
+
+
 def frozen(model: nn.Module, *names: str) -> nn.Module:
     """``model`` with the named parameters frozen (names relative to the model)."""
     for name in names:
@@ -1178,6 +1211,7 @@ LEDGER = "byte ledger API (LedgerSettings, settings_for_row)"
 CODECS = "boundary codecs (hf_meshtune.boundary.codecs)"
 COMPOSED = "composed boundary codec (boundary_codec)"
 GOVERNOR = "fidelity governor and anchor cadence (boundary_codec='governed', anchor_cadence)"
+CHANGE = "per-sample change coding (boundary_change_codec)"
 INTERNALS = "mesh internals (dp, comm, pipeline)"
 
 GROUP_NOTES: dict[str, str] = {
@@ -1224,6 +1258,9 @@ GROUP_NOTES: dict[str, str] = {
     GOVERNOR: "The ladder, target and cadence knobs are checked with the other knobs (every config, plugin and "
     "recipe flag); the ladder's order needs the hidden size and is checked where a model meets it (`MeshTrainer`, "
     "`MeshAccelerator.prepare`, the TRL trainers).",
+    CHANGE: "The change codec's string and its rule with `boundary_codec` are checked with the other knobs; the "
+    "group size against H where a model meets it; the dataset (map-style, the caches' predicted size against "
+    "`change_cache_gb`) when `train()` builds its dataloader, before the first step.",
     INTERNALS: "What every rank of the distributed mesh builds from the knobs: an error here, reached through "
     "`MeshTrainer`, would be a bug (the knobs are checked first), so these rows call the pieces directly.",
 }
@@ -3683,6 +3720,107 @@ def _cases() -> list[Case]:
             lambda: MeshConfig(preset="paper", anchor_cadence="adaptive", anchor_every_min=8, anchor_every_max=4),
             ValueError,
             "anchor_every_max=4 is invalid: it must be >= anchor_every_min=8",
+        ),
+        # --- per-sample change coding --------------------------------------------------------------------
+        Case(
+            CHANGE,
+            "boundary_change_codec='rot+int2' (a boundary codec, not a change codec)",
+            "`MeshConfig(...)`",
+            lambda: MeshConfig(boundary_change_codec="rot+int2"),
+            ValueError,
+            "boundary_change_codec='rot+int2' is invalid: it must be [rot[<b>]+]delta<bits>[g<G>]+<coder>: the change "
+            "rounded on the step int<bits> would use on the cached value (bits 2..8), in groups of G values (default "
+            "64), then a lossless coder (zstd/zlib), e.g. 'rot+delta5g64+zstd'",
+        ),
+        Case(
+            CHANGE,
+            "boundary_change_codec='rot+delta9g64+zstd'",
+            "`MeshConfig(...)`",
+            lambda: MeshConfig(boundary_change_codec="rot+delta9g64+zstd"),
+            ValueError,
+            "boundary_change_codec='rot+delta9g64+zstd' is invalid: it must use delta<bits> with bits in 2..8 (not 9)",
+        ),
+        Case(
+            CHANGE,
+            "boundary_change_codec='rot+delta4g64+lz4' (a coder hf_meshtune does not have)",
+            "`MeshConfig(...)`",
+            lambda: MeshConfig(boundary_change_codec="rot+delta4g64+lz4"),
+            ValueError,
+            "boundary_change_codec='rot+delta4g64+lz4' is invalid: it must name a coder from ['zstd', 'zlib'] ('lz4')",
+        ),
+        Case(
+            CHANGE,
+            "boundary_change_codec with boundary_codec='mask0.95'",
+            "`MeshConfig(...)`",
+            lambda: MeshConfig(boundary_codec="mask0.95", boundary_change_codec="rot+delta4g64+zstd"),
+            ValueError,
+            "boundary_change_codec='rot+delta4g64+zstd' is invalid: it must be None unless boundary_codec is a "
+            "composed codec (not a mask or 'governed'; it is 'mask0.95'): a first visit sends boundary_codec's message",
+        ),
+        Case(
+            CHANGE,
+            "change_cache_gb=0",
+            "`MeshConfig(...)`",
+            lambda: MeshConfig(change_cache_gb=0),
+            ValueError,
+            'change_cache_gb=0 is invalid: it must be > 0',
+        ),
+        Case(
+            CHANGE,
+            "'rot+delta4g48+zstd' at H = 64 (groups that do not divide a token)",
+            "`MeshTrainer(...)`",
+            lambda tmp: _change_trainer(tmp, change="rot+delta4g48+zstd"),
+            ValueError,
+            "boundary_change_codec='rot+delta4g48+zstd' is invalid: it must use a group size g48 that divides the 64 "
+            "values of a token (H=64, padded to whole blocks of 64)",
+        ),
+        Case(
+            CHANGE,
+            "boundary_change_codec with a streamed (iterable) train_dataset",
+            "`MeshTrainer(...).train()`",
+            lambda tmp: _change_trainer(tmp, dataset=_Stream()).train(),
+            ValueError,
+            "train_dataset='_Stream' is invalid: it must be a map-style dataset (with __len__ and __getitem__: a "
+            "datasets.Dataset or a torch Dataset) when boundary_change_codec is set: its rows are keyed by their "
+            "index, which a streamed dataset does not give",
+        ),
+        Case(
+            CHANGE,
+            "change_cache_gb=1e-06 below the caches' predicted size",
+            "`MeshTrainer(...).train()`",
+            lambda tmp: _change_trainer(tmp, change_cache_gb=1e-6).train(),
+            ValueError,
+            "change_cache_gb=1e-06 is invalid: it must be at least the change caches' predicted size, 3.2768e-05 GB "
+            "(16 rows, 128 tokens × H=64 × 1 boundaries × 4 bytes): raise it, train on fewer rows, or leave "
+            "boundary_change_codec unset",
+        ),
+        Case(
+            CHANGE,
+            "a training forward without row ids",
+            "`attach_composed(model, Y, codec, change=...)`",
+            _forward_without_row_ids,
+            ValueError,
+            "row ids=None is invalid: it must be given for every training forward when boundary_change_codec is set: "
+            "train through MeshTrainer or MeshSFTTrainer, which give every row its index in the training dataset (or "
+            "call set_rows(ids) before each training forward)",
+        ),
+        Case(
+            CHANGE,
+            "a receiver asked to decode a change for a row it does not hold",
+            "`decode_change(...)`",
+            _decode_without_the_row,
+            ValueError,
+            "change cache='row 5' is invalid: it must be held by the receiver for the same tokens when the sender "
+            "codes it as a revisit",
+        ),
+        Case(
+            CHANGE,
+            "boundary_change_codec on the distributed mesh",
+            "`RunSettings(...)`, `MeshTrainer(...)` (every rank)",
+            run_settings(MeshConfig(boundary_change_codec="rot+delta4g64+zstd")),
+            ValueError,
+            "boundary_change_codec='rot+delta4g64+zstd' is invalid: it must be None on the distributed mesh (change "
+            "coding runs on one process in this version)",
         ),
         Case(
             COMPOSED,

@@ -98,6 +98,24 @@ class MeshArguments:
             f"{QUALITY_CODEC!r}) or, with a mask_ratio, the mask_* knobs."
         },
     )
+    boundary_change_codec: str | None = field(
+        default=None,
+        metadata={
+            "help": "Per-sample change coding (hf_meshtune.boundary.compose.change): a training row seen before with "
+            "the same tokens sends, at every boundary, the change of its activation since its last visit in this "
+            "codec (no outliers or projection, e.g. 'rot+int2g64e8m0+zstd'); a first visit sends boundary_codec's "
+            "message. Both sides keep each row's last reconstruction (change_cache_gb). Needs a composed "
+            "boundary_codec and a map-style training dataset (rows keyed by their index); one process. None = off."
+        },
+    )
+    change_cache_gb: float = field(
+        default=8.0,
+        metadata={
+            "help": "boundary_change_codec: the most the change caches of this process may hold (GB); a run whose "
+            "training set would need more (rows × real tokens × hidden size × boundaries × dtype bytes) is "
+            "refused before it trains."
+        },
+    )
     # --- anchor circuit ---
     anchor: bool | None = field(
         default=None,

@@ -5,6 +5,7 @@ and the rule; the order of the checks is the order a user sees the errors in."""
 from __future__ import annotations
 
 from .._validation import require
+from ..boundary.compose.change import change_spec
 from ..boundary.compose.grammar import parse_codec
 from ..boundary.fills import require_fill
 from .derived import cadence_bounds, codec_ladder, composed_codec, is_governed
@@ -29,6 +30,21 @@ def _require_boundary(cfg) -> None:
     require_fill(cfg.mask_fill, cfg.mask_rescale)
     require(cfg.mask_protect_dims >= 0, "mask_protect_dims", cfg.mask_protect_dims, "be >= 0")
     _apply_boundary_codec(cfg)
+    _require_change_coding(cfg)
+
+
+def _require_change_coding(cfg) -> None:
+    require(cfg.change_cache_gb > 0, "change_cache_gb", cfg.change_cache_gb, "be > 0")
+    if cfg.boundary_change_codec is None:
+        return
+    require(
+        composed_codec(cfg) is not None and not is_governed(cfg),
+        "boundary_change_codec",
+        cfg.boundary_change_codec,
+        f"be None unless boundary_codec is a composed codec (not a mask or 'governed'; it is {cfg.boundary_codec!r}): "
+        "a first visit sends boundary_codec's message",
+    )
+    change_spec(cfg.boundary_change_codec)
 
 
 def _require_anchor(cfg) -> None:
@@ -182,6 +198,12 @@ def require_mesh_supported(cfg) -> None:
         "anchor_cadence",
         cfg.anchor_cadence,
         "be 'fixed' on the distributed mesh (the adaptive cadence runs on one process)",
+    )
+    require(
+        getattr(cfg, "boundary_change_codec", None) is None,
+        "boundary_change_codec",
+        getattr(cfg, "boundary_change_codec", None),
+        "be None on the distributed mesh (change coding runs on one process in this version)",
     )
 
 

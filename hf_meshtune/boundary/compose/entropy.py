@@ -25,17 +25,17 @@ ZLIB_LEVEL = 6
 _local = threading.local()  # zstandard's (de)compressor objects are not thread-safe
 
 
-def require_coder(name: str, text: str = "") -> None:
-    """A ValueError naming ``boundary_codec`` unless ``name`` is a coder this environment can run."""
+def require_coder(name: str, text: str = "", field: str = "boundary_codec") -> None:
+    """A ValueError naming ``field`` unless ``name`` is a coder this environment can run."""
     shown = text or name
     if name not in CODERS:
-        raise ValueError(f"boundary_codec={shown!r} is invalid: it must name a coder from {list(CODERS)} ({name!r})")
+        raise ValueError(f"{field}={shown!r} is invalid: it must name a coder from {list(CODERS)} ({name!r})")
     if name == "zstd":
         try:
             import zstandard  # noqa: F401
         except ImportError as err:
             raise ValueError(
-                f"boundary_codec={shown!r} is invalid: it must name a coder this environment has (zstd needs the "
+                f"{field}={shown!r} is invalid: it must name a coder this environment has (zstd needs the "
                 "zstandard package: pip install 'zstandard>=0.22')"
             ) from err
 

@@ -9,6 +9,11 @@ Governed (``boundary_codec="governed"``): every boundary holds one codec per lev
 (each with its own geometry, all fitted on the same dense activations) and ``set_levels`` picks the one
 in use; ``probing(record)`` lets the anchor's fidelity probe code one boundary with any codec on its
 passes (``anchor.fidelity``).
+
+Change-coded (``boundary_change_codec``, ``compose.change``): each training forward's rows come with
+their ids (``set_rows`` before the forward); a row revisited with the same tokens rebuilds its real
+tokens from the change codec's message against the cached h̄ (the gradient passes straight through to
+the boundary codec's backward), a first visit uses the boundary codec's, and both are booked as sent.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from torch import Tensor, nn
 
 from ..._validation import require
 from ..hooks import BoundaryHooks, PayloadCounter, _hidden_size, find_decoder_layers, real_rows, split_stages
+from .change import ChangeCache, ChangeCodec, ChangeSpec, encode_change, row_digest
 from .codec import ComposedCodec, wire_records
 from .entropy import encode_records
 from .grammar import parse_codec
@@ -53,6 +59,12 @@ class ComposedHandle(BoundaryHooks):
     _real: Tensor | None = field(default=None, repr=False)
     _real_mask: Tensor | None = field(default=None, repr=False)
     _probe: Any = field(default=None, repr=False)
+    changes: list[ChangeCodec] | None = None  # change-coded: per boundary, the codec of a revisit's change
+    caches: list[ChangeCache] = field(default_factory=list)  # change-coded: per boundary, h̄ per row
+    visits: dict[str, int] = field(default_factory=lambda: {"first": 0, "revisit": 0})  # rows × boundaries
+    change_counter: PayloadCounter = field(default_factory=PayloadCounter)  # the revisits' change messages
+    _pending_rows: Tensor | None = field(default=None, repr=False)
+    _rows: list[tuple[int, bytes, Tensor]] | None = field(default=None, repr=False)
 
     @property
     def spec(self) -> CodecSpec | None:
@@ -90,6 +102,15 @@ class ComposedHandle(BoundaryHooks):
 
     def set_step(self, step: int) -> None:
         self.step, self.microbatch = step, -1
+
+    def set_rows(self, ids: Tensor) -> None:
+        """Change-coded: the training-dataset index of each row of the next training forward."""
+        self._pending_rows = ids.detach().to("cpu", torch.int64).reshape(-1)
+
+    @property
+    def cache_bytes(self) -> int:
+        """What the change caches hold (one process keeps one cache per boundary: the mesh keeps two)."""
+        return sum(cache.nbytes for cache in self.caches)
 
     @property
     def ready(self) -> bool:
@@ -146,11 +167,42 @@ class ComposedHandle(BoundaryHooks):
         super()._on_model_forward(module, args, kwargs)
         if self._recorded is not None:
             self._real = kwargs.get("attention_mask")
+        if self.changes is not None and self._is_training_forward(module) and self._probe is None:
+            self._rows = self._keyed_rows(kwargs.get("input_ids", args[0] if args else None))
+
+    def _keyed_rows(self, input_ids: Any) -> list[tuple[int, bytes, Tensor]]:
+        """(row id, digest of its real tokens, their positions) per row of this training forward."""
+        ids, self._pending_rows = self._pending_rows, None
+        require(
+            ids is not None,
+            "row ids",
+            None,
+            "be given for every training forward when boundary_change_codec is set: train through MeshTrainer or "
+            "MeshSFTTrainer, which give every row its index in the training dataset (or call set_rows(ids) before "
+            "each training forward)",
+        )
+        assert ids is not None
+        require(
+            isinstance(input_ids, Tensor) and input_ids.shape[0] == ids.numel(),
+            "boundary_change_codec",
+            f"{ids.numel()} row ids for input_ids of shape "
+            f"{tuple(input_ids.shape) if isinstance(input_ids, Tensor) else None}",
+            "give one id per row of input_ids (change coding keys rows by their tokens)",
+        )
+        real = self._real_mask
+        rows = []
+        for i, row in enumerate(ids.tolist()):
+            positions = real[i].nonzero().squeeze(-1) if real is not None else torch.arange(input_ids.shape[1])
+            rows.append((row, row_digest(input_ids[i, positions.to(input_ids.device)]), positions))
+        return rows
 
     def state_dict(self) -> dict:
         state = {"step": self.step, "codecs": [codec.geometry() for codec in self.all_codecs]}
         if self.levels is not None:
             state["levels"] = list(self.levels)
+        if self.changes is not None:
+            state["change_caches"] = [cache.state_dict() for cache in self.caches]
+            state["visits"] = dict(self.visits)
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -168,6 +220,17 @@ class ComposedHandle(BoundaryHooks):
         if self.ladders is not None and state.get("levels") is not None:
             self.set_levels(state["levels"])
             self.levels_restored = True
+        if self.changes is not None:
+            require(
+                "change_caches" in state and len(state["change_caches"]) == len(self.caches),
+                "state['change_caches']",
+                len(state.get("change_caches", [])),
+                f"hold one change cache per boundary ({len(self.caches)}): resume with the boundary_change_codec "
+                "the run was saved with",
+            )
+            for cache, held in zip(self.caches, state["change_caches"]):
+                cache.load_state_dict(held)
+            self.visits = dict(state["visits"])
 
     def _on_layer_output(self, boundary: int, module: nn.Module, args: tuple, output: Any) -> Any:
         hidden = output[0] if isinstance(output, tuple) else output
@@ -183,11 +246,45 @@ class ComposedHandle(BoundaryHooks):
         microbatch = max(self.microbatch, 0)
         payload = codec.send(hidden, self.step, microbatch)
         real = self._real_mask
-        self._book(codec, "fwd", payload, real)
         if payload.requires_grad:
             payload.register_hook(lambda grad: self._book(codec, "bwd", grad, real))
         rebuilt = codec.receive(payload, self.step, microbatch)
+        sent = real  # the tokens whose forward message is the boundary codec's (the hook above keeps `real`)
+        if self.changes is not None and self._rows is not None:
+            rebuilt, sent = self._change_code(boundary, hidden, rebuilt, real)
+        self._book(codec, "fwd", payload, sent)
         return (rebuilt, *output[1:]) if isinstance(output, tuple) else rebuilt
+
+    def _change_code(
+        self, boundary: int, hidden: Tensor, rebuilt: Tensor, real: Tensor | None
+    ) -> tuple[Tensor, Tensor]:
+        """Revisited rows take h̃ = h̄ + D(change message) at their real tokens (straight through: the
+        gradient reaches ``rebuilt``'s own path, the boundary codec's backward); first visits keep the boundary
+        codec's h̃. Returns (h̃, the real tokens that sent the boundary codec's message) and books the change
+        messages. The sender and the receiver are one process here: one cache, ``encode_change`` alone."""
+        assert self.changes is not None and self._rows is not None
+        change, cache = self.changes[boundary], self.caches[boundary]
+        first = torch.zeros(rebuilt.shape[:2], dtype=torch.bool) if real is None else real.clone().cpu()
+        if real is None:
+            first[:] = True
+        correction = torch.zeros_like(rebuilt)
+        messages = []
+        for i, (row, digest, positions) in enumerate(self._rows):
+            at = positions.to(hidden.device)
+            coded = encode_change(change, cache, row, digest, hidden[i, at].detach())
+            if coded is None:
+                cache.put(row, digest, rebuilt[i, at].detach())
+                self.visits["first"] += 1
+                continue
+            codes, values = coded
+            messages.append(codes)
+            correction[i, at] = values.to(rebuilt.dtype) - rebuilt[i, at].detach()
+            first[i] = False
+            self.visits["revisit"] += 1
+        if messages:
+            records = torch.cat(messages).view(torch.uint8)  # one int8 code per value: the record of a token
+            self.change_counter.book("fwd", len(encode_records(records, change.spec.coder)), records.numel())
+        return rebuilt + correction, first
 
     def _on_probe(self, boundary: int, hidden: Tensor, output: Any) -> Any:
         record = self._probe
@@ -214,6 +311,8 @@ class ComposedHandle(BoundaryHooks):
         where the codec ends in a coder (the coded size is measured by coding them)."""
         records = wire_records(codec, direction, real_rows(message.detach(), real))
         uncoded = records.numel()
+        if not uncoded:  # nothing to send (every row a revisit): the variable-size wire sends no body
+            return
         coded = len(encode_records(records, codec.spec.entropy)) if codec.spec.entropy else uncoded
         self.counter.book(direction, coded, uncoded)
 
@@ -224,11 +323,13 @@ def attach_composed(
     codec: str | CodecSpec,
     seed: int = 0,
     ladder: Sequence[CodecSpec] | None = None,
+    change: ChangeSpec | None = None,
 ) -> ComposedHandle:
     """Split ``model``'s decoder layers into ``num_stages`` (Y) stages with the composed ``codec`` at
     each boundary (a ``boundary_codec`` string such as ``"outliers8+int4g71"``). With ``ladder`` (governed,
     cheapest level first) every boundary holds a codec per level and starts at the richest until
-    ``set_levels``; ``codec`` is then unused.
+    ``set_levels``; ``codec`` is then unused. With ``change`` (``compose.change.change_spec``) a row revisited
+    with the same tokens sends the change of its activation in that codec (rows keyed by ``set_rows``).
 
     Example:
         >>> handle = attach_composed(model, 4, "outliers8+int4g71")  # doctest: +SKIP
@@ -249,6 +350,11 @@ def attach_composed(
         ladders = [[ComposedCodec(level, b, hidden, seed) for level in ladder] for b in range(len(boundary_layers))]
         handle = ComposedHandle([], boundary_layers, stages, layers_name, hidden, ladders=ladders)
         handle.set_levels([len(ladder) - 1] * len(ladders))
+    if change is not None:
+        require(ladder is None, "boundary_change_codec", change.text, "be None with boundary_codec='governed'")
+        change.validate(hidden)
+        handle.changes = [ChangeCodec(change, b, hidden, seed) for b in range(len(boundary_layers))]
+        handle.caches = [ChangeCache() for _ in boundary_layers]
     handle._hooks.append(model.register_forward_pre_hook(handle._on_model_forward, with_kwargs=True))
     for boundary, layer_index in enumerate(boundary_layers):
         hook = layers[layer_index].register_forward_hook(
