@@ -1,0 +1,148 @@
+"""Boundaries that remember: per-sample change coding over a 3-epoch LoRA fine-tune, beside Dense.
+
+Every row is `benchmarks/quality/arithmetic_lora`'s recipe (`recipes/sft.py --dataset arithmetic` on the
+embedded SmolLM2-135M-Instruct, LoRA r = 16 on all linear layers, Y = 4, lr 2e-4, 60 steps of 8) on a
+fixed subset of 160 problems, so the 60 steps are 3 epochs; the Trainer reshuffles each epoch from the
+seed, so every row of a seed sees the same rows in the same order. Only the boundary changes: Dense, the
+default codec alone, and the default with `boundary_change_codec` (a row revisited with the same tokens
+sends the change of its activation since its last visit, rounded on the grid int<b> would use on the cached
+value, zstd-coded). Scored on the **dense** model: eval loss and greedy exact match on 64 held-out problems;
+the gap is to Dense of the same seed, relative, + = worse.
+
+Bytes are **measured** (what the counters booked: the real tokens' records, coded) on this fp32 run, per
+real token, boundary and direction, per epoch and over the run (mean of the 5-step logs); the reference is
+a bf16 Dense boundary, 1,152 B per token and direction (the measured fp32 records hold the 8 outlier dims
+in 4 bytes, not 2: the ratios are slightly pessimistic).
+
+    python -m benchmarks.quality.epochs                      # every row, ~4-12 min each on 2 CPU cores; skips finished rows
+    python -m benchmarks.quality.epochs dense default_delta5  # some rows
+
+Writes benchmarks/quality/epochs/<row>.json and results.md.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.quality.arithmetic_lora import EVAL_ITEMS, _flags, _recipe
+from hf_meshtune.config.presets import QUALITY_CODEC
+
+OUT = Path(__file__).resolve().parent / "epochs"
+TRAIN_ITEMS, STEPS, BATCH, EPOCHS = 160, 60, 8, 3
+BOUNDARIES, DENSE_BF16 = 3, 576 * 2  # per token, boundary and direction
+ADAMW = dict(anchor=False, optim="adamw_torch")
+
+
+def _changed(change: str, seed: int = 0) -> dict:
+    return dict(ADAMW, boundary_codec=QUALITY_CODEC, boundary_change_codec=change, seed=seed)
+
+
+ROWS: dict[str, dict] = {
+    "dense": dict(ADAMW, mask_ratio=0.0),
+    "default": dict(ADAMW, boundary_codec=QUALITY_CODEC),
+    "default_delta4": _changed("rot+delta4g64+zstd"),
+    "default_delta5": _changed("rot+delta5g64+zstd"),
+    "default_delta6": _changed("rot+delta6g64+zstd"),
+    "dense_seed1": dict(ADAMW, mask_ratio=0.0, seed=1),
+    "default_delta5_seed1": _changed("rot+delta5g64+zstd", seed=1),
+}
+
+
+def _epoch_of(step: int) -> int:
+    return (step - 1) * EPOCHS // STEPS  # steps 1..20 → 0, 21..40 → 1, 41..60 → 2
+
+
+def run_row(name: str) -> dict:
+    from peft import AutoPeftModelForCausalLM
+    from transformers import AutoTokenizer
+
+    from hf_meshtune.apps import arithmetic
+
+    knobs = {"seed": 0, **ROWS[name]}
+    with tempfile.TemporaryDirectory() as tmp:
+        argv = [
+            "--output_dir", tmp, "--dataset", "arithmetic", "--eval_items", str(EVAL_ITEMS),
+            "--train_items", str(TRAIN_ITEMS), "--use_peft", "--lora_r", "16", "--lora_target_modules", "all-linear",
+            "--max_steps", str(STEPS), "--learning_rate", "2e-4", "--per_device_train_batch_size", str(BATCH),
+            "--num_stages", "4", "--save_strategy", "no", "--report_to", "none", "--logging_steps", "5",
+            *_flags(knobs),
+        ]  # fmt: skip
+        start = time.perf_counter()
+        metrics = _recipe().main(argv)
+        seconds = time.perf_counter() - start
+        history = json.loads((Path(tmp) / "trainer_state.json").read_text())["log_history"]
+        model = AutoPeftModelForCausalLM.from_pretrained(tmp)  # the saved adapter on its base: dense
+        tokenizer = AutoTokenizer.from_pretrained(tmp)
+        exact = arithmetic.exact_match(model, tokenizer, arithmetic.problems(EVAL_ITEMS, seed=1))
+    logs = [entry for entry in history if "comm/measured_pp_fwd_bytes_per_token" in entry]
+    per_epoch = []
+    for epoch in range(EPOCHS):
+        inside = [entry for entry in logs if _epoch_of(entry["step"]) == epoch]
+        per_epoch.append(
+            {
+                key: sum(entry[f"comm/measured_pp_{key}_bytes_per_token"] for entry in inside) / len(inside)
+                for key in ("fwd", "bwd")
+            }
+            | {"revisit_fraction": sum(entry.get("change/revisit_fraction", 0.0) for entry in inside) / len(inside)}
+            if inside
+            else {}
+        )
+    losses = [entry["loss"] for entry in history if "loss" in entry]
+    return {
+        "row": name,
+        "knobs": knobs,
+        "dense_eval_loss_after": metrics["eval_loss"],
+        "exact_match_after": exact,
+        "train_loss_last_log": losses[-1] if losses else None,
+        "train_seconds": seconds,
+        # measured on this fp32 run, all boundaries, per real token (coded where the codec ends in a coder)
+        "per_epoch": per_epoch,
+        "cache_bytes": max((entry.get("change/cache_bytes", 0.0) for entry in logs), default=0.0),
+    }
+
+
+def table() -> str:
+    rows = {p.stem: json.loads(p.read_text()) for p in sorted(OUT.glob("*.json"))}
+    lines = [
+        "| row | boundary | change | seed | B/token/boundary fwd+bwd, epochs 1 / 2 / 3 | over the run | "
+        "× vs bf16 Dense | cache MB | dense eval loss | gap | exact match (64) | gap |",
+        "|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, knobs in ROWS.items():
+        if name not in rows:
+            continue
+        r, seed = rows[name], knobs.get("seed", 0)
+        dense = rows.get("dense" if seed == 0 else f"dense_seed{seed}")
+        loss, exact = r["dense_eval_loss_after"], r["exact_match_after"]
+        loss_gap = (loss - dense["dense_eval_loss_after"]) / dense["dense_eval_loss_after"] if dense else float("nan")
+        exact_gap = (dense["exact_match_after"] - exact) / dense["exact_match_after"] if dense else float("nan")
+        if knobs.get("boundary_codec"):
+            sizes = [(e["fwd"] + e["bwd"]) / BOUNDARIES for e in r["per_epoch"]]
+            run = sum(sizes) / len(sizes)
+            epochs, over, ratio = " / ".join(f"{s:.0f}" for s in sizes), f"{run:.0f}", f"{2 * DENSE_BF16 / run:.1f}×"
+        else:
+            epochs, over, ratio = "(bf16: 2,304 each)", "2304", "1.0×"
+        lines.append(
+            f"| {name} | `{knobs.get('boundary_codec') or 'dense'}` | `{knobs.get('boundary_change_codec') or '-'}` | "
+            f"{seed} | {epochs} | {over} | {ratio} | {r['cache_bytes'] / 1e6:.0f} | {loss:.4f} | {loss_gap:+.1%} | "
+            f"{exact:.3f} | {exact_gap:+.1%} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str]) -> None:
+    OUT.mkdir(parents=True, exist_ok=True)
+    for name in argv or list(ROWS):
+        target = OUT / f"{name}.json"
+        if not target.exists():
+            target.write_text(json.dumps(run_row(name), indent=2))
+        (OUT / "results.md").write_text(table())
+    print(table())
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
