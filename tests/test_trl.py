@@ -394,3 +394,19 @@ def test_the_gspo_anchor_refuses_to_run_before_any_rollout_exists(tokenizer, tmp
         ValueError, match=r"anchor rollouts=None is invalid: it must exist before the first optimizer step"
     ):
         trainer.mesh_anchor.dense_gradient(0)
+
+
+def test_mesh_sft_gives_every_row_its_index_so_a_second_epoch_sends_only_changes(tokenizer, tmp_path):
+    """TRL's SFT collator never sees the row ids (the wrapper takes them out and puts them back): 8 rows,
+    4 per step, so steps 3-4 revisit every row of steps 1-2 and send the change codec's messages."""
+    knobs = dict(preset="quality", mask_ratio=None, anchor=False, optim="adamw_torch", num_replicas=1)
+    knobs.update(boundary_codec="outliers2+int4g15", boundary_change_codec="rot+delta4g16+zstd")
+    args = MeshSFTConfig(
+        str(tmp_path / "sft"), max_steps=4, per_device_train_batch_size=4, **{**COMMON, **MESH, **knobs}
+    )
+    trainer = MeshSFTTrainer(model=tiny(tokenizer), args=args, train_dataset=sft_dataset(8), processing_class=tokenizer)
+    trainer.train()
+    logs = [e for e in trainer.state.log_history if "loss" in e]
+    assert [e["change/revisit_fraction"] for e in logs] == [0.0, 0.0, 1.0, 1.0]
+    assert logs[-1]["change/fwd_bytes_per_token"] == logs[-1]["comm/measured_pp_fwd_bytes_per_token"] > 0
+    assert sorted(trainer.mesh_boundaries.caches[0].rows) == list(range(8))
