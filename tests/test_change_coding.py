@@ -214,3 +214,18 @@ def test_change_coding_refuses_a_streamed_dataset_and_a_cache_over_budget_before
     with pytest.raises(ValueError, match=r"change_cache_gb=1e-06 is invalid: it must be at least the change caches'"):
         trainer.train()
     assert trainer.state.global_step == 0
+
+
+@pytest.mark.parametrize("checkpointing", [{"use_reentrant": True}, {"use_reentrant": False}])
+def test_gradient_checkpointing_codes_each_row_once_per_forward(checkpointing):
+    """The recompute in the backward must not code a revisit again (the cache would move twice)."""
+    model = tiny_llama(seed=0, layers=4, hidden=H)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing)
+    model.train()
+    ids = torch.randint(3, 100, (2, 10), generator=torch.Generator().manual_seed(0))
+    handle = attach_composed(model, 2, "outliers2+int4g31", change=change_spec(CHANGE))
+    handle.calibrate(model, {"input_ids": ids})
+    for _ in range(2):
+        handle.set_rows(torch.tensor([0, 1]))
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    assert handle.visits == {"first": 2, "revisit": 2}
