@@ -14,7 +14,7 @@ real token, boundary and direction, per epoch and over the run (mean of the 5-st
 a bf16 Dense boundary, 1,152 B per token and direction (the measured fp32 records hold the 8 outlier dims
 in 4 bytes, not 2: the ratios are slightly pessimistic).
 
-    python -m benchmarks.quality.epochs                      # every row, ~4-12 min each on 2 CPU cores; skips finished rows
+    python -m benchmarks.quality.epochs                      # every row, ~10 min each on 2 CPU cores; skips done ones
     python -m benchmarks.quality.epochs dense default_delta5  # some rows
 
 Writes benchmarks/quality/epochs/<row>.json and results.md.
