@@ -3772,7 +3772,7 @@ def _cases() -> list[Case]:
             lambda tmp: _change_trainer(tmp, change="rot+delta4g48+zstd"),
             ValueError,
             "boundary_change_codec='rot+delta4g48+zstd' is invalid: it must use a group size g48 that divides the 64 "
-            "values of a token (H=64, padded to whole blocks of 64)",
+            "values a token codes (its 62 non-outlier values, padded to whole blocks of 64)",
         ),
         Case(
             CHANGE,

@@ -50,10 +50,12 @@ def test_a_revisit_rebuilds_the_cached_value_plus_the_change_on_its_grid_as_the_
     assert encode_change(change, cache, 7, digest, before) is None  # a first visit: the caller sends the base codec
     cache.put(7, digest, before)
     after = before + 0.05 * _activations(12, seed=2)
-    codes, rebuilt = encode_change(change, cache, 7, digest, after)
+    (outliers, codes), rebuilt = encode_change(change, cache, 7, digest, after)
     torch.testing.assert_close(rebuilt.double(), _ref_change(change, before, after), rtol=1e-5, atol=1e-4)
     assert torch.equal(cache.get(7, digest), rebuilt)  # the new h̄ is what was rebuilt
-    assert codes.dtype == torch.int8 and codes.shape == (12, change_spec(CHANGE).record_bytes(H))
+    assert (
+        codes.dtype == torch.int8 and codes.shape == (12, change_spec(CHANGE).record_bytes(H)) and not outliers.numel()
+    )
     # the error is at most half a step: int4's error on the value, whatever the size of the change
     step = change.steps(before).expand(-1, -1, 32).reshape(12, -1)
     rotated_error = change.rotation.forward((rebuilt - after).float())
@@ -77,15 +79,15 @@ def test_sender_and_receiver_caches_stay_identical_over_epochs_and_a_missing_row
                 sender.put(row, digests[row], base.decode_activation(base.encode_activation(h)))
                 receiver.put(row, digests[row], base.decode_activation(base.encode_activation(h)))
             else:
-                codes, rebuilt = coded
-                assert torch.equal(decode_change(change, receiver, row, digests[row], codes), rebuilt)
+                message, rebuilt = coded
+                assert torch.equal(decode_change(change, receiver, row, digests[row], message), rebuilt)
         assert sender.digest() == receiver.digest()
     assert sender.nbytes == sum(v.numel() for v in rows.values()) * 4
     # a receiver that lost a row never decodes a change against nothing
-    codes, _ = encode_change(change, sender, 3, digests[3], rows[3])
+    message, _ = encode_change(change, sender, 3, digests[3], rows[3])
     del receiver.rows[3]
     with pytest.raises(ValueError, match=r"change cache='row 3' is invalid: it must be held by the receiver"):
-        decode_change(change, receiver, 3, digests[3], codes)
+        decode_change(change, receiver, 3, digests[3], message)
 
 
 def test_a_row_whose_tokens_changed_is_a_first_visit():
@@ -131,7 +133,8 @@ def test_the_hooks_code_revisits_as_changes_book_them_and_pass_the_gradient_to_t
     out = model(input_ids=ids, attention_mask=mask)
     out.logits.sum().backward()
     assert handle.visits == {"first": 2, "revisit": 2}
-    assert handle.change_counter.fwd_uncoded == 17 * H and handle.counter.fwd_bytes == 0  # int8 codes, then coded
+    # a token's record: the 2 outlier dims in fp32 as they are, then an int8 code per other value (62, padded to 64)
+    assert handle.change_counter.fwd_uncoded == 17 * (2 * 4 + 64) and handle.counter.fwd_bytes == 0
     assert 0 < handle.change_counter.fwd_bytes < handle.change_counter.fwd_uncoded
     assert handle.counter.bwd_bytes == 17 * record  # the gradient: the boundary codec's backward, every row
     # the revisit's h̃ = h̄ + D(change) on delta6's grid: closer to the dense activation than int4's own h̃
@@ -229,3 +232,22 @@ def test_gradient_checkpointing_codes_each_row_once_per_forward(checkpointing):
         handle.set_rows(torch.tensor([0, 1]))
         model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
     assert handle.visits == {"first": 2, "revisit": 2}
+
+
+def test_the_outlier_dims_travel_as_they_are_so_a_massive_dim_does_not_set_the_grid():
+    """A massive dim rotated in with the others would set every grid step of its block: the boundary codec's
+    outlier dims are sent as they are, and the others keep int4's precision."""
+    change, cache = ChangeCodec(change_spec(CHANGE), 0, H - 2), ChangeCache()
+    before = _activations(12, seed=1)  # dims 5 and 40 are massive (300, -150)
+    dims = (torch.tensor([5, 40]), torch.tensor([d for d in range(H) if d not in (5, 40)]))
+    digest = row_digest(torch.arange(12))
+    cache.put(0, digest, before)
+    after = before + 0.5 * _activations(12, seed=2)
+    (outliers, _), rebuilt = encode_change(change, cache, 0, digest, after, dims)
+    assert torch.equal(outliers, after[:, [5, 40]]) and torch.equal(rebuilt[:, [5, 40]], after[:, [5, 40]])
+    rest = dims[1]
+    error = (rebuilt[:, rest] - after[:, rest]).norm() / after[:, rest].norm()
+    whole = ChangeCodec(change_spec(CHANGE), 0, H)  # the same change coded with the massive dims rotated in
+    _, rebuilt_whole = encode_change(whole, ChangeCache({0: (digest, before)}), 0, digest, after)
+    error_whole = (rebuilt_whole[:, rest] - after[:, rest]).norm() / after[:, rest].norm()
+    assert error < 0.25 * error_whole, (error, error_whole)

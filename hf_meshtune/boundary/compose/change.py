@@ -37,6 +37,7 @@ __all__ = [
     "ChangeCache",
     "ChangeCodec",
     "ChangeSpec",
+    "change_records",
     "change_spec",
     "decode_change",
     "encode_change",
@@ -68,18 +69,20 @@ class ChangeSpec:
         """Codes per token: H, padded to whole rotation blocks."""
         return -(-hidden_size // self.rotation) * self.rotation if self.rotation else hidden_size
 
-    def record_bytes(self, hidden_size: int) -> int:
-        """Bytes per token of a change message before lossless coding (one int8 code per value)."""
-        return self.width(hidden_size)
+    def record_bytes(self, width: int, outliers: int = 0, dtype_bytes: int = 4) -> int:
+        """Bytes per token of a change message before lossless coding: the outlier dims' values in the model
+        dtype, then one int8 code per other value (``width`` of them, padded to whole rotation blocks)."""
+        return outliers * dtype_bytes + self.width(width)
 
-    def validate(self, hidden_size: int) -> None:
-        width = self.width(hidden_size)
+    def validate(self, width: int) -> None:
+        """``width``: the values a token's change codes (H less the boundary codec's outlier dims)."""
+        padded = self.width(width)
         require(
-            width % self.group == 0,
+            padded % self.group == 0,
             FIELD,
             self.text,
-            f"use a group size g{self.group} that divides the {width} values of a token (H={hidden_size}"
-            + (f", padded to whole blocks of {self.rotation})" if self.rotation else ")"),
+            f"use a group size g{self.group} that divides the {padded} values a token codes (its {width} non-outlier "
+            "values" + (f", padded to whole blocks of {self.rotation})" if self.rotation else ")"),
         )
 
 
@@ -106,13 +109,15 @@ def change_spec(text: str) -> ChangeSpec:
 
 
 class ChangeCodec:
-    """Boundary ``boundary``'s change codec (``ChangeSpec``) at hidden size H: ``encode(h̄, h)`` → int8 codes
-    [L, W], ``decode(h̄, codes)`` → h̃ [L, H] in h̄'s dtype. Both run in float32 on the tensors' device."""
+    """Boundary ``boundary``'s change codec (``ChangeSpec``) for ``width`` values a token (H less the
+    boundary codec's outlier dims, which travel as they are: a massive dim rotated into a block would set
+    its grid): ``encode(h̄, h)`` → int8 codes [L, W], ``decode(h̄, codes)`` → h̃ [L, width] in h̄'s dtype. Both
+    run in float32 on the tensors' device."""
 
-    def __init__(self, spec: ChangeSpec, boundary: int, hidden_size: int, seed: int = 0) -> None:
-        spec.validate(hidden_size)
-        self.spec, self.hidden_size = spec, hidden_size
-        self.rotation = Rotation(hidden_size, spec.rotation, boundary, "fwd", seed) if spec.rotation else None
+    def __init__(self, spec: ChangeSpec, boundary: int, width: int, seed: int = 0) -> None:
+        spec.validate(width)
+        self.spec, self.hidden_size = spec, width
+        self.rotation = Rotation(width, spec.rotation, boundary, "fwd", seed) if spec.rotation else None
         self.levels = 2 ** (spec.bits - 1) - 1
 
     def _rotate(self, values: Tensor) -> Tensor:
@@ -197,13 +202,36 @@ class ChangeCache:
         }
 
 
+Dims = tuple[Tensor, Tensor]  # (the boundary codec's outlier dims, the other dims): the change codes the other
+
+
+def _sides(hidden_size: int, dims: Dims | None, device: torch.device) -> Dims:
+    if dims is None:
+        return torch.empty(0, dtype=torch.int64, device=device), torch.arange(hidden_size, device=device)
+    return dims[0].to(device), dims[1].to(device)
+
+
+def _rebuilt(previous: Tensor, outliers: Tensor, rest: Tensor, dims: Dims) -> Tensor:
+    rebuilt = previous.clone()
+    rebuilt[..., dims[0]] = outliers.to(previous.dtype)
+    rebuilt[..., dims[1]] = rest
+    return rebuilt
+
+
+def change_records(message: tuple[Tensor, Tensor]) -> Tensor:
+    """A change message's bytes per token, [L, record]: the outlier values, then the int8 codes."""
+    outliers, codes = message
+    return torch.cat([outliers.contiguous().view(torch.uint8), codes.view(torch.uint8)], dim=-1)
+
+
 @torch.no_grad()
 def encode_change(
-    change: ChangeCodec, cache: ChangeCache, row: int, digest: bytes, hidden: Tensor
-) -> tuple[Tensor, Tensor] | None:
+    change: ChangeCodec, cache: ChangeCache, row: int, digest: bytes, hidden: Tensor, dims: Dims | None = None
+) -> tuple[tuple[Tensor, Tensor], Tensor] | None:
     """The sender's side for one row's real tokens ``hidden`` [L, H]: None on a first visit (the boundary
-    codec's message goes instead, and the caller stores its h̃ with ``cache.put``); on a revisit (the
-    change's int8 codes [L, W], h̃ [L, H]), with h̃ already stored as the new h̄."""
+    codec's message goes instead, and the caller stores its h̃ with ``cache.put``); on a revisit (the message:
+    the outlier dims' values [L, N] and the other dims' change as int8 codes [L, W]; h̃ [L, H]), with h̃
+    already stored as the new h̄. ``dims``: the boundary codec's (outlier dims, other dims); None: no outliers."""
     previous = cache.get(row, digest)
     if previous is None:
         return None
@@ -214,16 +242,26 @@ def encode_change(
         "hold h̄ of the same real tokens as the row it is keyed by (same tokens, same digest)",
     )
     previous = previous.to(hidden.device, hidden.dtype)
-    codes = change.encode(previous, hidden)
-    rebuilt = change.decode(previous, codes)  # what the receiver will rebuild: the sender's new h̄ too
+    sides = _sides(hidden.shape[-1], dims, hidden.device)
+    outliers, held = hidden[..., sides[0]], previous[..., sides[1]]
+    codes = change.encode(held, hidden[..., sides[1]])
+    rebuilt = _rebuilt(previous, outliers, change.decode(held, codes), sides)  # the receiver's h̃: the new h̄
     cache.put(row, digest, rebuilt)
-    return codes, rebuilt
+    return (outliers.contiguous(), codes), rebuilt
 
 
 @torch.no_grad()
-def decode_change(change: ChangeCodec, cache: ChangeCache, row: int, digest: bytes, codes: Tensor) -> Tensor:
-    """The receiver's side of a revisit: h̃ = h̄ + D(codes), stored as the new h̄. A row the receiver does not
-    hold for these tokens is refused (it would decode against a cache the sender does not have)."""
+def decode_change(
+    change: ChangeCodec,
+    cache: ChangeCache,
+    row: int,
+    digest: bytes,
+    message: tuple[Tensor, Tensor],
+    dims: Dims | None = None,
+) -> Tensor:
+    """The receiver's side of a revisit: h̃ (outlier dims as sent, the others h̄ + D(codes)), stored as the new
+    h̄. A row the receiver does not hold for these tokens is refused (it would decode against a cache the
+    sender does not have)."""
     previous = cache.get(row, digest)
     require(
         previous is not None,
@@ -232,6 +270,9 @@ def decode_change(change: ChangeCodec, cache: ChangeCache, row: int, digest: byt
         "be held by the receiver for the same tokens when the sender codes it as a revisit",
     )
     assert previous is not None
-    rebuilt = change.decode(previous.to(codes.device), codes)
+    outliers, codes = message
+    previous = previous.to(codes.device)
+    sides = _sides(previous.shape[-1], dims, codes.device)
+    rebuilt = _rebuilt(previous, outliers, change.decode(previous[..., sides[1]], codes), sides)
     cache.put(row, digest, rebuilt)
     return rebuilt

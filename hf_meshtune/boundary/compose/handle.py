@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from ..._validation import require
 from ..hooks import BoundaryHooks, PayloadCounter, _hidden_size, find_decoder_layers, real_rows, split_stages
-from .change import ChangeCache, ChangeCodec, ChangeSpec, encode_change, row_digest
+from .change import ChangeCache, ChangeCodec, ChangeSpec, change_records, encode_change, row_digest
 from .codec import ComposedCodec, wire_records
 from .entropy import encode_records
 from .grammar import parse_codec
@@ -263,7 +263,9 @@ class ComposedHandle(BoundaryHooks):
         codec's h̃. Returns (h̃, the real tokens that sent the boundary codec's message) and books the change
         messages. The sender and the receiver are one process here: one cache, ``encode_change`` alone."""
         assert self.changes is not None and self._rows is not None
-        change, cache = self.changes[boundary], self.caches[boundary]
+        change, cache, codec = self.changes[boundary], self.caches[boundary], self.codecs[boundary]
+        assert codec.outlier_dims is not None and codec.rest_dims is not None  # a codec runs fitted
+        dims = (codec.outlier_dims, codec.rest_dims)  # the outlier dims travel as they are, as in its own message
         first = torch.zeros(rebuilt.shape[:2], dtype=torch.bool) if real is None else real.clone().cpu()
         if real is None:
             first[:] = True
@@ -271,18 +273,18 @@ class ComposedHandle(BoundaryHooks):
         messages = []
         for i, (row, digest, positions) in enumerate(self._rows):
             at = positions.to(hidden.device)
-            coded = encode_change(change, cache, row, digest, hidden[i, at].detach())
+            coded = encode_change(change, cache, row, digest, hidden[i, at].detach(), dims)
             if coded is None:
                 cache.put(row, digest, rebuilt[i, at].detach())
                 self.visits["first"] += 1
                 continue
-            codes, values = coded
-            messages.append(codes)
+            message, values = coded
+            messages.append(change_records(message))
             correction[i, at] = values.to(rebuilt.dtype) - rebuilt[i, at].detach()
             first[i] = False
             self.visits["revisit"] += 1
         if messages:
-            records = torch.cat(messages).view(torch.uint8)  # one int8 code per value: the record of a token
+            records = torch.cat(messages)  # a token's record: its outlier values, then an int8 code per other value
             self.change_counter.book("fwd", len(encode_records(records, change.spec.coder)), records.numel())
         return rebuilt + correction, first
 
@@ -352,8 +354,9 @@ def attach_composed(
         handle.set_levels([len(ladder) - 1] * len(ladders))
     if change is not None:
         require(ladder is None, "boundary_change_codec", change.text, "be None with boundary_codec='governed'")
-        change.validate(hidden)
-        handle.changes = [ChangeCodec(change, b, hidden, seed) for b in range(len(boundary_layers))]
+        width = hidden - spec.outliers  # the boundary codec's outlier dims travel as they are
+        change.validate(width)
+        handle.changes = [ChangeCodec(change, b, width, seed) for b in range(len(boundary_layers))]
         handle.caches = [ChangeCache() for _ in boundary_layers]
     handle._hooks.append(model.register_forward_pre_hook(handle._on_model_forward, with_kwargs=True))
     for boundary, layer_index in enumerate(boundary_layers):
