@@ -156,7 +156,7 @@ def test_the_wan_report_is_its_committed_run_and_the_wan_page_rounds_its_numbers
     assert checked >= 7
 
 
-@pytest.mark.parametrize("folder", ["codec_sweep", "arithmetic_lora"])
+@pytest.mark.parametrize("folder", ["codec_sweep", "arithmetic_lora", "epochs"])
 def test_the_quality_sweeps_results_md_is_written_from_their_committed_json(folder):
     import importlib
 
