@@ -298,6 +298,13 @@ class MeshGRPOTrainer(_QuietAnchorLossMixin, MeshTrainerMixin, GRPOTrainer):
 
     def __init__(self, model, reward_funcs=None, args: MeshGRPOConfig | None = None, *positional, **kwargs) -> None:
         args = _mesh_args(type(self), MeshGRPOConfig, args, model, "GRPO")
+        require(
+            args.boundary_change_codec is None,
+            "boundary_change_codec",
+            args.boundary_change_codec,
+            "be None for GRPO/GSPO: a row's completions are new at every visit, so no row is revisited with the "
+            "same tokens (change coding is for SFT data seen more than once)",
+        )
         self._validate_mesh_job_early(model, args)
         if is_distributed_job():
             _check_mesh_rewards(reward_funcs, kwargs)

@@ -243,6 +243,14 @@ def _decode_without_the_row() -> None:
     decode_change(codec, ChangeCache(), 5, b"\0" * 8, torch.zeros(3, 64, dtype=torch.int8))
 
 
+def _grpo_with_change_coding(tmp: Path) -> None:
+    from hf_meshtune import MeshGRPOConfig, MeshGRPOTrainer
+    from hf_meshtune.apps.arithmetic import exact_answer_reward
+
+    config = MeshGRPOConfig(output_dir=str(tmp / "out"), num_stages=2, boundary_change_codec="rot+delta4g32+zstd")
+    MeshGRPOTrainer(model=tiny_llama(), reward_funcs=exact_answer_reward, args=config)
+
+
 def frozen(model: nn.Module, *names: str) -> nn.Module:
     """``model`` with the named parameters frozen (names relative to the model)."""
     for name in names:
@@ -3812,6 +3820,16 @@ def _cases() -> list[Case]:
             ValueError,
             "change cache='row 5' is invalid: it must be held by the receiver for the same tokens when the sender "
             "codes it as a revisit",
+        ),
+        Case(
+            CHANGE,
+            "boundary_change_codec with GRPO/GSPO",
+            "`MeshGRPOTrainer(...)`",
+            _grpo_with_change_coding,
+            ValueError,
+            "boundary_change_codec='rot+delta4g32+zstd' is invalid: it must be None for GRPO/GSPO: a row's "
+            "completions are new at every visit, so no row is revisited with the same tokens (change coding is for "
+            "SFT data seen more than once)",
         ),
         Case(
             CHANGE,
