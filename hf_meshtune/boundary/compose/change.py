@@ -57,7 +57,8 @@ class ChangeSpec:
     in blocks of b where asked) is rounded on a grid whose step in each group of G values is the step int<bits>
     would use on h̄ there: absmax(h̄ group) / (2^(bits-1) - 1), which both sides know, so no scale travels. The
     error is at most half a step (the step of int<bits> on the value itself) while the change stays within 127
-    steps, and the codes (int8) of a small change are mostly zeros, which the lossless coder (required) packs."""
+    steps, and the codes (int8) of a small change are mostly zeros, which the lossless coder (required) packs.
+    The boundary codec's outlier dims are not in the grid: they travel as they are, as in its own message."""
 
     text: str
     rotation: int | None
@@ -65,9 +66,10 @@ class ChangeSpec:
     group: int
     coder: str
 
-    def width(self, hidden_size: int) -> int:
-        """Codes per token: H, padded to whole rotation blocks."""
-        return -(-hidden_size // self.rotation) * self.rotation if self.rotation else hidden_size
+    def width(self, coded: int) -> int:
+        """Codes per token for ``coded`` values (H less the boundary codec's outlier dims), padded to whole
+        rotation blocks."""
+        return -(-coded // self.rotation) * self.rotation if self.rotation else coded
 
     def record_bytes(self, width: int, outliers: int = 0, dtype_bytes: int = 4) -> int:
         """Bytes per token of a change message before lossless coding: the outlier dims' values in the model
