@@ -21,6 +21,7 @@ import json
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from benchmarks.quality.codec_sweep import DENSE_BF16, bf16_bytes
@@ -77,20 +78,21 @@ def _flags(knobs: dict) -> list[str]:
     return [item for key, value in knobs.items() for item in (f"--{key}", text(value))]
 
 
-def run_row(name: str) -> dict:
+def train_and_score(knobs: dict, extra: Sequence[str] = ()) -> tuple[dict, list[dict], float, float]:
+    """One row of the recipe (this module's fixed flags, then ``extra`` and the row's knobs): its eval metrics,
+    log history, greedy exact match of the saved adapter on its base (dense) and training seconds."""
     from peft import AutoPeftModelForCausalLM
     from transformers import AutoTokenizer
 
     from hf_meshtune.apps import arithmetic
 
-    knobs = {"seed": 0, **ROWS[name]}
     with tempfile.TemporaryDirectory() as tmp:
         argv = [
             "--output_dir", tmp, "--dataset", "arithmetic", "--eval_items", str(EVAL_ITEMS),
             "--use_peft", "--lora_r", "16", "--lora_target_modules", "all-linear",
             "--max_steps", "60", "--learning_rate", "2e-4", "--per_device_train_batch_size", "8",
             "--num_stages", "4", "--save_strategy", "no", "--report_to", "none", "--logging_steps", "5",
-            *_flags(knobs),
+            *extra, *_flags(knobs),
         ]  # fmt: skip
         start = time.perf_counter()
         metrics = _recipe().main(argv)
@@ -99,6 +101,31 @@ def run_row(name: str) -> dict:
         model = AutoPeftModelForCausalLM.from_pretrained(tmp)  # the saved adapter on its base: dense
         tokenizer = AutoTokenizer.from_pretrained(tmp)
         exact = arithmetic.exact_match(model, tokenizer, arithmetic.problems(EVAL_ITEMS, seed=1))
+    return metrics, history, exact, seconds
+
+
+def gaps(row: dict, dense: dict | None) -> tuple[float, float]:
+    """(eval loss gap, exact match gap) of ``row`` to ``dense``, relative, + = worse (NaN without a Dense row)."""
+    if dense is None:
+        return float("nan"), float("nan")
+    loss, exact = dense["dense_eval_loss_after"], dense["exact_match_after"]
+    return (row["dense_eval_loss_after"] - loss) / loss, (exact - row["exact_match_after"]) / exact
+
+
+def run_rows(names: list[str], out: Path, run: Callable[[str], dict], table: Callable[[], str]) -> None:
+    """Run each named row not yet in ``out`` (its JSON written as it finishes), rewriting results.md after each."""
+    out.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        target = out / f"{name}.json"
+        if not target.exists():
+            target.write_text(json.dumps(run(name), indent=2))
+        (out / "results.md").write_text(table())
+    print(table())
+
+
+def run_row(name: str) -> dict:
+    knobs = {"seed": 0, **ROWS[name]}
+    metrics, history, exact, seconds = train_and_score(knobs)
     losses = [entry["loss"] for entry in history if "loss" in entry]
     ratios = [entry["comm/pp_coding_ratio"] for entry in history if "comm/pp_coding_ratio" in entry]
     measured = [
@@ -132,8 +159,7 @@ def table() -> str:
         r, seed = rows[name], knobs.get("seed", 0)
         dense = rows.get("dense" if seed == 0 else f"dense_seed{seed}")
         loss, exact = r["dense_eval_loss_after"], r["exact_match_after"]
-        loss_gap = (loss - dense["dense_eval_loss_after"]) / dense["dense_eval_loss_after"] if dense else float("nan")
-        exact_gap = (dense["exact_match_after"] - exact) / dense["exact_match_after"] if dense else float("nan")
+        loss_gap, exact_gap = gaps(r, dense)
         boundary = knobs.get("boundary_codec") or ("dense" if knobs.get("mask_ratio") == 0.0 else "mask0.95 (zeros)")
         size = bf16_bytes(knobs)
         prior = "yes" if knobs.get("anchor", knobs.get("preset", "paper") == "paper") else "no"
@@ -146,13 +172,7 @@ def table() -> str:
 
 
 def main(argv: list[str]) -> None:
-    OUT.mkdir(parents=True, exist_ok=True)
-    for name in argv or list(ROWS):
-        target = OUT / f"{name}.json"
-        if not target.exists():
-            target.write_text(json.dumps(run_row(name), indent=2))
-        (OUT / "results.md").write_text(table())
-    print(table())
+    run_rows(argv or list(ROWS), OUT, run_row, table)
 
 
 if __name__ == "__main__":

@@ -24,15 +24,13 @@ from __future__ import annotations
 
 import json
 import sys
-import tempfile
-import time
 from pathlib import Path
 
-from benchmarks.quality.arithmetic_lora import EVAL_ITEMS, _flags, _recipe
+from benchmarks.quality.arithmetic_lora import gaps, run_rows, train_and_score
 from hf_meshtune.config.presets import QUALITY_CODEC
 
 OUT = Path(__file__).resolve().parent / "epochs"
-TRAIN_ITEMS, STEPS, BATCH, EPOCHS = 160, 60, 8, 3
+TRAIN_ITEMS, STEPS, EPOCHS = 160, 60, 3  # arithmetic_lora's 60 steps of 8: 3 epochs of 160 problems
 BOUNDARIES, DENSE_BF16 = 3, 576 * 2  # per token, boundary and direction
 ADAMW = dict(anchor=False, optim="adamw_torch")
 
@@ -57,27 +55,9 @@ def _epoch_of(step: int) -> int:
 
 
 def run_row(name: str) -> dict:
-    from peft import AutoPeftModelForCausalLM
-    from transformers import AutoTokenizer
-
-    from hf_meshtune.apps import arithmetic
-
     knobs = {"seed": 0, **ROWS[name]}
-    with tempfile.TemporaryDirectory() as tmp:
-        argv = [
-            "--output_dir", tmp, "--dataset", "arithmetic", "--eval_items", str(EVAL_ITEMS),
-            "--train_items", str(TRAIN_ITEMS), "--use_peft", "--lora_r", "16", "--lora_target_modules", "all-linear",
-            "--max_steps", str(STEPS), "--learning_rate", "2e-4", "--per_device_train_batch_size", str(BATCH),
-            "--num_stages", "4", "--save_strategy", "no", "--report_to", "none", "--logging_steps", "5",
-            *_flags(knobs),
-        ]  # fmt: skip
-        start = time.perf_counter()
-        metrics = _recipe().main(argv)
-        seconds = time.perf_counter() - start
-        history = json.loads((Path(tmp) / "trainer_state.json").read_text())["log_history"]
-        model = AutoPeftModelForCausalLM.from_pretrained(tmp)  # the saved adapter on its base: dense
-        tokenizer = AutoTokenizer.from_pretrained(tmp)
-        exact = arithmetic.exact_match(model, tokenizer, arithmetic.problems(EVAL_ITEMS, seed=1))
+    extra = ["--train_items", str(TRAIN_ITEMS)]  # 60 steps of 8 (the module's own flags): 3 epochs of the subset
+    metrics, history, exact, seconds = train_and_score(knobs, extra)
     logs = [entry for entry in history if "comm/measured_pp_fwd_bytes_per_token" in entry]
     per_epoch = []
     for epoch in range(EPOCHS):
@@ -118,8 +98,7 @@ def table() -> str:
         r, seed = rows[name], knobs.get("seed", 0)
         dense = rows.get("dense" if seed == 0 else f"dense_seed{seed}")
         loss, exact = r["dense_eval_loss_after"], r["exact_match_after"]
-        loss_gap = (loss - dense["dense_eval_loss_after"]) / dense["dense_eval_loss_after"] if dense else float("nan")
-        exact_gap = (dense["exact_match_after"] - exact) / dense["exact_match_after"] if dense else float("nan")
+        loss_gap, exact_gap = gaps(r, dense)
         if knobs.get("boundary_codec"):
             sizes = [(e["fwd"] + e["bwd"]) / BOUNDARIES for e in r["per_epoch"]]
             run = sum(sizes) / len(sizes)
@@ -135,13 +114,7 @@ def table() -> str:
 
 
 def main(argv: list[str]) -> None:
-    OUT.mkdir(parents=True, exist_ok=True)
-    for name in argv or list(ROWS):
-        target = OUT / f"{name}.json"
-        if not target.exists():
-            target.write_text(json.dumps(run_row(name), indent=2))
-        (OUT / "results.md").write_text(table())
-    print(table())
+    run_rows(argv or list(ROWS), OUT, run_row, table)
 
 
 if __name__ == "__main__":
