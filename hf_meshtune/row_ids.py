@@ -21,7 +21,7 @@ from torch.utils.data import Dataset, IterableDataset
 from ._validation import require
 from .boundary.compose.change import ROW_ID
 
-__all__ = ["ROW_ID", "RowIdCollator", "RowIds", "predicted_cache_bytes", "require_cache_budget", "require_row_ids"]
+__all__ = ["ROW_ID", "RowIdCollator", "RowIds", "require_cache_budget", "require_row_ids"]
 
 
 def require_row_ids(dataset: Any) -> None:
@@ -86,17 +86,13 @@ def _row_tokens(dataset: Any) -> list[int]:
     return counts
 
 
-def predicted_cache_bytes(dataset: Any, hidden_size: int, boundaries: int, dtype_bytes: int) -> int:
-    """A model of the change caches of one process after a full epoch: every row's tokens × H × the
-    boundaries × the model dtype's bytes (one cache per boundary on one process; a padded position is
-    not held, so this is an upper bound where rows carry padding in input_ids)."""
-    return sum(_row_tokens(dataset)) * hidden_size * boundaries * dtype_bytes
-
-
 def require_cache_budget(dataset: Any, hidden_size: int, boundaries: int, dtype_bytes: int, budget_gb: float) -> int:
-    """The predicted cache bytes, or a ValueError with the numbers when they exceed ``budget_gb``."""
+    """The change caches' predicted bytes after a full epoch, or a ValueError with the numbers when they exceed
+    ``budget_gb``. A model: every row's tokens × H × the boundaries × the model dtype's bytes (one cache per
+    boundary on one process; a padded position is not held, so this is an upper bound where rows carry padding
+    in input_ids)."""
     tokens = sum(_row_tokens(dataset))
-    need = tokens * hidden_size * boundaries * dtype_bytes  # predicted_cache_bytes, the tokens counted once
+    need = tokens * hidden_size * boundaries * dtype_bytes
     require(
         need <= budget_gb * 1e9,
         "change_cache_gb",

@@ -266,9 +266,7 @@ class ComposedHandle(BoundaryHooks):
         change, cache, codec = self.changes[boundary], self.caches[boundary], self.codecs[boundary]
         assert codec.outlier_dims is not None and codec.rest_dims is not None  # a codec runs fitted
         dims = (codec.outlier_dims, codec.rest_dims)  # the outlier dims travel as they are, as in its own message
-        first = torch.zeros(rebuilt.shape[:2], dtype=torch.bool) if real is None else real.clone().cpu()
-        if real is None:
-            first[:] = True
+        first = torch.ones(rebuilt.shape[:2], dtype=torch.bool) if real is None else real.clone().cpu()
         correction = torch.zeros_like(rebuilt)
         messages = []
         for i, (row, digest, positions) in enumerate(self._rows):
