@@ -3823,6 +3823,26 @@ def _cases() -> list[Case]:
         ),
         Case(
             CHANGE,
+            "boundary_change_codec='rot48+delta4g16+zstd' (a Hadamard block that is not a power of 2)",
+            "`MeshConfig(...)`",
+            lambda: MeshConfig(boundary_change_codec="rot48+delta4g16+zstd"),
+            ValueError,
+            "boundary_change_codec='rot48+delta4g16+zstd' is invalid: it must rotate in blocks of a power of 2",
+        ),
+        Case(
+            CHANGE,
+            "a torch-style train_dataset whose rows hold their own meshtune_row_id (a datasets.Dataset's unused "
+            "column is dropped first)",
+            "`MeshTrainer(...).train()`",
+            lambda tmp: _change_trainer(
+                tmp, dataset=[dict(row, meshtune_row_id=0) for row in pattern_dataset(16, 8)]
+            ).train(),
+            ValueError,
+            "train_dataset column='meshtune_row_id' is invalid: it must not be a column of the dataset (it is "
+            "reserved)",
+        ),
+        Case(
+            CHANGE,
             "boundary_change_codec with GRPO/GSPO",
             "`MeshGRPOTrainer(...)`",
             _grpo_with_change_coding,

@@ -251,3 +251,31 @@ def test_the_outlier_dims_travel_as_they_are_so_a_massive_dim_does_not_set_the_g
     _, rebuilt_whole = encode_change(whole, ChangeCache({0: (digest, before)}), 0, digest, after)
     error_whole = (rebuilt_whole[:, rest] - after[:, rest]).norm() / after[:, rest].norm()
     assert error < 0.25 * error_whole, (error, error_whole)
+
+
+def test_every_other_change_coding_error_names_its_rule(tmp_path):
+    from hf_meshtune.row_ids import RowIds, require_cache_budget
+
+    with pytest.raises(ValueError, match=r"rot48\+delta4g16\+zstd' is invalid: it must rotate in blocks of a power"):
+        change_spec("rot48+delta4g16+zstd")
+    with pytest.raises(ValueError, match=r"train_dataset column='meshtune_row_id' is invalid: it must not be a col"):
+        RowIds([{"input_ids": [1, 2], "meshtune_row_id": 5}])[0]
+    with pytest.raises(ValueError, match=r"train_dataset row='list' is invalid: it must be a dict of features"):
+        RowIds([[1, 2]])[0]
+    with pytest.raises(ValueError, match=r"train_dataset='row 0 without input_ids' is invalid: it must be tokenized"):
+        require_cache_budget([{"text": "a b"}], 64, 1, 4, 1.0)
+    cache = ChangeCache()
+    cache.put(0, b"\0" * 8, torch.zeros(3, H))
+    with pytest.raises(ValueError, match=r"change cache='row 0: held \(3, 64\), now \(4, 64\)' is invalid"):
+        encode_change(_change_codec(), cache, 0, b"\0" * 8, torch.zeros(4, H))
+    with pytest.raises(ValueError, match=r"change cache state=\(1, 0, 1\) is invalid: it must hold one token digest"):
+        ChangeCache().load_state_dict({"ids": torch.tensor([0]), "digests": [], "values": [torch.zeros(1, H)]})
+    model = tiny_llama(seed=0, layers=4, hidden=H)
+    handle = attach_composed(model, 2, "outliers2+int4g31", change=change_spec(CHANGE))
+    ids = torch.randint(3, 100, (2, 6))
+    handle.calibrate(model, {"input_ids": ids})
+    handle.set_rows(torch.tensor([0, 1, 2]))
+    with pytest.raises(ValueError, match=r"3 row ids for input_ids of shape \(2, 6\)' is invalid: it must give one id"):
+        model(input_ids=ids)
+    with pytest.raises(ValueError, match=r"state\['change_caches'\]=0 is invalid: it must hold one change cache per"):
+        handle.load_state_dict({k: v for k, v in handle.state_dict().items() if k != "change_caches"})
