@@ -126,6 +126,11 @@ def _add_ledger_parser(subparsers: argparse._SubParsersAction) -> None:
         help="the decoder layers are checkpointed (activations then count what is saved outside them)",
     )
     memory.add_argument(
+        "--stage-layers",
+        default=None,
+        help="decoder layers per stage, comma-separated (an uneven split, e.g. 20,10); default balanced",
+    )
+    memory.add_argument(
         "--lora-r", type=int, default=None, help="a LoRA adapter of this rank trains instead of the whole model"
     )
     memory.add_argument(
@@ -134,6 +139,18 @@ def _add_ledger_parser(subparsers: argparse._SubParsersAction) -> None:
         help="the adapter's target modules, comma-separated, or all-linear (default; with --lora-r)",
     )
     p.set_defaults(handler=run_ledger)
+
+
+def _stage_layers(text: str) -> tuple[int, ...]:
+    """ "20,10" → (20, 10); the counts are checked against Y and the model where the split is made."""
+    parts = [p.strip() for p in text.split(",")]
+    require(
+        all(p.isdigit() for p in parts),
+        "--stage-layers",
+        text,
+        "be comma-separated decoder-layer counts, one per stage (e.g. 20,10)",
+    )
+    return tuple(int(p) for p in parts)
 
 
 def run_ledger(args: argparse.Namespace) -> int:
@@ -208,6 +225,7 @@ def _print_memory_ledger(args: argparse.Namespace, config, num_replicas: int, nu
         dp_quantize=args.dp_quantize,
         boundary_codec=args.boundary_codec,
         gradient_checkpointing=args.gradient_checkpointing,
+        stage_layers=None if args.stage_layers is None else _stage_layers(args.stage_layers),
     )
     rows = predict_memory(config, settings, peft_config=_lora_config(args))
     print(json.dumps(rows, indent=2) if args.json else format_memory_table(rows, settings))

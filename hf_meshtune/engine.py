@@ -94,10 +94,24 @@ class MeshEngine:
         assert config.num_stages is not None and config.mask_ratio is not None  # resolved by __post_init__
         change = change_spec(config.boundary_change_codec) if config.boundary_change_codec is not None else None
         self.boundaries: BoundaryHandle | ComposedHandle = (
-            attach_composed(model, config.num_stages, codec, config.mask_seed, ladder=ladder, change=change)
+            attach_composed(
+                model,
+                config.num_stages,
+                codec,
+                config.mask_seed,
+                ladder=ladder,
+                change=change,
+                stage_layers=config.stage_layers,
+            )
             if codec is not None
             else attach_boundaries(
-                model, config.num_stages, config.mask_ratio, config.mask_seed, config.mask_rescale, config.mask_fill
+                model,
+                config.num_stages,
+                config.mask_ratio,
+                config.mask_seed,
+                config.mask_rescale,
+                config.mask_fill,
+                stage_layers=config.stage_layers,
             )
         )
         self.anchor: AnchorCircuit | None = None

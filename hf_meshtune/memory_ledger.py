@@ -61,6 +61,7 @@ class MemorySettings:
     boundary_codec: str | None = None
     mask_seed: int = 0
     gradient_checkpointing: bool = False
+    stage_layers: tuple[int, ...] | None = None  # decoder layers per stage (uneven); None = balanced
 
     def __post_init__(self) -> None:
         for name in ("num_replicas", "num_stages", "microbatch_size", "microbatches", "seq_len"):
@@ -120,7 +121,7 @@ def predict_memory(
     rows: list[dict[str, int | str]] = []
     roles = ["fast", "anchor"] if settings.anchor else ["fast"]
     for stage in range(stages):
-        module = StageModule(model, stage, stages, None, None)
+        module = StageModule(model, stage, stages, None, None, stage_layers=settings.stage_layers)
         named = stage_parameter_names(model, module)
         params = list(named.values())
         train = [p for p in params if p.requires_grad]

@@ -53,8 +53,8 @@ def env_backed(cls: type) -> type:
 def parse_env_value(name: str, text: str, kind: Any) -> Any:
     """``text`` of environment variable ``name`` as a value of the field type ``kind``.
 
-    bool: true/false/1/0/yes/no; ``X | None``: "none" → None, else X; a bad value raises a
-    ``ValueError`` naming the variable, its value and the rule.
+    bool: true/false/1/0/yes/no; ``list[int]``: comma-separated ints ("20,10"); ``X | None``: "none" → None,
+    else X; a bad value raises a ``ValueError`` naming the variable, its value and the rule.
     """
     value = text.strip()
     members = typing.get_args(kind)
@@ -72,4 +72,9 @@ def parse_env_value(name: str, text: str, kind: Any) -> Any:
             return kind(value)
         except ValueError:
             require(False, name, text, rule)
+    if typing.get_origin(kind) is list:
+        parts = [part.strip() for part in value.split(",")]
+        rule = "be comma-separated ints (e.g. 20,10)" + (" or 'none'" if optional else "")
+        require(all(p.lstrip("-").isdigit() for p in parts), name, text, rule)
+        return [int(p) for p in parts]
     return value

@@ -25,12 +25,14 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch.distributed as dist
 
 from ._validation import require
+from .boundary.hooks import split_stages
 
 __all__ = [
     "MESH_ENV",
@@ -83,6 +85,7 @@ class MeshTopology:
     stages: int
     anchor: bool = True
     job_replica: int | None = None  # r: this process's job (torch.distributed world) is replica r alone
+    stage_layers: tuple[int, ...] | None = None  # decoder layers per stage (uneven); None = balanced
 
     def __post_init__(self) -> None:
         require(isinstance(self.replicas, int) and self.replicas >= 1, "replicas", self.replicas, "be an int >= 1 (X)")
@@ -104,12 +107,19 @@ class MeshTopology:
 
     @classmethod
     def from_environment(
-        cls, world_size: int, num_stages: int, anchor: bool, num_layers: int, mesh: str | None = None
+        cls,
+        world_size: int,
+        num_stages: int,
+        anchor: bool,
+        num_layers: int,
+        mesh: str | None = None,
+        stage_layers: Sequence[int] | None = None,
     ) -> MeshTopology:
         """The topology of this job: ``mesh`` ("XxY", default ``$MESHTUNE_MESH``) or X = world / Y.
 
         Raises ``ValueError`` (the same on every rank) for a mesh that cannot run: world size ≠ X·Y,
-        a Y that differs from ``num_stages``, X < 2 with the anchor on, Y > number of layers.
+        a Y that differs from ``num_stages``, X < 2 with the anchor on, Y > number of layers, a ``stage_layers``
+        that is not one positive count per stage summing to ``num_layers``.
         """
         spec = mesh if mesh is not None else os.environ.get(MESH_ENV)
         job = os.environ.get(REPLICA_ENV)
@@ -137,7 +147,8 @@ class MeshTopology:
                 f"divide the world size {world_size} (X = world size / Y replicas of Y stages)",
             )
             replicas, stages = world_size // num_stages, num_stages
-        topology = cls(replicas, stages, anchor, None if job is None else int(job))
+        split = None if stage_layers is None else tuple(stage_layers)
+        topology = cls(replicas, stages, anchor, None if job is None else int(job), split)
         topology.validate(world_size, num_layers)
         return topology
 
@@ -161,6 +172,7 @@ class MeshTopology:
             self.stages,
             f"be <= the model's {num_layers} decoder layers (every stage holds at least one)",
         )
+        split_stages(num_layers, self.stages, self.stage_layers)  # one positive count per stage, summing right
 
     # --- ranks -------------------------------------------------------------------------------
     @property

@@ -170,7 +170,8 @@ def main(argv: list[str] | None = None) -> dict:
     )
     tokenizer = AutoTokenizer.from_pretrained(path)
     train, evaluation = cpt_splits(tokenizer, documents, script.block_size, script.eval_blocks)
-    model = load_causal_lm(path, num_stages=args.num_stages)  # on a launched mesh: this process's stage only
+    # on a launched mesh: this process's stage only
+    model = load_causal_lm(path, num_stages=args.num_stages, stage_layers=args.stage_layers)
     if script.train_last_layers is not None:
         freeze_all_but_last(model, script.train_last_layers)
     if script.freeze_embeddings:

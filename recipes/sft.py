@@ -68,10 +68,16 @@ def conversations(script: SFTScriptArguments) -> tuple[datasets.Dataset, dataset
     return datasets.Dataset.from_list(rows[script.eval_items :]), datasets.Dataset.from_list(rows[: script.eval_items])
 
 
-def load_model(model_args: ModelConfig, script: SFTScriptArguments, num_stages: int | None = None):
+def load_model(
+    model_args: ModelConfig,
+    script: SFTScriptArguments,
+    num_stages: int | None = None,
+    stage_layers: list[int] | None = None,
+):
     """The model and tokenizer; on a launched mesh each process reads only its stage's tensors."""
     path = model_args.model_name_or_path or str(smollm2_checkpoint())
-    model, tokenizer = load_causal_lm(path, num_stages=num_stages), AutoTokenizer.from_pretrained(path)
+    model = load_causal_lm(path, num_stages=num_stages, stage_layers=stage_layers)
+    tokenizer = AutoTokenizer.from_pretrained(path)
     if script.train_last_layers is not None and not model_args.use_peft:
         freeze_all_but_last(model, script.train_last_layers)
     if script.freeze_embeddings:
@@ -83,7 +89,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = HfArgumentParser((SFTScriptArguments, MeshSFTConfig, ModelConfig))
     script, args, model_args = parser.parse_args_into_dataclasses(argv)
     train, evaluation = conversations(script)  # bad data flags fail before the model loads
-    model, tokenizer = load_model(model_args, script, args.num_stages)
+    model, tokenizer = load_model(model_args, script, args.num_stages, args.stage_layers)
     trainer = MeshSFTTrainer(
         model=model,
         args=args,

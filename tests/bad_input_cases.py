@@ -1323,6 +1323,17 @@ def _cases() -> list[Case]:
         _knob("mask_ratio=1.0 is invalid: it must lie in [0, 1)", mask_ratio=1.0),
         _knob("mask_ratio=-0.1 is invalid: it must lie in [0, 1)", mask_ratio=-0.1),
         _knob("num_stages=0 is invalid: it must be >= 1", num_stages=0),
+        _knob(
+            "stage_layers=[4] is invalid: it must have one count per stage (num_stages = 2), not 1",
+            num_stages=2,
+            stage_layers=[4],
+        ),
+        _knob(
+            "stage_layers=[4, 0] is invalid: it must give every stage at least one decoder layer",
+            num_stages=2,
+            stage_layers=[4, 0],
+        ),
+        _knob("stage_layers='3,1' is invalid: it must be of type list[int] or None", num_stages=2, stage_layers="3,1"),
         _knob("preset='fast' is invalid: it must be one of ['quality', 'paper']", preset="fast"),
         _knob(f"mask_fill='ones' is invalid: it must be one of {_FILLS}", mask_fill="ones"),
         _knob(
@@ -1602,6 +1613,14 @@ def _cases() -> list[Case]:
             mesh_trainer_in(6, "0x2"),
             ValueError,
             "MESHTUNE_MESH='0x2' is invalid: it must have X >= 1 replicas and Y >= 1 stages",
+        ),
+        Case(
+            MESH,
+            "stage_layers=[3, 3] for a 4-layer model on a 2x2 mesh",
+            "`MeshTrainer(...).train()` on a launched rank",
+            mesh_train_in(4, "2x2", stage_layers=[3, 3]),
+            ValueError,
+            "stage_layers=[3, 3] is invalid: it must sum to the model's 4 decoder layers (they sum to 6)",
         ),
         Case(
             MESH,
@@ -2049,6 +2068,14 @@ def _cases() -> list[Case]:
         ),
         Case(
             MODELS,
+            "stage_layers=[2, 1] for a 4-layer model",
+            "`MeshTrainer(model, args)`",
+            lambda tmp: mesh_trainer(tmp, stage_layers=[2, 1]),
+            ValueError,
+            "stage_layers=[2, 1] is invalid: it must sum to the model's 4 decoder layers (they sum to 3)",
+        ),
+        Case(
+            MODELS,
             "a multimodal model (LlavaForConditionalGeneration)",
             "`attach_boundaries(model, Y)`",
             lambda: attach_boundaries(tiny_llava(), 2),
@@ -2084,6 +2111,16 @@ def _cases() -> list[Case]:
             "AutoModelForCausalLM, not its bare base model)",
         ),
         # --- meshtune CLI --------------------------------------------------------------------------------
+        _cli(
+            "meshtune ledger --memory --mesh 2x2 --stage-layers 10,a",
+            "meshtune ledger: error: --stage-layers='10,a' is invalid: it must be comma-separated decoder-layer "
+            "counts, one per stage (e.g. 20,10)",
+        ),
+        _cli(
+            "meshtune ledger --memory --mesh 2x2 --stage-layers 10,5",
+            "meshtune ledger: error: --stage-layers=[10, 5] is invalid: it must sum to the model's 16 decoder layers "
+            "(they sum to 15)",
+        ),
         _cli(
             "meshtune ledger --mesh 8by4",
             "meshtune ledger: error: --mesh='8by4' is invalid: it must be XxY with X >= 1 replicas and Y >= 1 stages, "
@@ -2784,6 +2821,14 @@ def _cases() -> list[Case]:
             plugin_from_env("MESHTUNE_NUM_STAGES", "2.5"),
             ValueError,
             "MESHTUNE_NUM_STAGES='2.5' is invalid: it must be an int or 'none'",
+        ),
+        Case(
+            ACCELERATE,
+            "MESHTUNE_STAGE_LAYERS=3;1",
+            "`MeshPlugin()`",
+            plugin_from_env("MESHTUNE_STAGE_LAYERS", "3;1"),
+            ValueError,
+            "MESHTUNE_STAGE_LAYERS='3;1' is invalid: it must be comma-separated ints (e.g. 20,10) or 'none'",
         ),
         Case(
             ACCELERATE,

@@ -156,10 +156,12 @@ def test_plugin_fields_left_unset_come_from_the_environment(monkeypatch):
     monkeypatch.setenv("MESHTUNE_SPECTRAL_RANK", "none")
     monkeypatch.setenv("MESHTUNE_ANCHOR_MICROBATCHES", "3")
     monkeypatch.setenv("MESHTUNE_MASK_FILL", "mean")
+    monkeypatch.setenv("MESHTUNE_STAGE_LAYERS", "3, 1")  # a list knob: comma-separated
     monkeypatch.setenv("MESHTUNE_MESH", "3x2")  # the launcher's mesh shape: not a field, but Y when unset
     plugin = MeshPlugin()
-    assert (plugin.mask_ratio, plugin.anchor, plugin.spectral_rank) == (0.9, False, None)
+    assert (plugin.mask_ratio, plugin.anchor, plugin.spectral_rank, plugin.stage_layers) == (0.9, False, None, [3, 1])
     assert (plugin.anchor_microbatches, plugin.mask_fill, plugin.num_stages) == (3, "mean", 2)
+    monkeypatch.delenv("MESHTUNE_STAGE_LAYERS")  # two counts would not fit Y = 4 (refused, naming the variable)
     monkeypatch.setenv("MESHTUNE_NUM_STAGES", "4")  # the field's own variable wins (and the mesh then refuses it)
     assert MeshPlugin().num_stages == 4
     assert MeshAccelerator(cpu=True).mesh_plugin.mask_ratio == 0.9

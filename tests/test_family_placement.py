@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
 from hf_meshtune import load_causal_lm
-from hf_meshtune.pipeline.placement import stage_of
+from hf_meshtune.pipeline.placement import split_of, stage_of
 from hf_meshtune.pipeline.stage import StageModule, stage_parameter_names, untie_embeddings
 from tests.test_stage_memory import _launch, _on_rank
 from tests.tiny import pattern_dataset, tiny_family
@@ -63,6 +63,29 @@ def test_a_stage_of_another_family_reads_only_its_own_tensors(tmp_path, monkeypa
     x = _stage_input(stage)
     expected = StageModule(reference, stage, 2, None, None)(x)
     torch.testing.assert_close(StageModule(model, stage, 2, None, None)(x), expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_a_stage_of_an_uneven_split_reads_only_its_own_layers(tmp_path, monkeypatch, stage):
+    """stage_layers = (3, 1): stage 0 reads the embeddings and layers 0-2, stage 1 layer 3, the norm and the head;
+    the model remembers the split it was loaded for (a run with another split refuses it by name)."""
+    reference = tiny_family("llama", hidden=64, seed=3)
+    folder = tmp_path / "ckpt"
+    reference.save_pretrained(folder)
+    untie_embeddings(reference)
+    module = StageModule(reference, stage, 2, None, None, stage_layers=(3, 1))
+    owned = set(stage_parameter_names(reference, module))
+    _on_rank(monkeypatch, rank=stage)
+    model = load_causal_lm(str(folder), stage_layers=[3, 1])
+    assert stage_of(model) == (stage, 2) and split_of(model) == (3, 1)
+    assert {n for n, p in model.named_parameters() if not p.is_meta} == owned
+    layers = {int(n.split(".")[2]) for n in owned if n.startswith("model.layers.")}
+    assert layers == ({0, 1, 2} if stage == 0 else {3})
+    reference.eval()
+    x = _stage_input(stage)
+    expected = module(x)
+    loaded = StageModule(model, stage, 2, None, None, stage_layers=(3, 1))
+    torch.testing.assert_close(loaded(x), expected, rtol=0, atol=0)
 
 
 @pytest.mark.slow

@@ -193,20 +193,23 @@ def test_trl_sft_script_runs_unchanged_on_a_launched_mesh(tmp_path):
 def test_meshtrainer_runs_with_every_replica_a_job_of_its_own(tmp_path):
     """``--max-restarts``: three gloo worlds of two processes meet only through torchft; the summary
     still covers the whole mesh (results travel through the launcher's store) and only replica 0 saves.
-    A fitted codec (its calibration pass between the stages of every replica's own world) runs too."""
+    A fitted codec (its calibration pass between the stages of every replica's own world) runs too, on an uneven
+    split (``stage_layers``: stage 0 holds 3 of the 4 layers) that the saved checkpoint puts back together."""
     out = tmp_path / "jobs"
-    codec = ("--mask_ratio", "0", "--boundary_codec", "outliers2+int8")
+    codec = ("--mask_ratio", "0", "--boundary_codec", "outliers2+int8", "--stage_layers", "3", "1")
     proc = _launch("3x2", str(out), "--anchor", "false", *codec, launcher=("--max-restarts", "1"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "one job per replica, up to 1 restart(s) each" in proc.stderr
     summary = json.loads((out / "mesh_summary.json").read_text())
     assert summary["replicas_reported"] == 3 and summary["fast_replicas"] == 3 and summary["steps"] == 12
+    assert summary["stage_layers"] == [3, 1]
     assert summary["dp_syncs_per_rank"] == 12 // 2 and summary["heals"] == []
     assert summary["booked_bytes_per_token"]["dp"] == pytest.approx(summary["analytic_bytes_per_token"]["dp"], rel=1e-9)
     assert sorted(p.name for p in out.iterdir() if p.name.startswith("mesh_summary")) == ["mesh_summary.json"]
     saved = AutoModelForCausalLM.from_pretrained(out)
     initial = tiny_llama(seed=0, layers=4, hidden=64)
-    assert not torch.equal(saved.state_dict()["lm_head.weight"], initial.state_dict()["lm_head.weight"])
+    for name in ("lm_head.weight", "model.layers.2.mlp.down_proj.weight", "model.layers.3.mlp.down_proj.weight"):
+        assert not torch.equal(saved.state_dict()[name], initial.state_dict()[name]), name
 
 
 def _step_losses(stdout: str) -> dict[int, float]:

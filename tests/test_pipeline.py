@@ -34,10 +34,12 @@ def _model(arch: str):
     return model
 
 
-def reference(num_stages: int, steps: int, arch: str = "llama") -> tuple[list[float], dict[str, torch.Tensor]]:
+def reference(
+    num_stages: int, steps: int, arch: str = "llama", stage_layers: tuple[int, ...] | None = None
+) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Single process: the masked model on the same microbatches; per-step loss, last step's grads."""
     model = _model(arch)
-    handle = attach_boundaries(model, num_stages, mask_ratio=P, seed=7)
+    handle = attach_boundaries(model, num_stages, mask_ratio=P, seed=7, stage_layers=stage_layers)
     losses = []
     for step in range(steps):
         model.zero_grad()
@@ -53,14 +55,21 @@ def reference(num_stages: int, steps: int, arch: str = "llama") -> tuple[list[fl
     return losses, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _pipeline_worker(rank: int, world: int, steps: int, arch: str = "llama") -> dict:
-    topology = MeshTopology(replicas=1, stages=world, anchor=False)
+def _pipeline_worker(
+    rank: int, world: int, steps: int, arch: str = "llama", stage_layers: tuple[int, ...] | None = None
+) -> dict:
+    topology = MeshTopology(replicas=1, stages=world, anchor=False, stage_layers=stage_layers)
     groups = topology.build_groups()
     model = _model(arch)
     masks = _masks(world - 1)
     stage = groups.stage
     module = StageModule(
-        model, stage, world, masks[stage - 1] if stage > 0 else None, masks[stage] if stage < world - 1 else None
+        model,
+        stage,
+        world,
+        masks[stage - 1] if stage > 0 else None,
+        masks[stage] if stage < world - 1 else None,
+        stage_layers=topology.stage_layers,
     )
     return run_stage(model, module, groups.pp_group, world, steps, Wire())
 
@@ -117,6 +126,14 @@ def test_masked_pipeline_equals_single_process_masked_model(launcher, stages):
         expect_bwd = per_message * microbatches * steps if stage > 0 else 0
         assert sent["pp_fwd"] == expect_fwd and sent["pp_bwd"] == expect_bwd
         assert result["wire"]["messages"]["pp_fwd"] == (2 * microbatches * steps if stage < stages - 1 else 0)
+
+
+def test_an_uneven_split_pipeline_equals_the_single_process_model_split_the_same_way(launcher):
+    """stage_layers = (3, 1): the boundary after layer 2, on both sides of the comparison."""
+    steps = 2
+    results = launcher(_pipeline_worker, 2, steps, "llama", (3, 1), timeout=180)
+    _assert_equals_reference(results, *reference(2, steps, "llama", (3, 1)))
+    assert len(results[0]["grads"]) > len(results[1]["grads"])  # stage 0 holds 3 of the 4 layers
 
 
 @pytest.mark.parametrize("arch", ["gemma2", "gpt_neox"])

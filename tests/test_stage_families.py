@@ -36,12 +36,21 @@ def _side(given: list | None, boundary: int):
     return given[boundary] if given is not None and 0 <= boundary < len(given) else None
 
 
-def _staged(model, ids: torch.Tensor, stages: int, masks=None, codecs=None, step: int = 0, microbatch: int = 0):
+def _staged(
+    model,
+    ids: torch.Tensor,
+    stages: int,
+    masks=None,
+    codecs=None,
+    step: int = 0,
+    microbatch: int = 0,
+    stage_layers: tuple[int, ...] | None = None,
+):
     """The logits of ``stages`` StageModules run in sequence; boundary b carries ``masks[b]`` or ``codecs[b]``."""
     x = ids
     for s in range(stages):
         sides = (_side(masks, s - 1), _side(masks, s), _side(codecs, s - 1), _side(codecs, s))
-        module = StageModule(model, s, stages, *sides)
+        module = StageModule(model, s, stages, *sides, stage_layers=stage_layers)
         module.step, module.microbatch = step, microbatch
         x = module(x)
     return x
@@ -51,17 +60,22 @@ def test_every_supported_family_is_tested():
     assert set(PIPELINE_FAMILIES) == set(SUPPORTED_MODEL_TYPES) == set(FAMILIES)
 
 
-@pytest.mark.parametrize("stages", [2, 3])
+# balanced splits of the tiny models' 4 layers, and uneven ones (``stage_layers``: a slow host's stage holds fewer)
+SPLITS = [(2, None), (3, None), (2, (3, 1)), (3, (1, 1, 2))]
+
+
+@pytest.mark.parametrize("stages, stage_layers", SPLITS)
 @pytest.mark.parametrize("family", SUPPORTED_MODEL_TYPES)
-def test_dense_stages_in_sequence_equal_the_model(family, stages):
-    """Logits, loss and every parameter's gradient of the staged forward equal the model's own forward."""
+def test_dense_stages_in_sequence_equal_the_model(family, stages, stage_layers):
+    """Logits, loss and every parameter's gradient of the staged forward equal the model's own forward, for
+    balanced and uneven splits."""
     model = tiny_family(family)
     ids = _ids(0)
     reference = model(input_ids=ids, labels=ids)
     reference.loss.backward()
     expected = _grads(model)
     model.zero_grad()
-    logits = _staged(model, ids, stages)
+    logits = _staged(model, ids, stages, stage_layers=stage_layers)
     loss = causal_lm_loss(model)(logits, ids)
     loss.backward()
     torch.testing.assert_close(logits, reference.logits, **TOL)
@@ -85,11 +99,13 @@ def test_the_embedding_dropout_runs_on_the_first_stage(family):
     torch.testing.assert_close(_staged(model, ids, 2), reference, **TOL)
 
 
-def _masked_run(family: str, stages: int, steps: int, attach: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
+def _masked_run(
+    family: str, stages: int, steps: int, attach: bool, stage_layers: tuple[int, ...] | None = None
+) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Per-step loss and the last step's gradients over two microbatches per step: the model with
     ``attach_boundaries`` (attach=True), or its stages in sequence with the same masks."""
     model = tiny_family(family)
-    handle = attach_boundaries(model, stages, mask_ratio=P, seed=SEED) if attach else None
+    handle = attach_boundaries(model, stages, mask_ratio=P, seed=SEED, stage_layers=stage_layers) if attach else None
     masks = [BoundaryMask(b, P, seed=SEED) for b in range(stages - 1)]
     losses = []
     for step in range(steps):
@@ -101,7 +117,9 @@ def _masked_run(family: str, stages: int, steps: int, attach: bool) -> tuple[lis
             if handle is not None:
                 loss = model(input_ids=chunk, labels=chunk).loss / 2
             else:
-                logits = _staged(model, chunk, stages, masks=masks, step=step, microbatch=micro)
+                logits = _staged(
+                    model, chunk, stages, masks=masks, step=step, microbatch=micro, stage_layers=stage_layers
+                )
                 loss = causal_lm_loss(model)(logits, chunk) / 2
             loss.backward()
             total += loss.item()
@@ -109,21 +127,24 @@ def _masked_run(family: str, stages: int, steps: int, attach: bool) -> tuple[lis
     return losses, _grads(model)
 
 
-@pytest.mark.parametrize("family, stages", [("gemma2", 2), ("gemma3_text", 3), ("gpt_neox", 3), ("qwen2", 2)])
-def test_masked_stages_equal_the_single_process_masked_model(family, stages):
-    ref_losses, ref_grads = _masked_run(family, stages, steps=2, attach=True)
-    losses, grads = _masked_run(family, stages, steps=2, attach=False)
+@pytest.mark.parametrize(
+    "family, stages, stage_layers",
+    [("gemma2", 2, None), ("gemma3_text", 3, None), ("gpt_neox", 3, None), ("qwen2", 2, None), ("llama", 2, (1, 3))],
+)
+def test_masked_stages_equal_the_single_process_masked_model(family, stages, stage_layers):
+    ref_losses, ref_grads = _masked_run(family, stages, steps=2, attach=True, stage_layers=stage_layers)
+    losses, grads = _masked_run(family, stages, steps=2, attach=False, stage_layers=stage_layers)
     assert losses == pytest.approx(ref_losses, rel=1e-6, abs=1e-7)
     assert grads.keys() == ref_grads.keys()
     for name, grad in ref_grads.items():
         torch.testing.assert_close(grads[name], grad, **TOL, msg=name)
 
 
-@pytest.mark.parametrize("family", ["gemma2", "phi3"])
-def test_composed_codec_stages_equal_the_single_process_model_with_the_codec(family):
+@pytest.mark.parametrize("family, stage_layers", [("gemma2", None), ("phi3", None), ("qwen2", (2, 1, 1))])
+def test_composed_codec_stages_equal_the_single_process_model_with_the_codec(family, stage_layers):
     """The codecs fitted once on the attached model; the stages reuse those very codecs on the same model."""
     model = tiny_family(family)
-    handle = attach_composed(model, 3, "outliers2+int4g15sr", seed=SEED)
+    handle = attach_composed(model, 3, "outliers2+int4g15sr", seed=SEED, stage_layers=stage_layers)
     handle.calibrate(model, {"input_ids": _ids(99, rows=4)})
     ids = _ids(5)
     handle.set_step(0)
@@ -132,7 +153,7 @@ def test_composed_codec_stages_equal_the_single_process_model_with_the_codec(fam
     expected = _grads(model)
     handle.remove()
     model.zero_grad()
-    logits = _staged(model, ids, 3, codecs=handle.codecs, step=0, microbatch=0)
+    logits = _staged(model, ids, 3, codecs=handle.codecs, step=0, microbatch=0, stage_layers=stage_layers)
     causal_lm_loss(model)(logits, ids).backward()
     torch.testing.assert_close(logits, reference.logits, **TOL)
     for name, grad in expected.items():
@@ -158,3 +179,16 @@ def test_the_memory_ledger_traces_what_every_familys_stages_save_within_15_perce
                 out = causal_lm_loss(model)(out, torch.randint(3, 90, (2, seq)))
         assert meter.peak > 0
         assert predicted[stage] == pytest.approx(meter.peak, rel=0.15), stage
+
+
+def test_an_uneven_split_places_the_layers_and_boundaries_it_names():
+    model = tiny_family("llama")
+    assert [len(StageModule(model, s, 3, None, None, stage_layers=(1, 1, 2)).layers) for s in range(3)] == [1, 1, 2]
+    assert StageModule(model, 2, 3, None, None, stage_layers=(1, 1, 2)).layer_range == range(2, 4)
+    assert StageModule(model, 0, 3, None, None).stage_layers == (2, 1, 1)  # balanced: the earlier stages take more
+    handle = attach_boundaries(model, 2, mask_ratio=P, stage_layers=(3, 1))
+    assert handle.boundary_layers == [2]  # the boundary after layer 2 (0-based): stage 0 holds layers 0-2
+    handle.remove()
+    handle = attach_composed(model, 3, "outliers2+int8", stage_layers=(1, 2, 1))
+    assert handle.boundary_layers == [0, 2]
+    handle.remove()

@@ -16,7 +16,7 @@ which is what the distributed pipeline will see for the same data.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -55,17 +55,51 @@ def find_decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
     )
 
 
-def split_stages(num_layers: int, num_stages: int) -> list[range]:
-    """Balanced contiguous stages: sizes differ by at most one, earlier stages take the extra layer."""
+def split_stages(num_layers: int, num_stages: int, stage_layers: Sequence[int] | None = None) -> list[range]:
+    """Contiguous stages: ``stage_layers`` (one layer count per stage, summing to ``num_layers``: an uneven split,
+    e.g. fewer layers for a slower host), else balanced (sizes differ by at most one, earlier stages take the extra
+    layer)."""
     require(num_stages >= 1, "num_stages", num_stages, "be >= 1")
     require(num_stages <= num_layers, "num_stages", num_stages, f"be <= the number of decoder layers ({num_layers})")
-    base, extra = divmod(num_layers, num_stages)
+    if stage_layers is None:
+        base, extra = divmod(num_layers, num_stages)
+        sizes = [base + (1 if i < extra else 0) for i in range(num_stages)]
+    else:
+        sizes = list(stage_layers)
+        require_stage_layers(sizes, num_stages)
+        require(
+            sum(sizes) == num_layers,
+            "stage_layers",
+            sizes,
+            f"sum to the model's {num_layers} decoder layers (they sum to {sum(sizes)})",
+        )
     stages, start = [], 0
-    for i in range(num_stages):
-        end = start + base + (1 if i < extra else 0)
-        stages.append(range(start, end))
-        start = end
+    for size in sizes:
+        stages.append(range(start, start + size))
+        start += size
     return stages
+
+
+def require_stage_layers(stage_layers: Sequence[int], num_stages: int) -> None:
+    """One positive int per stage (what can be checked before the model is known)."""
+    require(
+        isinstance(stage_layers, (list, tuple)) and all(type(n) is int for n in stage_layers),
+        "stage_layers",
+        stage_layers,
+        "be a list of ints, one decoder-layer count per stage",
+    )
+    require(
+        len(stage_layers) == num_stages,
+        "stage_layers",
+        list(stage_layers),
+        f"have one count per stage (num_stages = {num_stages}), not {len(stage_layers)}",
+    )
+    require(
+        all(n >= 1 for n in stage_layers),
+        "stage_layers",
+        list(stage_layers),
+        "give every stage at least one decoder layer",
+    )
 
 
 def _hidden_size(model: nn.Module) -> int:
@@ -300,6 +334,7 @@ def attach_boundaries(
     seed: int = 0,
     rescale: bool = False,
     fill: str = "zeros",
+    stage_layers: Sequence[int] | None = None,
 ) -> BoundaryHandle:
     """Split ``model``'s decoder layers into ``num_stages`` (Y) stages with masked boundaries.
 
@@ -310,6 +345,7 @@ def attach_boundaries(
         seed: the mesh's shared base seed for g(ℓ, step, microbatch, T, H, seed).
         rescale: scale kept values by H/K (off: the paper's plain h ⊙ m).
         fill: receiver-side estimate of dropped dims, "zeros" (the paper), "mean" or "gaussian" (see fills.py).
+        stage_layers: decoder layers per stage (an uneven split; None = balanced, see ``split_stages``).
 
     Example:
         >>> handle = attach_boundaries(model, num_stages=4, mask_ratio=0.95)  # doctest: +SKIP
@@ -318,7 +354,7 @@ def attach_boundaries(
     """
     require_fill(fill, rescale)
     layers_name, layers = find_decoder_layers(model)
-    stages = split_stages(len(layers), num_stages)
+    stages = split_stages(len(layers), num_stages, stage_layers)
     hidden = _hidden_size(model)
     keep = keep_count(hidden, mask_ratio)
     boundary_layers = [stage[-1] for stage in stages[:-1]]

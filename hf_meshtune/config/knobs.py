@@ -62,6 +62,14 @@ class MeshArguments:
             f"when launched on one (meshtune launch --mesh XxY sets {MESH_ENV}), else {DEFAULT_NUM_STAGES}."
         },
     )
+    stage_layers: list[int] | None = field(
+        default=None,
+        metadata={
+            "help": "Decoder layers per pipeline stage, one count per stage summing to the model's layers (an "
+            "uneven split, e.g. `--stage_layers 20 10` for a second host half as fast). None = balanced: sizes "
+            "differ by at most one, earlier stages take the extra layer."
+        },
+    )
     mask_seed: int = field(
         default=0, metadata={"help": "Base seed of the shared mask function g(ℓ, step, microbatch, T, H, seed)."}
     )
@@ -315,7 +323,7 @@ class MeshArguments:
         return MeshConfig(**{name: getattr(self, name) for name in names})
 
 
-_TYPE_RULES = {"bool": (bool,), "int": (int,), "float": (int, float), "str": (str,)}
+_TYPE_RULES = {"bool": (bool,), "int": (int,), "float": (int, float), "str": (str,), "list[int]": (list, tuple)}
 
 
 def _require_field_types(args: MeshArguments) -> None:

@@ -8,6 +8,7 @@ from .._validation import require
 from ..boundary.compose.change import change_spec
 from ..boundary.compose.grammar import parse_codec
 from ..boundary.fills import require_fill
+from ..boundary.hooks import require_stage_layers
 from .derived import cadence_bounds, codec_ladder, composed_codec, is_governed
 from .presets import ANCHOR_PAYLOADS, CADENCES, DP_QUANTIZERS
 
@@ -27,6 +28,8 @@ def require_knob_rules(cfg) -> None:
 def _require_boundary(cfg) -> None:
     require(0.0 <= cfg.mask_ratio < 1.0, "mask_ratio", cfg.mask_ratio, "lie in [0, 1)")
     require(cfg.num_stages >= 1, "num_stages", cfg.num_stages, "be >= 1")
+    if cfg.stage_layers is not None:  # their sum is checked against the model where it is split (split_stages)
+        require_stage_layers(cfg.stage_layers, cfg.num_stages)
     require_fill(cfg.mask_fill, cfg.mask_rescale)
     require(cfg.mask_protect_dims >= 0, "mask_protect_dims", cfg.mask_protect_dims, "be >= 0")
     _apply_boundary_codec(cfg)

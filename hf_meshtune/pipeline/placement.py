@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -37,10 +38,12 @@ __all__ = [
     "materialised_bytes",
     "process_stage",
     "release_unowned",
+    "split_of",
     "stage_of",
 ]
 
 _STAGE_ATTR = "_meshtune_stage"
+_SPLIT_ATTR = "_meshtune_stage_layers"
 
 
 def stage_of(model: nn.Module | None) -> tuple[int, int] | None:
@@ -48,13 +51,19 @@ def stage_of(model: nn.Module | None) -> tuple[int, int] | None:
     return getattr(_unwrapped(model), _STAGE_ATTR, None)
 
 
+def split_of(model: nn.Module | None) -> tuple[int, ...] | None:
+    """Decoder layers per stage of the split ``model`` was given back by (``release_unowned``), else None."""
+    return getattr(_unwrapped(model), _SPLIT_ATTR, None)
+
+
 def _unwrapped(model: nn.Module | None) -> nn.Module | None:
     get_base = getattr(model, "get_base_model", None)  # PEFT
     return get_base() if callable(get_base) else model
 
 
-def _mark(model: nn.Module, stage: int, num_stages: int) -> None:
+def _mark(model: nn.Module, stage: int, num_stages: int, split: tuple[int, ...] | None) -> None:
     setattr(_unwrapped(model), _STAGE_ATTR, (stage, num_stages))
+    setattr(_unwrapped(model), _SPLIT_ATTR, split)
 
 
 def materialised_bytes(model: nn.Module) -> int:
@@ -83,7 +92,7 @@ def release_unowned(model: nn.Module, stage_module: nn.Module, stage: int, num_s
             module._parameters[name] = nn.Parameter(
                 torch.empty_like(param, device="meta"), requires_grad=param.requires_grad
             )
-    _mark(model, stage, num_stages)
+    _mark(model, stage, num_stages, getattr(stage_module, "stage_layers", None))
     return released
 
 
@@ -154,12 +163,18 @@ def _local_folder(path: str) -> str:
 
 
 def load_causal_lm(
-    path: str, *, dtype: torch.dtype | str | None = "auto", num_stages: int | None = None, **kwargs
+    path: str,
+    *,
+    dtype: torch.dtype | str | None = "auto",
+    num_stages: int | None = None,
+    stage_layers: Sequence[int] | None = None,
+    **kwargs,
 ) -> nn.Module:
     """``AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)``, except on a launched mesh,
     where only this process's stage is built and read (see the module docstring).
 
-    ``num_stages``: Y when the launcher sets no ``$MESHTUNE_MESH`` (``accelerate launch``). Raises a
+    ``num_stages``: Y when the launcher sets no ``$MESHTUNE_MESH`` (``accelerate launch``).
+    ``stage_layers``: the run's uneven split (decoder layers per stage; None = balanced). Raises a
     ``ValueError`` naming the stage and the tensor when the checkpoint lacks one the stage needs, or
     naming the tensor and both shapes when the checkpoint does not match its config."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -189,7 +204,7 @@ def load_causal_lm(
     if tied:  # a skeleton from a config is not tied yet: its config still says so
         for each in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
             each.tie_word_embeddings = False
-    module = StageModule(model, stage, stages, None, None)
+    module = StageModule(model, stage, stages, None, None, stage_layers=stage_layers)
     _load_owned(model, module, folder, stage, tied, dtype)
     release_unowned(model, module, stage, stages)  # nothing to give back: marks the model
     _load_generation_config(model, folder)

@@ -18,7 +18,7 @@ The schedule that runs stages across processes is in ``pipeline.schedule``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import cast
 
 import torch
@@ -84,6 +84,8 @@ class StageModule(nn.Module):
         ladder_in / ladder_out: governed (``boundary_codec="governed"``), one codec per level of the
             ladder on that side instead of one codec; ``set_levels`` picks the one in use (the
             richest at the start), which ``codec_in``/``codec_out`` then name.
+        stage_layers: decoder layers per stage (an uneven split, e.g. fewer for a slower host; None =
+            balanced, see ``split_stages``).
 
     On the anchor's dense stages ``probe`` (a callable ``probe(h, step, microbatch) → h``) sees every
     outgoing hidden state first: the fidelity probe codes it there (``anchor.mesh_governor``).
@@ -104,16 +106,18 @@ class StageModule(nn.Module):
         codec_out: ComposedCodec | None = None,
         ladder_in: list[ComposedCodec] | None = None,
         ladder_out: list[ComposedCodec] | None = None,
+        stage_layers: Sequence[int] | None = None,
     ) -> None:
         super().__init__()
         _, layers = find_decoder_layers(model)
         base = _base_model(model)
         layout = decoder_layout(model, base, len(layers))
-        ranges = split_stages(len(layers), num_stages)
+        ranges = split_stages(len(layers), num_stages, stage_layers)
         self.config = hf_config(model)
         self.mask_config = hf_config(base)  # the masks are built from the base model's (text) config, as it does
         self.stage, self.num_stages = stage, num_stages
         self.layer_range = ranges[stage]
+        self.stage_layers = tuple(len(r) for r in ranges)  # the split this stage belongs to
         self.hidden_size = self.config.get_text_config().hidden_size
         first, last = stage == 0, stage == num_stages - 1
         self.embed_tokens = hf_model(model).get_input_embeddings() if first else None
@@ -351,7 +355,16 @@ def build_stage(model: nn.Module, stage: int, num_stages: int, cfg, masked: bool
                 return None
             return [ComposedCodec(level, boundary, hidden, cfg.mask_seed) for level in specs]
 
-        return StageModule(model, stage, num_stages, None, None, ladder_in=ladder(stage - 1), ladder_out=ladder(stage))
+        return StageModule(
+            model,
+            stage,
+            num_stages,
+            None,
+            None,
+            ladder_in=ladder(stage - 1),
+            ladder_out=ladder(stage),
+            stage_layers=cfg.stage_layers,
+        )
     if spec is not None:
         hidden = hf_config(model).get_text_config().hidden_size
 
@@ -360,11 +373,13 @@ def build_stage(model: nn.Module, stage: int, num_stages: int, cfg, masked: bool
                 return None
             return ComposedCodec(spec, boundary, hidden, cfg.mask_seed)
 
-        return StageModule(model, stage, num_stages, None, None, codec(stage - 1), codec(stage))
+        return StageModule(
+            model, stage, num_stages, None, None, codec(stage - 1), codec(stage), stage_layers=cfg.stage_layers
+        )
 
     def mask(boundary: int) -> BoundaryMask | None:
         if not masked or boundary < 0 or boundary >= num_stages - 1:
             return None
         return BoundaryMask(boundary, cfg.mask_ratio, cfg.mask_seed, cfg.mask_rescale, FILLS[cfg.mask_fill]())
 
-    return StageModule(model, stage, num_stages, mask(stage - 1), mask(stage))
+    return StageModule(model, stage, num_stages, mask(stage - 1), mask(stage), stage_layers=cfg.stage_layers)

@@ -216,7 +216,9 @@ class MeshRollouts:
         elif self.reference is not None:  # TRL's reference model: this stage's layers of it, the rest given back
             assert isinstance(self.reference, torch.nn.Module)  # the one string is REFERENCE_ADAPTER
             stage, stages = worker.stage, topology.stages
-            self.reference_module = StageModule(self.reference, stage, stages, None, None)
+            self.reference_module = StageModule(
+                self.reference, stage, stages, None, None, stage_layers=topology.stage_layers
+            )
             release_unowned(self.reference, self.reference_module, stage, stages)
 
     def __call__(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:

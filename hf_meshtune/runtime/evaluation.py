@@ -76,7 +76,7 @@ def _eval_batches(trainer, eval_dataset) -> DataLoader:
 
 def _run_pipeline(trainer, model, groups, eval_dataset) -> torch.Tensor:
     topology, stage, stages = groups.topology, groups.stage, groups.topology.stages
-    module = StageModule(model, stage, stages, None, None)  # dense on both sides
+    module = StageModule(model, stage, stages, None, None, stage_layers=topology.stage_layers)  # dense both sides
     loss_fn = causal_lm_loss(model)
     first = next(module.parameters())
     device, dtype = first.device, first.dtype

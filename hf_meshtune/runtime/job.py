@@ -76,7 +76,9 @@ def validate_mesh_job(model, args) -> MeshTopology:
     """The job's topology, or the same ``ValueError`` on every rank before any collective."""
     _, layers = find_decoder_layers(model)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    topology = MeshTopology.from_environment(world, args.num_stages, args.anchor, len(layers))
+    topology = MeshTopology.from_environment(
+        world, args.num_stages, args.anchor, len(layers), stage_layers=args.stage_layers
+    )
     require_mesh_supported(args)
     return topology
 
@@ -85,7 +87,7 @@ def _require_every_stage_trains(model, topology: MeshTopology) -> None:
     """Every process holds the whole model, so each can check every stage (the same verdict on all
     ranks, before any collective): a stage with nothing to train has nothing to sync or filter."""
     for stage in range(topology.stages):
-        module = StageModule(model, stage, topology.stages, None, None)
+        module = StageModule(model, stage, topology.stages, None, None, stage_layers=topology.stage_layers)
         require(
             any(p.requires_grad for p in module.parameters()),
             "trainable parameters of stage",
@@ -386,7 +388,7 @@ def _share_final_parameters(model, topology: MeshTopology, group=None) -> None:
     names = {id(p): n for n, p in model.named_parameters()}
     with torch.no_grad():
         for stage in range(topology.stages):
-            owned = StageModule(model, stage, topology.stages, None, None)
+            owned = StageModule(model, stage, topology.stages, None, None, stage_layers=topology.stage_layers)
             for param in owned.parameters():
                 if param.requires_grad:
                     held = materialise(model, names[id(param)], "cpu")

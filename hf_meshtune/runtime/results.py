@@ -16,6 +16,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from ..boundary.hooks import find_decoder_layers, split_stages
 from ..comm.wire import CIRCUITS, ROLLOUT
 from ..ledger import LedgerSettings, compute_ledger, measured_ratios, param_shapes_of, settings_from_knobs
 from ..memory import MEMORY_PARTS
@@ -200,8 +201,10 @@ def summarize(results: list[MeshResult], topology: MeshTopology, trainer, seq_le
     staleness = [arrival - snapshot for r in fast for arrival, snapshot in r.arrivals]
     step_seconds = [s for r in fast for s in r.step_seconds[1:]] or [s for r in fast for s in r.step_seconds]
     memory = memory_table(results)
+    num_layers = len(find_decoder_layers(trainer.model)[1])
     return {
         "mesh": f"{topology.replicas}x{topology.stages}",
+        "stage_layers": [len(r) for r in split_stages(num_layers, topology.stages, topology.stage_layers)],
         "fast_replicas": len(topology.fast_replicas),
         "replicas_reported": len({r.replica for r in results}),
         "heals": [{"rank": r.rank, "own_step": own, "peer_step": peer} for r in results for own, peer in r.heals],
@@ -292,6 +295,7 @@ def predicted_memory(trainer, topology: MeshTopology, seq_len: int) -> list[dict
         boundary_codec=cfg.boundary_codec,
         mask_seed=cfg.mask_seed,
         gradient_checkpointing=bool(getattr(args, "gradient_checkpointing", False)),
+        stage_layers=topology.stage_layers,
     )
     rows = predict_memory(model.config, settings, trainable.__contains__, peft_config=peft_config)
     return [{k: (v / GIB if isinstance(v, int) and k != "stage" else v) for k, v in row.items()} for row in rows]

@@ -16,7 +16,7 @@ from ..config import composed_codec
 from ..dp.fragments import stage_fragments
 from ..memory import MEMORY_PARTS, ActivationMeter, current_rss, peak_rss, tensor_bytes
 from ..pipeline.messages import carried_lengths
-from ..pipeline.placement import materialised_bytes, release_unowned, stage_of
+from ..pipeline.placement import materialised_bytes, release_unowned, split_of, stage_of
 from ..pipeline.schedule import MeshStage, build_schedule, run_schedule
 from ..pipeline.stage import build_stage, causal_lm_loss, stage_parameter_names
 from ..topology import MeshGroups
@@ -92,6 +92,14 @@ class StageWorker:
             loaded,
             f"be (stage, Y) = {(self.stage, stages)} of rank {self.rank}: the model was loaded for another "
             "stage (load it in the process that trains it, with the launched mesh's Y)",
+        )
+        split = split_of(self.model)
+        require(
+            loaded is None or split == self.module.stage_layers,
+            "model stage_layers",
+            split,
+            f"equal the run's split {self.module.stage_layers} (decoder layers per stage): the model was loaded "
+            "for another split (pass the run's stage_layers to load_causal_lm)",
         )
         self.result.released_bytes = release_unowned(self.model, self.module, self.stage, stages)
 

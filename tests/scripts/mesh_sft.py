@@ -63,7 +63,10 @@ def main(argv: list[str]) -> None:
     lora, evaluate, record = _take(argv, "--lora"), _take(argv, "--eval"), _take(argv, "--record_callbacks")
     checkpoint = _take(argv, "--checkpoint", value=True)
     (args,) = HfArgumentParser(MeshTrainingArguments).parse_args_into_dataclasses(argv)
-    model = load_causal_lm(checkpoint) if checkpoint else tiny_llama(seed=0, layers=4, hidden=64)
+    if checkpoint:  # on the mesh: this process's stage of the run's split only
+        model = load_causal_lm(checkpoint, stage_layers=args.stage_layers)
+    else:
+        model = tiny_llama(seed=0, layers=4, hidden=64)
     peft_config = None
     if lora:
         from peft import LoraConfig

@@ -324,12 +324,14 @@ def attach_composed(
     seed: int = 0,
     ladder: Sequence[CodecSpec] | None = None,
     change: ChangeSpec | None = None,
+    stage_layers: Sequence[int] | None = None,
 ) -> ComposedHandle:
     """Split ``model``'s decoder layers into ``num_stages`` (Y) stages with the composed ``codec`` at
     each boundary (a ``boundary_codec`` string such as ``"outliers8+int4g71"``). With ``ladder`` (governed,
     cheapest level first) every boundary holds a codec per level and starts at the richest until
     ``set_levels``; ``codec`` is then unused. With ``change`` (``compose.change.change_spec``) a row revisited
     with the same tokens sends the change of its activation in that codec (rows keyed by ``set_rows``).
+    ``stage_layers``: decoder layers per stage (an uneven split; None = balanced, see ``split_stages``).
 
     Example:
         >>> handle = attach_composed(model, 4, "outliers8+int4g71")  # doctest: +SKIP
@@ -337,7 +339,7 @@ def attach_composed(
     """
     spec = parse_codec(codec) if isinstance(codec, str) else codec
     layers_name, layers = find_decoder_layers(model)
-    stages = split_stages(len(layers), num_stages)
+    stages = split_stages(len(layers), num_stages, stage_layers)
     hidden = _hidden_size(model)
     spec.validate(hidden)
     boundary_layers = [stage[-1] for stage in stages[:-1]]
