@@ -203,6 +203,10 @@ def test_meshtrainer_runs_with_every_replica_a_job_of_its_own(tmp_path):
     summary = json.loads((out / "mesh_summary.json").read_text())
     assert summary["replicas_reported"] == 3 and summary["fast_replicas"] == 3 and summary["steps"] == 12
     assert summary["stage_layers"] == [3, 1]
+    split = summary["step_split_per_rank"]  # every fast rank's step: its stage computing, then waiting
+    assert [(r["replica"], r["stage"]) for r in split] == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)]
+    assert all(0 < r["compute_s"] <= r["pipeline_s"] <= r["step_s"] for r in split)
+    assert len(summary["compute_s_per_stage"]) == 2 and summary["slowest_stage"]["stage"] in (0, 1)
     assert summary["dp_syncs_per_rank"] == 12 // 2 and summary["heals"] == []
     assert summary["booked_bytes_per_token"]["dp"] == pytest.approx(summary["analytic_bytes_per_token"]["dp"], rel=1e-9)
     assert sorted(p.name for p in out.iterdir() if p.name.startswith("mesh_summary")) == ["mesh_summary.json"]

@@ -324,3 +324,31 @@ def test_a_restarted_replica_job_heals_instead_of_resuming_from_its_command_line
     assert "rank 2 is a restart of replica 1: it heals from the running mesh instead of resuming from /gone" in (
         capsys.readouterr().err
     )
+
+
+def test_the_summary_splits_each_ranks_step_into_computing_and_waiting_and_names_the_slowest_stage():
+    from hf_meshtune.runtime.console import summary_table
+    from hf_meshtune.runtime.results import MeshResult, stage_time_split
+
+    def rank(rank: int, stage: int, compute: list[float]) -> MeshResult:
+        result = MeshResult(rank=rank, replica=rank // 2, stage=stage, role="fast")
+        result.step_seconds, result.pipeline_seconds = [9.0, 1.2, 1.2], [8.0, 1.0, 1.0]  # step 0: warm-up
+        result.compute_seconds = compute
+        return result
+
+    # stage 1 computes 0.8 s a step on both replicas, stage 0 0.3 / 0.5 s: stage 0 waits for stage 1
+    fast = [
+        rank(0, 0, [5.0, 0.3, 0.3]),
+        rank(1, 1, [5.0, 0.8, 0.8]),
+        rank(2, 0, [5.0, 0.5, 0.5]),
+        rank(3, 1, [5, 0.8, 0.8]),
+    ]
+    split = stage_time_split(fast)
+    first = split["step_split_per_rank"][0]
+    assert (first["rank"], first["stage"], first["step_s"], first["pipeline_s"]) == (0, 0, 1.2, 1.0)
+    assert first["compute_s"] == pytest.approx(0.3) and first["wait_s"] == pytest.approx(0.7)
+    assert split["compute_s_per_stage"] == pytest.approx([0.4, 0.8])
+    assert split["slowest_stage"] == {"stage": 1, "compute_s": pytest.approx(0.8)}
+    line = summary_table({"mesh": "2x2", "steps": 3, "fast_tokens": 10, **split}, "s.json").splitlines()[0]
+    assert line.endswith("stage 1 computes longest (0.8 s a step; per stage 0.4 / 0.8 s)")
+    assert stage_time_split([]) == {}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -88,15 +90,16 @@ def run_stage(model, module: StageModule, group, world: int, steps: int, wire: W
         wire=wire,
     )
     schedule = build_schedule(pipe, BATCH // MICRO, causal_lm_loss(model))
-    losses = []
+    losses, started = [], time.perf_counter()
     for step in range(steps):
         model.zero_grad()
         module.step = step
         ids = _batch(step)
         labels = ids if labels_of is None else labels_of(step)
         losses.append(run_schedule(schedule, module, ids, labels, carried_lengths(labels)))
+    wall = time.perf_counter() - started
     grads = {n: p.grad.clone() for n, p in stage_parameter_names(model, module).items() if p.grad is not None}
-    return {"losses": losses, "grads": grads, "wire": wire.to_dict()}
+    return {"losses": losses, "grads": grads, "wire": wire.to_dict(), "compute_s": pipe.compute_seconds, "wall_s": wall}
 
 
 def _assert_equals_reference(results: list[dict], ref_losses: list[float], ref_grads: dict) -> None:
@@ -134,6 +137,7 @@ def test_an_uneven_split_pipeline_equals_the_single_process_model_split_the_same
     results = launcher(_pipeline_worker, 2, steps, "llama", (3, 1), timeout=180)
     _assert_equals_reference(results, *reference(2, steps, "llama", (3, 1)))
     assert len(results[0]["grads"]) > len(results[1]["grads"])  # stage 0 holds 3 of the 4 layers
+    assert all(0 < r["compute_s"] < r["wall_s"] for r in results)  # computing is a part of each step
 
 
 @pytest.mark.parametrize("arch", ["gemma2", "gpt_neox"])

@@ -13,6 +13,7 @@ forward.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from functools import partial
 from typing import cast
@@ -68,6 +69,9 @@ class MeshStage(PipelineStage):
         self._landing_fwd: dict[int, list[Callable[[], None]]] = {}
         self._landing_bwd: dict[int, list[Callable[[], None]]] = {}
         self._sending: list = []  # the step's sends in flight (work handles and the tensors they read)
+        # seconds this stage spent computing (its chunks' forwards and backwards, decoding what it received and
+        # coding what it sends), cumulative: the rest of a step is waiting on its neighbours
+        self.compute_seconds = 0.0
 
     def begin_step(self, lengths: torch.Tensor | None) -> None:
         """The step's carried lengths (``messages.carried_lengths`` of its labels; None: every position)."""
@@ -85,13 +89,21 @@ class MeshStage(PipelineStage):
         return self.lengths[chunk * self.microbatch_size : (chunk + 1) * self.microbatch_size]
 
     def forward_one_chunk(self, fwd_chunk_id: int, args, kwargs=None, save_forward_output: bool = True):
+        start = time.perf_counter()
         cast(StageModule, self.submod).microbatch = fwd_chunk_id
         _land(self._landing_fwd.pop(fwd_chunk_id, []))
-        return super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
+        try:
+            return super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
+        finally:
+            self.compute_seconds += time.perf_counter() - start
 
     def backward_one_chunk(self, bwd_chunk_id: int, *args, **kwargs):
+        start = time.perf_counter()
         _land(self._landing_bwd.pop(bwd_chunk_id, []))
-        return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+        try:
+            return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+        finally:
+            self.compute_seconds += time.perf_counter() - start
 
     def _format(self, side: str, direction: str) -> WireFormat:
         return cast(StageModule, self.submod).wire_format(side, direction, self.dtype)
@@ -117,7 +129,9 @@ class MeshStage(PipelineStage):
         schedule to batch. Sending at once never waits longer than the schedule's own batching would: a
         receiver blocks on a header only where the schedule waits for that message anyway."""
         for op in ops:
+            start = time.perf_counter()
             header, body = form.pack(op.tensor, self._chunk_lengths(chunk))
+            self.compute_seconds += time.perf_counter() - start
             if form.coder is not None:
                 self.wire.record_coding(circuit, int(header[1]) * int(header[2]), body.numel())
             for tensor in (header, body) if body.numel() else (header,):  # an empty body: the header says so

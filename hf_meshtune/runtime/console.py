@@ -128,6 +128,16 @@ def _number(value: float | None, digits: int = 4) -> str:
     return "-" if value is None else f"{value:,.{digits}g}" if abs(value) < 1e4 else f"{value:,.0f}"
 
 
+def _slowest(summary: dict) -> str:
+    """ ", stage 1 computes longest (0.41 s a step; per stage 0.2 / 0.41 s)" where there are stages."""
+    slowest, per_stage = summary.get("slowest_stage"), summary.get("compute_s_per_stage") or []
+    if not slowest or len(per_stage) < 2:
+        return ""
+    each = " / ".join(_number(s, 2) for s in per_stage)
+    longest = _number(slowest["compute_s"], 2)
+    return f", stage {slowest['stage']} computes longest ({longest} s a step; per stage {each} s)"
+
+
 def summary_table(summary: dict, path: str) -> str:
     """``mesh_summary.json`` in a dozen lines: the run, then bytes per fast token by circuit, measured on the
     wire beside the byte ledger's formula, then memory; ``path`` is where the whole summary is."""
@@ -136,7 +146,7 @@ def summary_table(summary: dict, path: str) -> str:
         f"mesh {summary.get('mesh')}: {steps} steps, {tokens:,} fast tokens ({summary.get('fast_replicas')} fast "
         f"replicas{', anchor' if summary.get('anchor') else ''}), the last fast replica's final loss "
         f"{_number(summary.get('final_loss'))}, "
-        f"{_number(summary.get('step_seconds_mean'), 3)} s/step",
+        f"{_number(summary.get('step_seconds_mean'), 3)} s/step{_slowest(summary)}",
         "| bytes per fast token | " + " | ".join(CIRCUITS) + " | total |",
         "|---|" + "---:|" * (len(CIRCUITS) + 1),
     ]

@@ -38,6 +38,8 @@ class MeshResult:
     tokens: int = 0
     losses: list[float] = field(default_factory=list)
     step_seconds: list[float] = field(default_factory=list)
+    pipeline_seconds: list[float] = field(default_factory=list)  # fast: per step, the pipeline's forward/backward
+    compute_seconds: list[float] = field(default_factory=list)  # of which this stage computed (the rest: waits)
     wire: dict = field(default_factory=dict)
     dp_syncs: int = 0
     dp_sync_bytes: list[float] = field(default_factory=list)
@@ -233,6 +235,7 @@ def summarize(results: list[MeshResult], topology: MeshTopology, trainer, seq_le
         "anchor_staleness_max": max(staleness) if staleness else None,
         "codec_refits": max((len(r.geometry) for r in fast), default=0),  # geometry switches from the anchor's fits
         "step_seconds_mean": statistics.fmean(step_seconds) if step_seconds else None,
+        **stage_time_split(fast),
         "final_loss": fast[-1].losses[-1] if fast and fast[-1].losses else None,
         "mesh_env": os.environ.get(MESH_ENV),
         "resumed_from_step": min((r.first_step for r in fast), default=0),
@@ -241,6 +244,42 @@ def summarize(results: list[MeshResult], topology: MeshTopology, trainer, seq_le
         "memory_predicted_gib": predicted_memory(trainer, topology, seq_len),  # memory_ledger, per (role, stage)
         "memory_max_gib": {k: max(row[k] for row in memory) for k in _MEMORY_KEYS} if memory else {},
         **_rollout_summary(results),
+    }
+
+
+def stage_time_split(fast: list[MeshResult]) -> dict:
+    """Per fast rank, the mean step and its pipeline part split into this stage's computing (its chunks'
+    forwards and backwards, coding and decoding) and waiting on its neighbours; the first step (warm-up) left
+    out where there are more. ``slowest_stage``: the stage that computes longest, averaged over the replicas,
+    the one the others wait for (a straggler: give its host fewer layers, ``stage_layers``)."""
+
+    def mean(values: list[float]) -> float:
+        kept = values[1:] or values
+        return statistics.fmean(kept) if kept else 0.0
+
+    split = []
+    for r in sorted(fast, key=lambda r: r.rank):
+        pipeline, compute = mean(r.pipeline_seconds), mean(r.compute_seconds)
+        split.append(
+            {
+                "rank": r.rank,
+                "replica": r.replica,
+                "stage": r.stage,
+                "step_s": mean(r.step_seconds),
+                "pipeline_s": pipeline,
+                "compute_s": compute,
+                "wait_s": max(pipeline - compute, 0.0),
+            }
+        )
+    if not split:
+        return {}
+    stages = sorted({row["stage"] for row in split})
+    per_stage = {s: statistics.fmean(row["compute_s"] for row in split if row["stage"] == s) for s in stages}
+    slowest = max(stages, key=lambda s: per_stage[s])
+    return {
+        "step_split_per_rank": split,
+        "compute_s_per_stage": [per_stage[s] for s in stages],
+        "slowest_stage": {"stage": slowest, "compute_s": per_stage[slowest]},
     }
 
 

@@ -60,6 +60,7 @@ class StageWorker:
         self._gradient_peak = 0
         self._rss_at_start = current_rss()
         self.carried_tokens = 0  # positions the last step's boundaries carried (its real tokens)
+        self.step_compute_s = 0.0  # seconds the last pipeline step computed on this stage (MeshStage)
 
     def build_pipe(self) -> None:
         """This stage's ``MeshStage`` and 1F1B schedule, sized for its boundaries' payload widths now. A
@@ -162,8 +163,10 @@ class StageWorker:
         lengths = carried_lengths(labels) if self.settings.loss is None else None
         # every position of a row otherwise (an RL target is [B, T, k]: its positions, not its values, count)
         self.carried_tokens = int(lengths.sum()) if lengths is not None else labels.shape[0] * labels.shape[1]
+        computed = self.pipe.compute_seconds
         with self.naming_link_failure("a message to or from", self._neighbours()), self.activations:
             loss = run_schedule(self.schedule, self.module, ids, labels, lengths)
+        self.step_compute_s = self.pipe.compute_seconds - computed  # of the step: its waits are the rest
         grads = tensor_bytes([p.grad for p in self.module.parameters() if p.grad is not None])
         self._gradient_peak = max(self._gradient_peak, grads)
         return loss

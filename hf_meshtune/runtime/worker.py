@@ -305,6 +305,8 @@ class FastWorker(StageWorker):
         batched = time.perf_counter()
         loss = self.pipeline_step(ids, labels)
         trained = time.perf_counter()
+        self.result.pipeline_seconds.append(trained - batched)
+        self.result.compute_seconds.append(self.step_compute_s)
         if self.gradient_sync is not None:
             self.gradient_sync.sync()
             self._count_dp_sync()
@@ -331,7 +333,13 @@ class FastWorker(StageWorker):
             metrics.update(source.pop_metrics())
         if not sources or self.stage != self.topology.stages - 1:
             return {}
-        return {**metrics, "time/batches_s": batches_s, "time/pipeline_s": pipeline_s, "time/update_s": update_s}
+        return {
+            **metrics,
+            "time/batches_s": batches_s,
+            "time/pipeline_s": pipeline_s,
+            "time/compute_s": self.step_compute_s,  # of the pipeline's: the rest of it waited on the neighbours
+            "time/update_s": update_s,
+        }
 
     def run(self) -> MeshResult:
         s, cfg = self.settings, self.settings.config
