@@ -234,3 +234,26 @@ def test_gradient_probe_cosine_is_one_for_a_lossless_scheme_and_lower_for_masks(
     gaussian = result["M75 gaussian fill"]
     assert gaussian["cos"] != result["M75"]["cos"] and gaussian["loss"] != result["M75"]["loss"]
     assert -1.0 <= gaussian["cos"] < result["quant8"]["cos"]
+
+
+def test_the_composed_table_compares_each_row_with_dense_of_its_own_seeds_and_base():
+    def fake(row, seed, before, loss, em):
+        spec = {"table": "composed", "row": row, "task": "arithmetic", "seed": seed, "knobs": {}}
+        return {
+            "spec": spec,
+            "metric": {"exact_match": em},
+            "eval_loss_before": before,
+            "log_history": [{"eval_loss": loss}],
+            "ledger": {"hidden_size": 32},
+        }
+
+    dense = [fake("Dense", 0, 6.0, 1.0, 0.5), fake("Dense", 1, 6.0, 2.0, 0.5)]
+    paired = fake("outliers2+int4x3", 1, 6.0, 2.02, 0.5)  # seed 1 only: against Dense seed 1 (2.0), not the mean
+    other = fake("outliers2+int8", 0, 6.1, 1.0, 0.5)  # fine-tuned from another base model
+    assert report._paired_dense([paired], dense) == [dense[1]]
+    assert report._paired_dense([other], dense) is None
+    lines = report.composed([*dense, paired, other])
+    row = next(x for x in lines if x.startswith("| `outliers2+int4x3`"))
+    assert "2.020 (+1.0 %)" in row
+    row = next(x for x in lines if x.startswith("| `outliers2+int8`"))
+    assert row.count("(other base)") == 2 and "%" not in row

@@ -170,9 +170,21 @@ def _mean_final_eval_loss(runs: list[dict]) -> float:
     return statistics.mean(_logs(r, "eval_loss")[-1] for r in runs)
 
 
+def _paired_dense(rs: list[dict], dense: list[dict]) -> list[dict] | None:
+    """Dense's runs with the seeds of ``rs`` (same data order), or None where a seed has no Dense run or a run
+    fine-tuned another base model than Dense's (the tiny Llama's pretraining is seeded but not bit-exact across
+    machines and thread counts: its eval loss before training tells the bases apart)."""
+    by_seed = {r["spec"]["seed"]: r for r in dense}
+    paired = [by_seed.get(r["spec"]["seed"]) for r in rs]
+    if any(d is None or abs(d["eval_loss_before"] - r["eval_loss_before"]) > 1e-6 for d, r in zip(paired, rs)):
+        return None
+    return paired  # type: ignore[return-value]
+
+
 def composed(runs: list[dict], table: str = "composed") -> list[str]:
     """The composed codec's sweep (or another table of composed-codec rows, e.g. ``payload``): each task's metric
-    and dense eval loss, mean ± half-range over seeds, with the relative gap to the same table's Dense (+ = worse)."""
+    and dense eval loss, mean ± half-range over seeds, with the relative gap to the same table's Dense over the same
+    seeds on the same base model (+ = worse; "other base" where they differ: not comparable, rerun)."""
     grouped = _by(runs, table)
     if ("Dense", TASK_ORDER[0]) not in grouped:
         return []
@@ -184,7 +196,7 @@ def composed(runs: list[dict], table: str = "composed") -> list[str]:
     lines = [
         ("Plain AdamW (no anchor)" if table == "composed" else "SpectralAdamW where +AP, anchor every 20 steps, Δ = 20")
         + f", H = {hidden} (dense bf16 {2 * hidden} B/token/boundary). Mean ± half-range over "
-        "seeds; (relative gap to Dense, + = worse). Evaluated dense.",
+        "seeds; (relative gap to Dense over the same seeds, + = worse). Evaluated dense.",
         "",
         "| " + " | ".join(head) + " |",
         "|" + "---|" * len(head),
@@ -195,16 +207,22 @@ def composed(runs: list[dict], table: str = "composed") -> list[str]:
         label = row if row == "Dense" else f"`{row}`"
         cells = [label, ",".join(map(str, seeds)), str(size), f"{2 * hidden / size:.1f}×"]
         for t in tasks:
-            rs, dense = grouped.get((row, t), []), grouped[("Dense", t)]
+            rs = grouped.get((row, t), [])
             if not rs:
                 cells += ["–", "–"]
                 continue
+            dense = _paired_dense(rs, grouped[("Dense", t)])
             name = _metric(rs[0])[0]
             measures = ((lambda r: _metric(r)[1], name), (lambda r: _logs(r, "eval_loss")[-1], "perplexity"))
             for value_of, metric in measures:  # the eval loss gaps like a perplexity: lower is better
                 values = [value_of(r) for r in rs]
-                base = statistics.mean(value_of(r) for r in dense)
-                gap = "" if row == "Dense" else f" ({_gap(statistics.mean(values), base, metric):+.1f} %)"
+                if row == "Dense":
+                    gap = ""
+                elif dense is None:
+                    gap = " (other base)"
+                else:
+                    base = statistics.mean(value_of(r) for r in dense)
+                    gap = f" ({_gap(statistics.mean(values), base, metric):+.1f} %)"
                 cells.append(_mean_spread(values) + gap)
         lines.append("| " + " | ".join(cells) + " |")
     return lines
@@ -227,24 +245,26 @@ def composed_plot(runs: list[dict], out: Path) -> list[str]:
     for task in TASK_ORDER:
         if ("Dense", task) not in grouped:
             continue
-        base = _mean_final_eval_loss(grouped[("Dense", task)])
+        dense = grouped[("Dense", task)]
         rows = [rs for (row, t), rs in grouped.items() if t == task and row not in ("Dense", "governed")]
         rows += [paper[("M95+AP", task)]] if ("M95+AP", task) in paper else []
-        points = sorted(  # the eval loss gaps like a perplexity: lower is better
-            (row_bf16_bytes(rs, hidden), _gap(_mean_final_eval_loss(rs), base, "perplexity")) for rs in rows
+        points = sorted(  # the eval loss gaps like a perplexity: lower is better, over Dense's runs of the same seeds
+            (row_bf16_bytes(rs, hidden), _gap(_mean_final_eval_loss(rs), _mean_final_eval_loss(pd), "perplexity"))
+            for rs in rows
+            if (pd := _paired_dense(rs, dense)) is not None
         )
         line = ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=task)[0]
-        if ("governed", task) in grouped:  # the governed row: a star in the task's colour
-            rs = grouped[("governed", task)]
-            gap = _gap(_mean_final_eval_loss(rs), base, "perplexity")
-            ax.plot([row_bf16_bytes(rs, hidden)], [gap], marker="*", markersize=12, color=line.get_color())
+        governed = grouped.get(("governed", task), [])
+        if governed and (pd := _paired_dense(governed, dense)) is not None:  # a star in the task's colour
+            gap = _gap(_mean_final_eval_loss(governed), _mean_final_eval_loss(pd), "perplexity")
+            ax.plot([row_bf16_bytes(governed, hidden)], [gap], marker="*", markersize=12, color=line.get_color())
     ax.axhline(0.0, color="black", linewidth=0.8, label="Dense")
     ax.axhline(1.0, color="grey", linewidth=0.8, linestyle="--", label="+1 %")
     ax.set_xscale("log")
     ax.set_yscale("symlog", linthresh=1.0)
     ax.set_xlabel("bf16 bytes per token and boundary (log; dense = %d)" % (2 * hidden))
     ax.set_ylabel("dense eval loss gap to Dense (%)")
-    ax.set_title("Tiny Llama: composed codecs (M95+AP at the left; ★ governed), mean over seeds", fontsize=9)
+    ax.set_title("Tiny Llama: composed codecs (M95+AP at the left; ★ governed), paired seeds, same base", fontsize=9)
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out / "composed_pareto.png", dpi=90)
