@@ -5,7 +5,7 @@
 Fine-tunes the last two layers of the embedded SmolLM2-135M-Instruct on GSM8K answers with the paper's
 method (``preset="paper"``: p = 0.95, the anchor prior) on Y = 4 stages, an anchor gradient every 2 steps
 landing 2 steps late, gradient accumulation 2. ``MeshPlugin(num_stages=4)`` alone gives the default,
-quality-keeping boundary (``outliers8+rot+int4g64e8m0+zstd``, no anchor) instead.
+quality-keeping boundary (``outliers8+int8+zstd``, no anchor) instead.
 Against the same loop on plain accelerate, only these lines change:
 
     -from accelerate import Accelerator

@@ -380,14 +380,15 @@ def test_the_readme_results_table_quotes_the_committed_results():
     sources = {  # README row (its first cell's start) → its rows in the results
         "Dense": {"codec": codec["dense", "no"], "wan": wan["Dense"], "equal": equal["Dense, lr 0.002", "80"]},
         "the default, ": {"codec": codec[QUALITY_CODEC, "no"]},  # the WAN benchmark has not run it: "–"
-        "the previous default, ": {
+        "`outliers8+int8`, the default's numerics": {
             "codec": codec["outliers8+int8", "no"],
             "wan": wan["Default: outliers8+int8"],
             "equal": equal["Default: outliers8+int8", "240"],
         },
-        "the previous default with the replicas averaged": {
+        "the same with the replicas averaged": {
             "equal": equal["S=20, r=128, int8, η=1, μ=0 (averaging), lr 0.002", "160"]
         },
+        "rotated int4, ": {"codec": codec["outliers8+rot+int4g64e8m0+zstd", "no"]},
         "`preset=\"paper\"`": {"codec": codec["mask0.95 (zeros)", "yes"], "wan": wan["M95+AP (paper)"]},
     }
     columns = {  # README column → (results, their columns)

@@ -7,7 +7,7 @@ What it runs (chosen so that it finishes in minutes on 2 CPU cores):
 - trainable: the last ``train_last_layers`` decoder layers and the final norm (a full fine-tune
   step of all 135M parameters takes ~20 s here); the frozen part still runs every compressed boundary;
 - mesh: Y = 4 stages (3 boundaries) with the preset's boundary (default ``quality``:
-  outliers8+rot+int4g64e8m0+zstd, no anchor); ``preset="paper"``: p = 0.95 and the anchor every 10 steps
+  outliers8+int8+zstd, no anchor); ``preset="paper"``: p = 0.95 and the anchor every 10 steps
   with Δ = 10 (the paper uses 20/20 over thousands of steps; a short run needs the basis sooner), τ, α,
   β_anc at paper values.
 
