@@ -171,9 +171,8 @@ def _mean_final_eval_loss(runs: list[dict]) -> float:
 
 
 def _paired_dense(rs: list[dict], dense: list[dict]) -> list[dict] | None:
-    """Dense's runs with the seeds of ``rs`` (same data order), or None where a seed has no Dense run or a run
-    fine-tuned another base model than Dense's (the tiny Llama's pretraining is seeded but not bit-exact across
-    machines and thread counts: its eval loss before training tells the bases apart)."""
+    """Dense's runs of ``rs``'s seeds, or None where one is missing or fine-tuned another pretraining (not
+    bit-exact across sessions: the eval loss before training tells the bases apart)."""
     by_seed = {r["spec"]["seed"]: r for r in dense}
     paired = [by_seed.get(r["spec"]["seed"]) for r in rs]
     if any(d is None or abs(d["eval_loss_before"] - r["eval_loss_before"]) > 1e-6 for d, r in zip(paired, rs)):
