@@ -1,9 +1,10 @@
 """The ``meshtune`` console entry point.
 
 Each subcommand is one ``_add_<name>_parser`` function that registers its flags and a handler
-(``args -> exit code``); ``meshtune ledger``'s lives in ``cli_ledger``. Handlers import what they need lazily, so ``meshtune --help`` stays fast and
-one subcommand never pays for another's imports. Bad values raise ``ValueError`` (via ``require``);
-``main`` prints the message and returns 2, like argparse does for malformed flags.
+(``args -> exit code``); ``meshtune ledger``'s lives in ``cli_ledger``. Handlers import what they need
+lazily, so ``meshtune --help`` stays fast and one subcommand never pays for another's imports. Bad values
+raise ``ValueError`` (via ``require``); ``main`` prints the message and returns 2, like argparse does for
+malformed flags.
 """
 
 from __future__ import annotations
