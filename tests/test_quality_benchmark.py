@@ -250,8 +250,8 @@ def test_the_composed_table_compares_each_row_with_dense_of_its_own_seeds_and_ba
     dense = [fake("Dense", 0, 6.0, 1.0, 0.5), fake("Dense", 1, 6.0, 2.0, 0.5)]
     paired = fake("outliers2+int4x3", 1, 6.0, 2.02, 0.5)  # seed 1 only: against Dense seed 1 (2.0), not the mean
     other = fake("outliers2+int8", 0, 6.1, 1.0, 0.5)  # fine-tuned from another base model
-    assert report._paired_dense([paired], dense) == [dense[1]]
-    assert report._paired_dense([other], dense) is None
+    assert report.paired_dense([paired], dense) == [dense[1]]
+    assert report.paired_dense([other], dense) is None
     lines = report.composed([*dense, paired, other])
     row = next(x for x in lines if x.startswith("| `outliers2+int4x3`"))
     assert "2.020 (+1.0 %)" in row

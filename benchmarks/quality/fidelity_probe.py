@@ -176,14 +176,16 @@ TINY_ROWS = {
 def _tiny_final_eval_loss(row: str, task: str) -> float | None:
     """The composed table's seed-0 run of ``row`` on ``task``: its final dense eval loss, or None where that run
     fine-tuned another base model than Dense's run (the tiny Llama's pretraining is not bit-exact across machines:
-    the eval loss before training tells the bases apart) and so cannot be compared with it."""
+    the eval loss before training tells the bases apart: the composed table's own rule, ``report.paired_dense``)
+    and so cannot be compared with it."""
+    from .report import paired_dense
     from .run import RESULTS
 
     def load(name: str) -> dict:
         return json.loads((RESULTS / "standard" / f"composed__{name}__{task}__seed0.json").read_text())
 
-    run, dense = load(row), load("Dense")
-    if abs(run["eval_loss_before"] - dense["eval_loss_before"]) > 1e-6:
+    run = load(row)
+    if paired_dense([run], [load("Dense")]) is None:
         return None
     return [h["eval_loss"] for h in run["log_history"] if "eval_loss" in h][-1]
 

@@ -170,7 +170,7 @@ def _mean_final_eval_loss(runs: list[dict]) -> float:
     return statistics.mean(_logs(r, "eval_loss")[-1] for r in runs)
 
 
-def _paired_dense(rs: list[dict], dense: list[dict]) -> list[dict] | None:
+def paired_dense(rs: list[dict], dense: list[dict]) -> list[dict] | None:
     """Dense's runs of ``rs``'s seeds, or None where one is missing or fine-tuned another pretraining (not
     bit-exact across sessions: the eval loss before training tells the bases apart)."""
     by_seed = {r["spec"]["seed"]: r for r in dense}
@@ -210,7 +210,7 @@ def composed(runs: list[dict], table: str = "composed") -> list[str]:
             if not rs:
                 cells += ["–", "–"]
                 continue
-            dense = _paired_dense(rs, grouped[("Dense", t)])
+            dense = paired_dense(rs, grouped[("Dense", t)])
             name = _metric(rs[0])[0]
             measures = ((lambda r: _metric(r)[1], name), (lambda r: _logs(r, "eval_loss")[-1], "perplexity"))
             for value_of, metric in measures:  # the eval loss gaps like a perplexity: lower is better
@@ -250,11 +250,11 @@ def composed_plot(runs: list[dict], out: Path) -> list[str]:
         points = sorted(  # the eval loss gaps like a perplexity: lower is better, over Dense's runs of the same seeds
             (row_bf16_bytes(rs, hidden), _gap(_mean_final_eval_loss(rs), _mean_final_eval_loss(pd), "perplexity"))
             for rs in rows
-            if (pd := _paired_dense(rs, dense)) is not None
+            if (pd := paired_dense(rs, dense)) is not None
         )
         line = ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=task)[0]
         governed = grouped.get(("governed", task), [])
-        if governed and (pd := _paired_dense(governed, dense)) is not None:  # a star in the task's colour
+        if governed and (pd := paired_dense(governed, dense)) is not None:  # a star in the task's colour
             gap = _gap(_mean_final_eval_loss(governed), _mean_final_eval_loss(pd), "perplexity")
             ax.plot([row_bf16_bytes(governed, hidden)], [gap], marker="*", markersize=12, color=line.get_color())
     ax.axhline(0.0, color="black", linewidth=0.8, label="Dense")
