@@ -15,6 +15,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import fields
 
+from hf_meshtune._validation import require
 from hf_meshtune.cli_ledger import add_ledger_parser, parse_mesh
 from hf_meshtune.launch import launch_mesh
 
@@ -106,7 +107,9 @@ def _add_launch_parser(subparsers: argparse._SubParsersAction) -> None:
         "launch",
         help="start a local X×Y mesh of processes running one script",
         usage="meshtune launch --mesh XxY [--cpu] [--host ADDR] [--master-port P] [--lighthouse ADDR] "
-        "[--log-dir DIR] [--all-ranks] [--max-restarts N] [--optional-replica R] -- SCRIPT [ARGS...]",
+        "[--log-dir DIR] [--all-ranks] [--max-restarts N] [--optional-replica R] -- SCRIPT [ARGS...]\n"
+        "       meshtune launch --hosts FILE --this-host NAME [--log-dir DIR] [--all-ranks] [--max-restarts N] "
+        "-- SCRIPT [ARGS...]",
         description="Start X·Y processes `python SCRIPT ARGS` (or `python -m MOD ARGS`) with the torchrun "
         "environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), "
         "MESHTUNE_MESH=XxY and TORCHFT_LIGHTHOUSE. Rank r is replica r // Y, stage r % Y; its "
@@ -116,9 +119,18 @@ def _add_launch_parser(subparsers: argparse._SubParsersAction) -> None:
         "others and sets the exit code; with --max-restarts N every replica is a job of its own "
         "and a failed one is restarted (N times at most) and heals from the others. With MESHTUNE_SECRET "
         "(or MESHTUNE_SECRET_FILE) exported, only processes holding that secret get into the mesh: the "
-        "launcher serves a gate where each one proves it, and every server admits admitted addresses only.",
+        "launcher serves a gate where each one proves it, and every server admits admitted addresses only. "
+        "With --hosts FILE --this-host NAME (run on every host): this host's ranks of the mesh the hosts file "
+        "places, every replica a job of its own; the launchers meet at the file's coordinator host.",
     )
-    p.add_argument("--mesh", required=True, help="X replicas x Y stages, anchor included, e.g. 3x2")
+    p.add_argument("--mesh", default=None, help="X replicas x Y stages, anchor included, e.g. 3x2")
+    p.add_argument(
+        "--hosts",
+        default=None,
+        metavar="FILE",
+        help="a hosts file (YAML: hosts, their GPUs or CPU, links, which ranks each runs); with --this-host",
+    )
+    p.add_argument("--this-host", default=None, metavar="NAME", help="this machine's name in the --hosts file")
     p.add_argument(
         "--cpu",
         action="store_true",
@@ -145,10 +157,10 @@ def _add_launch_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--max-restarts",
         type=int,
-        default=0,
+        default=None,
         help="restarts per replica; > 0 runs every replica as its own job so a failed one is restarted and "
         "heals from the others, the anchor's included: it rejoins and re-syncs θ_global from fast replica 0 "
-        "(default 0: the first failure stops the mesh)",
+        "(default 0: the first failure stops the mesh; with --hosts, the file's max_restarts)",
     )
     p.add_argument(
         "--optional-replica",
@@ -174,6 +186,9 @@ def run_launch(args: argparse.Namespace) -> int:
     from .comm.listen import HOST_ENV
 
     command = args.script[1:] if args.script[:1] == ["--"] else args.script  # `args.command` is "launch"
+    if args.hosts is not None or args.this_host is not None:
+        return _launch_host(args, command)
+    require(args.mesh is not None, "mesh", None, "be given (--mesh XxY), or --hosts FILE with --this-host NAME")
     return launch_mesh(
         parse_mesh(args.mesh),
         command,
@@ -182,11 +197,31 @@ def run_launch(args: argparse.Namespace) -> int:
         lighthouse=args.lighthouse,
         log_dir=args.log_dir,
         all_ranks=args.all_ranks,
-        max_restarts=args.max_restarts,
+        max_restarts=args.max_restarts or 0,
         optional_replicas=args.optional_replicas,
         host=args.host or os.environ.get(HOST_ENV) or "127.0.0.1",
         env={HOST_ENV: args.host} if args.host else None,
     )
+
+
+def _launch_host(args: argparse.Namespace, command: list[str]) -> int:
+    """``meshtune launch --hosts FILE --this-host NAME``: this host's part of a mesh over several hosts."""
+    from dataclasses import replace
+
+    from .host_launch import launch_host
+    from .hosts import load_hosts
+
+    require(args.hosts is not None, "hosts", None, "be given with --this-host (the hosts file that names it)")
+    require(args.this_host is not None, "this_host", None, "be given with --hosts: this machine's name in the file")
+    for flag, value in (("mesh", args.mesh), ("host", args.host), ("master_port", args.master_port),
+                        ("lighthouse", args.lighthouse), ("optional_replicas", args.optional_replicas or None),
+                        ("cpu", args.cpu or None)):  # fmt: skip
+        require(value is None, flag, value, "be unset with --hosts: the hosts file says it for every host")
+    hosts = load_hosts(args.hosts)
+    if args.max_restarts is not None:
+        require(args.max_restarts >= 0, "max_restarts", args.max_restarts, "be an integer >= 0 (restarts per replica)")
+        hosts = replace(hosts, max_restarts=args.max_restarts)
+    return launch_host(hosts, args.this_host, command, log_dir=args.log_dir, all_ranks=args.all_ranks)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -17,21 +16,7 @@ import pytest
 
 from benchmarks.wan import netns
 
-
-def _namespaces_unavailable() -> str | None:
-    """Why network namespaces cannot be made here (None: they can): root and iproute2 are not enough
-    without CAP_NET_ADMIN (e.g. an unprivileged container), so the probe makes and removes one."""
-    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
-        return "network namespaces need root and iproute2 (ip, tc)"
-    probe = f"meshtune-probe-{os.getpid()}"
-    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
-    if made.returncode != 0:
-        return f"`ip netns add` fails here (no CAP_NET_ADMIN?): {made.stderr.strip()[:200]}"
-    subprocess.run(["ip", "netns", "delete", probe], capture_output=True)
-    return None
-
-
-_UNAVAILABLE = _namespaces_unavailable()
+_UNAVAILABLE = netns.unavailable()
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(_UNAVAILABLE is not None, reason=_UNAVAILABLE or "")]
 
 # this process's own star: two suites at once (or a benchmark) each get theirs

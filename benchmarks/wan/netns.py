@@ -319,6 +319,27 @@ def set_rate(i: int, rate_mbit: float) -> None:
     _shape(hub_ns(), f"p{i}", rate_mbit)
 
 
+def unavailable() -> str | None:
+    """Why network namespaces cannot be made here (None: they can): root and iproute2 are not enough
+    without CAP_NET_ADMIN (e.g. an unprivileged container), so the probe makes and removes one."""
+    import shutil
+
+    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
+        return "network namespaces need root and iproute2 (ip, tc)"
+    probe = f"meshtune-probe-{os.getpid()}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if made.returncode != 0:
+        return f"`ip netns add` fails here (no CAP_NET_ADMIN?): {made.stderr.strip()[:200]}"
+    subprocess.run(["ip", "netns", "delete", probe], capture_output=True)
+    return None
+
+
+def pids(i: int) -> list[int]:
+    """The processes running in node ``i``'s namespace (a host's launcher and everything it started)."""
+    out = subprocess.run(["ip", "netns", "pids", node_ns(i)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
 def exec_prefix(i: int) -> list[str]:
     """argv prefix that runs a command inside node ``i``'s namespace."""
     return ["ip", "netns", "exec", node_ns(i)]

@@ -130,13 +130,15 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
 
 
 class Gate:
-    """Admits the addresses of peers that prove they hold the secret; serves on ``host``, a free port.
+    """Admits the addresses of peers that prove they hold the secret; serves on ``host``, ``port`` (0: a free one).
 
     ``address``: "host:port" to give the mesh's processes (``$MESHTUNE_GATE``). ``admitted()``: the
     admitted addresses. ``refusals``: (peer "ip:port", reason) of every refused handshake.
     ``on_admit(addresses)`` is called after each new admission (the launcher's own guard)."""
 
-    def __init__(self, key: bytes, host: str, on_admit: Callable[[list[str]], object] | None = None) -> None:
+    def __init__(
+        self, key: bytes, host: str, on_admit: Callable[[list[str]], object] | None = None, port: int = 0
+    ) -> None:
         self._key = key
         self._on_admit = on_admit
         self._lock = threading.Lock()
@@ -147,7 +149,7 @@ class Gate:
         family = socket.AF_INET6 if ":" in bind else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind((bind, 0))
+        self._sock.bind((bind, port))
         self._sock.listen(128)
         self.inode = os.fstat(self._sock.fileno()).st_ino  # the one listener the guards leave open
         port = self._sock.getsockname()[1]

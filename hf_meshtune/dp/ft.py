@@ -68,8 +68,9 @@ def start_lighthouse(
     join_timeout_ms: int | None = JOIN_TIMEOUT_MS,
     quorum_tick_ms: int | None = None,
     heartbeat_timeout_ms: int = HEARTBEAT_TIMEOUT_MS,
+    port: int = 0,
 ) -> tuple[LighthouseServer, str]:
-    """Start a torchft lighthouse on a free port; returns ``(server, "http://HOST:PORT")`` to give managers.
+    """Start a torchft lighthouse on ``port`` (0: a free one); returns ``(server, "http://HOST:PORT")``.
 
     ``min_replicas``: fast replicas a quorum needs. ``host``: the address to listen on and hand out
     (``meshtune launch``: loopback by default); None: ``advertised_host()`` ($MESHTUNE_HOST, else the
@@ -79,7 +80,7 @@ def start_lighthouse(
     """
     require(is_int(min_replicas, 1), "min_replicas", min_replicas, "be an integer >= 1")
     server = LighthouseServer(
-        bind=bind_spec(listen_address(host)),
+        bind=bind_spec(listen_address(host), port),
         min_replicas=min_replicas,
         join_timeout_ms=join_timeout_ms,
         quorum_tick_ms=quorum_tick_ms,
