@@ -42,10 +42,9 @@ from .console import Console, StepProgress
 from .hosts import HostsFile, HostSpec
 from .launch import DEFAULT_GRACE_S, _rank_tag, child_argv, child_env
 from .processes import _Child, _Mesh, _SignalTrap
+from .topology import LOCAL_BOUNDARIES_ENV
 
-__all__ = ["LOCAL_BOUNDARIES_ENV", "launch_host"]
-
-LOCAL_BOUNDARIES_ENV = "MESHTUNE_LOCAL_BOUNDARIES"
+__all__ = ["launch_host"]
 CONNECT_TIMEOUT_S = 600.0  # how long a launcher waits for the coordinator's store to appear
 
 

@@ -35,6 +35,7 @@ from ._validation import require
 from .boundary.hooks import split_stages
 
 __all__ = [
+    "LOCAL_BOUNDARIES_ENV",
     "MESH_ENV",
     "REPLICA_ENV",
     "MeshGroups",
@@ -46,7 +47,21 @@ __all__ = [
 
 MESH_ENV = "MESHTUNE_MESH"
 REPLICA_ENV = "MESHTUNE_REPLICA"
+LOCAL_BOUNDARIES_ENV = "MESHTUNE_LOCAL_BOUNDARIES"
 _MESH_RE = re.compile(r"^\s*(\d+)\s*[xX×]\s*(\d+)\s*$")
+
+
+def _local_boundaries(text: str, stages: int) -> tuple[int, ...]:
+    """``$MESHTUNE_LOCAL_BOUNDARIES`` ("0,2") → (0, 2): boundaries in [0, Y-1), each once."""
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    ok = all(p.isdigit() and int(p) < stages - 1 for p in parts) and len(set(parts)) == len(parts)
+    require(
+        ok,
+        LOCAL_BOUNDARIES_ENV,
+        text,
+        f"be comma-separated boundaries in [0, {stages - 1}) (b: stage b to b+1 on one host), each once",
+    )
+    return tuple(sorted(int(p) for p in parts))
 
 
 def in_replica_zero_job() -> bool:
@@ -86,6 +101,9 @@ class MeshTopology:
     anchor: bool = True
     job_replica: int | None = None  # r: this process's job (torch.distributed world) is replica r alone
     stage_layers: tuple[int, ...] | None = None  # decoder layers per stage (uneven); None = balanced
+    # boundaries b (stage b → b+1) of this process's replica whose two stages share a host: dense, no codec,
+    # booked on the ``local`` circuit (what ``meshtune launch --hosts`` exports as $MESHTUNE_LOCAL_BOUNDARIES)
+    local_boundaries: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         require(isinstance(self.replicas, int) and self.replicas >= 1, "replicas", self.replicas, "be an int >= 1 (X)")
@@ -148,7 +166,8 @@ class MeshTopology:
             )
             replicas, stages = world_size // num_stages, num_stages
         split = None if stage_layers is None else tuple(stage_layers)
-        topology = cls(replicas, stages, anchor, None if job is None else int(job), split)
+        local = _local_boundaries(os.environ.get(LOCAL_BOUNDARIES_ENV, ""), stages)
+        topology = cls(replicas, stages, anchor, None if job is None else int(job), split, local)
         topology.validate(world_size, num_layers)
         return topology
 

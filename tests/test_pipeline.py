@@ -76,10 +76,13 @@ def _pipeline_worker(
     return run_stage(model, module, groups.pp_group, world, steps, Wire())
 
 
-def run_stage(model, module: StageModule, group, world: int, steps: int, wire: Wire, labels_of=None) -> dict:
+def run_stage(
+    model, module: StageModule, group, world: int, steps: int, wire: Wire, labels_of=None, local: tuple[int, ...] = ()
+) -> dict:
     """``steps`` pipeline steps of this rank's ``module`` on ``_batch(step)`` with ``labels_of(step)`` (default:
     the ids, every position labelled) through ``run_schedule``, which carries each row up to its last
-    labelled position: last-stage losses, this stage's gradients after the last step, the wire's counters."""
+    labelled position (``local``: the boundaries booked as local): last-stage losses, this stage's gradients
+    after the last step, the wire's counters."""
     pipe = MeshStage(
         module,
         group=group,
@@ -88,6 +91,7 @@ def run_stage(model, module: StageModule, group, world: int, steps: int, wire: W
         seq_len=SEQ,
         dtype=torch.float32,
         wire=wire,
+        local=local,
     )
     schedule = build_schedule(pipe, BATCH // MICRO, causal_lm_loss(model))
     losses, started = [], time.perf_counter()

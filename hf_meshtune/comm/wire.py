@@ -1,8 +1,9 @@
 """The one place every byte of the mesh goes through on its way to a communication backend.
 
-``Wire`` wraps point-to-point sends/receives and all-reduces and counts, per circuit (the training
-circuits ``pp_fwd``, ``pp_bwd``, ``dp``, ``anchor``, and ``rollout``: RL generation through the
-pipeline), what this process puts on its links, in two kinds that are never mixed up:
+``Wire`` wraps point-to-point sends/receives and all-reduces and counts, per circuit (the training circuits
+``pp_fwd``, ``pp_bwd``, ``dp``, ``anchor``; ``rollout``: RL generation through the pipeline; ``local``: boundaries
+between two stages on one host, which never reach a WAN link), what this process puts on its links, in two kinds
+that are never mixed up:
 
 - ``sent``, **measured**: the bytes of the tensors handed to a point-to-point send (the payload; the
   transport's headers come on top).
@@ -34,6 +35,7 @@ from .._validation import require
 
 __all__ = [
     "CIRCUITS",
+    "LOCAL",
     "ROLLOUT",
     "WIRE_CIRCUITS",
     "Wire",
@@ -47,7 +49,8 @@ __all__ = [
 
 CIRCUITS = ("pp_fwd", "pp_bwd", "dp", "anchor")  # the training circuits (the ledger's)
 ROLLOUT = "rollout"  # generation through the pipeline (pipeline.generate)
-WIRE_CIRCUITS = (*CIRCUITS, ROLLOUT)
+LOCAL = "local"  # boundaries between two stages on one host (MeshTopology.local_boundaries): no codec, no WAN
+WIRE_CIRCUITS = (*CIRCUITS, ROLLOUT, LOCAL)
 
 
 def nbytes(tensor: torch.Tensor) -> int:

@@ -1,20 +1,19 @@
 """Running stages across processes: torch's ``PipelineStage`` on the ``Wire``, and the 1F1B schedule.
 
-``MeshStage`` is torch's ``PipelineStage`` with three additions: it tells its module which microbatch
-a forward belongs to (the mask's clock); its boundary messages are variable-size (``pipeline.messages``):
-a send packs the payload's carried positions (and codes them where the codec ends in a coder) into a
-header and a body, sent at once and booked on the ``Wire`` (``pp_fwd``/``pp_bwd``, or ``anchor`` on the
-anchor's pipeline); a receive reads the header first, then receives the body into a CPU buffer of its
-size, which is decoded into the stage's padded buffer (on its device) before the chunk's forward or
-backward reads it. Everything on the links is a CPU tensor, as the mesh's gloo links need.
-Inside a stage shapes are static (example tensors at construction), so no metadata inference runs a stray
-forward.
+``MeshStage`` is torch's ``PipelineStage`` with three additions: it tells its module which microbatch a forward
+belongs to (the mask's clock); its boundary messages are variable-size (``pipeline.messages``): a send packs the
+payload's carried positions (and codes them where the codec ends in a coder) into a header and a body, sent at once
+and booked on the ``Wire`` (``pp_fwd``/``pp_bwd``, or ``anchor`` on the anchor's pipeline, or ``local`` over a
+boundary whose two stages share a host); a receive reads the header first, then receives the body into a CPU buffer
+of its size, which is decoded into the stage's padded buffer (on its device) before the chunk's forward or backward
+reads it. Everything on the links is a CPU tensor, as the mesh's gloo links need. Inside a stage shapes are static
+(example tensors at construction), so no metadata inference runs a stray forward.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import cast
 
@@ -23,7 +22,7 @@ import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from .._validation import require
-from ..comm.wire import Wire
+from ..comm.wire import LOCAL, Wire
 from .messages import HEADER_VALUES, WireFormat
 from .stage import StageModule
 
@@ -45,6 +44,7 @@ class MeshStage(PipelineStage):
         dtype: torch.dtype,
         wire: Wire,
         anchor: bool = False,
+        local: Sequence[int] = (),
     ) -> None:
         stage, num_stages = module.stage, module.num_stages
 
@@ -63,7 +63,10 @@ class MeshStage(PipelineStage):
             example_out = payload("out")
         super().__init__(module, stage, num_stages, device, input_args=example_in, output_args=example_out, group=group)
         self.wire, self.dtype, self.microbatch_size = wire, dtype, microbatch_size
-        self.fwd_circuit, self.bwd_circuit = ("anchor", "anchor") if anchor else ("pp_fwd", "pp_bwd")
+        fwd, bwd = ("anchor", "anchor") if anchor else ("pp_fwd", "pp_bwd")
+        # a boundary whose two stages share a host (``local``) is booked apart: it never reaches a WAN link
+        self.fwd_circuit = LOCAL if stage in local else fwd  # sends forward over boundary ``stage``
+        self.bwd_circuit = LOCAL if stage - 1 in local else bwd  # sends backward over boundary ``stage - 1``
         self.lengths: torch.Tensor | None = None  # the step's carried lengths, every row (None: all positions)
         # per chunk, what lands in the stage's buffers once the schedule has waited for the receives
         self._landing_fwd: dict[int, list[Callable[[], None]]] = {}

@@ -340,18 +340,21 @@ def stage_parameter_names(model: nn.Module, stage_module: StageModule) -> dict[s
     return {name: p for name, p in model.named_parameters(remove_duplicate=False) if id(p) in owned}
 
 
-def build_stage(model: nn.Module, stage: int, num_stages: int, cfg, masked: bool) -> StageModule:
-    """Stage ``stage`` of ``model`` with the boundary masks of the mesh knobs ``cfg`` (p, seed, rescale,
-    fill) on both sides, or its composed ``boundary_codec``, or dense sides (``masked=False``: the anchor
-    replica). A codec that needs geometry gets it from ``calibrate_codecs`` before the first step. Governed:
-    both sides hold the whole ``codec_ladder``, at its richest level until the governor says otherwise."""
+def build_stage(
+    model: nn.Module, stage: int, num_stages: int, cfg, masked: bool, local: Sequence[int] = ()
+) -> StageModule:
+    """Stage ``stage`` of ``model`` with the boundary masks of the mesh knobs ``cfg`` (p, seed, rescale, fill) on
+    both sides, or its composed ``boundary_codec``, or dense sides (``masked=False``: the anchor replica). A
+    boundary in ``local`` (its two stages share a host) is dense whatever ``cfg`` says. A codec that needs
+    geometry gets it from ``calibrate_codecs`` before the first step. Governed: both sides hold the whole
+    ``codec_ladder``, at its richest level until the governor says otherwise."""
     spec = composed_codec(cfg)
     if spec is not None and is_governed(cfg):
         hidden = hf_config(model).get_text_config().hidden_size
         specs = codec_ladder(cfg)
 
         def ladder(boundary: int) -> list[ComposedCodec] | None:
-            if not masked or boundary < 0 or boundary >= num_stages - 1:
+            if not masked or boundary in local or boundary < 0 or boundary >= num_stages - 1:
                 return None
             return [ComposedCodec(level, boundary, hidden, cfg.mask_seed) for level in specs]
 
@@ -369,7 +372,7 @@ def build_stage(model: nn.Module, stage: int, num_stages: int, cfg, masked: bool
         hidden = hf_config(model).get_text_config().hidden_size
 
         def codec(boundary: int) -> ComposedCodec | None:
-            if not masked or boundary < 0 or boundary >= num_stages - 1:
+            if not masked or boundary in local or boundary < 0 or boundary >= num_stages - 1:
                 return None
             return ComposedCodec(spec, boundary, hidden, cfg.mask_seed)
 
@@ -378,7 +381,7 @@ def build_stage(model: nn.Module, stage: int, num_stages: int, cfg, masked: bool
         )
 
     def mask(boundary: int) -> BoundaryMask | None:
-        if not masked or boundary < 0 or boundary >= num_stages - 1:
+        if not masked or boundary in local or boundary < 0 or boundary >= num_stages - 1:
             return None
         return BoundaryMask(boundary, cfg.mask_ratio, cfg.mask_seed, cfg.mask_rescale, FILLS[cfg.mask_fill]())
 

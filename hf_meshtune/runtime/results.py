@@ -17,7 +17,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from ..boundary.hooks import find_decoder_layers, split_stages
-from ..comm.wire import CIRCUITS, ROLLOUT
+from ..comm.wire import CIRCUITS, LOCAL, ROLLOUT
 from ..ledger import LedgerSettings, compute_ledger, measured_ratios, param_shapes_of, settings_from_knobs
 from ..memory import MEMORY_PARTS
 from ..memory_ledger import MemorySettings, predict_memory
@@ -207,6 +207,9 @@ def summarize(results: list[MeshResult], topology: MeshTopology, trainer, seq_le
     return {
         "mesh": f"{topology.replicas}x{topology.stages}",
         "stage_layers": [len(r) for r in split_stages(num_layers, topology.stages, topology.stage_layers)],
+        # boundaries between stages on one host (this process's replica): dense, counted apart from the WAN
+        "local_boundaries": list(topology.local_boundaries),
+        "local_bytes_per_token": sum(r.wire["sent"].get(LOCAL, 0) for r in results) / max(tokens, 1),
         "fast_replicas": len(topology.fast_replicas),
         "replicas_reported": len({r.replica for r in results}),
         "heals": [{"rank": r.rank, "own_step": own, "peer_step": peer} for r in results for own, peer in r.heals],

@@ -11,7 +11,7 @@ from ..boundary.compose.codec import geometry_layout
 from ..boundary.masking import private_rng
 from ..comm.errors import naming_the_peers
 from ..comm.messages import flatten
-from ..comm.wire import Wire
+from ..comm.wire import LOCAL, Wire
 from ..config import composed_codec
 from ..dp.fragments import stage_fragments
 from ..memory import MEMORY_PARTS, ActivationMeter, current_rss, peak_rss, tensor_bytes
@@ -43,7 +43,8 @@ class StageWorker:
         self.model = model
         assert settings.config.mask_ratio is not None  # MeshConfig resolves it
         masked = not anchor and (settings.config.mask_ratio > 0 or composed_codec(settings.config) is not None)
-        self.module = build_stage(model, self.stage, self.topology.stages, settings.config, masked=masked)
+        local = self.topology.local_boundaries
+        self.module = build_stage(model, self.stage, self.topology.stages, settings.config, masked=masked, local=local)
         self._hold_only_this_stage()
         microbatches = (settings.anchor_microbatches or settings.microbatches) if anchor else settings.microbatches
         first = next(self.module.parameters())
@@ -79,6 +80,7 @@ class StageWorker:
             dtype=self.dtype,
             wire=self.wire,
             anchor=self.role == "anchor",
+            local=self.topology.local_boundaries,
         )
         self.schedule = build_schedule(self.pipe, self.microbatches, self.loss_fn)
 
@@ -110,23 +112,27 @@ class StageWorker:
         pass of ``batches(0)``. Stage ℓ receives stage ℓ-1's dense output and boundary ℓ-1's geometry,
         runs its layers dense, fits boundary ℓ's codec on its own output and sends both on, so the two
         sides of every boundary hold the same geometry (the sender's fit, received bit for bit). Governed,
-        every level of the ladder is fitted on the same output and its geometry sent in turn. Its bytes
-        are booked on ``pp_fwd`` and counted in ``result.calibration_bytes``."""
+        every level of the ladder is fitted on the same output and its geometry sent in turn. The pass
+        runs up to the last coded boundary's receiver; a local boundary (no codec) only relays the dense
+        output. Its bytes are booked on ``pp_fwd`` (``local`` over a local boundary) and those on
+        ``pp_fwd`` counted in ``result.calibration_bytes``."""
         module = self.module
         codecs_in, codecs_out = module.side_codecs("in"), module.side_codecs("out")
         sides = codecs_in + codecs_out
-        if not sides or not sides[0].spec.needs_fit or all(c.ready for c in sides):
+        last = self._calibration_reach()
+        if last is None or self.stage > last or (sides and all(c.ready for c in sides)):
             return
         ids, _ = self.batches(0)
         ids = ids.to(self.device)
         dtype = self.dtype
         before = self.wire.sent["pp_fwd"]
         group, replica, topology = self.groups.pp_group, self.replica, self.topology
+        local = topology.local_boundaries
         with self.naming_link_failure("the codec calibration pass with", self._neighbours()):
-            if codecs_in:
+            if self.stage > 0:
                 src = topology.process_rank(topology.rank(replica, self.stage - 1))  # torch's rank (replica jobs)
                 x = torch.empty(*ids.shape, module.hidden_size, dtype=dtype, device=self.device)
-                self.wire.recv("pp_fwd", x, src, group=group, tag=CALIBRATION_TAG)
+                self.wire.recv(LOCAL if self.stage - 1 in local else "pp_fwd", x, src, group=group, tag=CALIBRATION_TAG)
                 for codec in codecs_in:
                     geometry: dict[str, torch.Tensor | None] = {}
                     for name, shape, kind in geometry_layout(codec):
@@ -135,7 +141,7 @@ class StageWorker:
                     codec.load_geometry(geometry)
             else:
                 x = ids
-            if not codecs_out:
+            if self.stage == last:
                 return
             module.dense = True
             try:
@@ -144,7 +150,8 @@ class StageWorker:
             finally:
                 module.dense = False
             dst = topology.process_rank(topology.rank(replica, self.stage + 1))
-            self.wire.send("pp_fwd", hidden.contiguous(), dst, group=group, tag=CALIBRATION_TAG)
+            circuit = LOCAL if self.stage in local else "pp_fwd"
+            self.wire.send(circuit, hidden.contiguous(), dst, group=group, tag=CALIBRATION_TAG)
             for codec in codecs_out:
                 codec.fit(hidden)
                 geometry = codec.geometry()
@@ -153,6 +160,17 @@ class StageWorker:
                     assert fitted is not None  # a fitted codec holds every tensor of its layout
                     self.wire.send("pp_fwd", fitted.contiguous(), dst, group=group, tag=CALIBRATION_TAG)
         self.result.calibration_bytes = self.wire.sent["pp_fwd"] - before
+
+    def _calibration_reach(self) -> int | None:
+        """The last stage the calibration pass reaches (the receiver of the replica's last coded boundary),
+        None when no boundary of the replica has a codec that needs fitting. Every stage of the replica
+        computes the same answer from the run's knobs and its local boundaries."""
+        sides = self.module.side_codecs("in") + self.module.side_codecs("out")
+        spec = sides[0].spec if sides else composed_codec(self.settings.config)
+        if spec is None or not spec.needs_fit or self.role != "fast":
+            return None
+        coded = [b for b in range(self.topology.stages - 1) if b not in self.topology.local_boundaries]
+        return max(coded) + 1 if coded else None
 
     # --- the pipeline ---------------------------------------------------------------------------
     def pipeline_step(self, ids: torch.Tensor, labels: torch.Tensor) -> float | None:
