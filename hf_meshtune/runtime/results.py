@@ -209,7 +209,8 @@ def summarize(results: list[MeshResult], topology: MeshTopology, trainer, seq_le
         "stage_layers": [len(r) for r in split_stages(num_layers, topology.stages, topology.stage_layers)],
         # boundaries between stages on one host (this process's replica): dense, counted apart from the WAN
         "local_boundaries": list(topology.local_boundaries),
-        "local_bytes_per_token": sum(r.wire["sent"].get(LOCAL, 0) for r in results) / max(tokens, 1),
+        "local_bytes_per_token": sum(r.wire["sent"].get(LOCAL, 0) + r.wire["booked"].get(LOCAL, 0) for r in results)
+        / max(tokens, 1),
         "fast_replicas": len(topology.fast_replicas),
         "replicas_reported": len({r.replica for r in results}),
         "heals": [{"rank": r.rank, "own_step": own, "peer_step": peer} for r in results for own, peer in r.heals],

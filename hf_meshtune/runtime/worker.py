@@ -33,6 +33,7 @@ from ..anchor.geometry import FastGeometryLink, agree_min
 from ..anchor.link import FastAnchorLink
 from ..anchor.mesh_governor import FastLevelLink
 from ..comm.messages import flatten
+from ..comm.wire import LOCAL
 from ..config import codec_ladder, codec_refit_every, is_governed
 from ..dp.baselines import GradientSync
 from ..dp.diloco import StreamingDiLoCo
@@ -266,9 +267,14 @@ class FastWorker(StageWorker):
         total = local.reshape(1).clone()
         if self.topology.stages > 1:
             mates = [p for p in self.topology.pp_ranks(self.replica) if p != self.rank]
+            # within one host (every boundary of the replica local) it never reaches a WAN link
+            one_host = len(self.topology.local_boundaries) == self.topology.stages - 1
             with self.naming_link_failure("the gradient-norm all-reduce with", mates):
                 self.wire.all_reduce(
-                    "pp_bwd", total, self.topology.stages, lambda t: dist.all_reduce(t, group=self.groups.pp_group)
+                    LOCAL if one_host else "pp_bwd",
+                    total,
+                    self.topology.stages,
+                    lambda t: dist.all_reduce(t, group=self.groups.pp_group),
                 )
         norm = float(total.sqrt())
         if norm > max_norm:
