@@ -42,7 +42,7 @@ from .console import Console, StepProgress
 from .hosts import HostsFile, HostSpec
 from .launch import DEFAULT_GRACE_S, _rank_tag, child_argv, child_env
 from .processes import _Child, _Mesh, _SignalTrap
-from .topology import LOCAL_BOUNDARIES_ENV
+from .topology import LOCAL_BOUNDARIES_ENV, STAGE_LAYERS_ENV
 
 __all__ = ["launch_host"]
 CONNECT_TIMEOUT_S = 600.0  # how long a launcher waits for the coordinator's store to appear
@@ -168,8 +168,8 @@ class _HostLauncher:
             now == before,
             "this_host",
             self.me.name,
-            "be claimed by one launcher: another launcher for this host is beating at the store "
-            f"{self.store_address} (stop it first, or give this machine its own entry)",
+            "be claimed by one launcher: another launcher for this host beats at the coordinator's store "
+            "(stop it first, or give this machine its own entry in the hosts file)",
         )
 
     def _beat(self, store: dist.TCPStore) -> None:
@@ -268,7 +268,7 @@ class _HostLauncher:
         if cpu and "OMP_NUM_THREADS" not in os.environ:
             env["OMP_NUM_THREADS"] = str(max(1, _cores() // local))
         if self.hosts.stage_layers is not None:
-            env["MESHTUNE_STAGE_LAYERS"] = ",".join(str(n) for n in self.hosts.stage_layers)
+            env[STAGE_LAYERS_ENV] = ",".join(str(n) for n in self.hosts.stage_layers)
         boundaries = self.hosts.local_boundaries(rank // self.y)
         env[LOCAL_BOUNDARIES_ENV] = ",".join(str(b) for b in boundaries)
         return env | self.env

@@ -114,7 +114,10 @@ def load_hosts(path: str) -> HostsFile:
             data = yaml.safe_load(fh)
         except yaml.YAMLError as err:
             raise ValueError(f"hosts={path!r} is invalid: it must be YAML ({str(err).splitlines()[0]})") from err
-    return parse_hosts(data)
+    try:
+        return parse_hosts(data)
+    except ValueError as err:  # which file the field is in: every launcher reads its own copy
+        raise ValueError(f"{path}: {err}") from err
 
 
 def parse_hosts(data: Any) -> HostsFile:

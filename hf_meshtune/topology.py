@@ -37,10 +37,12 @@ from .boundary.hooks import split_stages
 __all__ = [
     "LOCAL_BOUNDARIES_ENV",
     "MESH_ENV",
+    "STAGE_LAYERS_ENV",
     "REPLICA_ENV",
     "MeshGroups",
     "MeshTopology",
     "in_replica_zero_job",
+    "launched_stage_layers",
     "launched_stages",
     "parse_mesh",
 ]
@@ -48,6 +50,7 @@ __all__ = [
 MESH_ENV = "MESHTUNE_MESH"
 REPLICA_ENV = "MESHTUNE_REPLICA"
 LOCAL_BOUNDARIES_ENV = "MESHTUNE_LOCAL_BOUNDARIES"
+STAGE_LAYERS_ENV = "MESHTUNE_STAGE_LAYERS"
 _MESH_RE = re.compile(r"^\s*(\d+)\s*[xX×]\s*(\d+)\s*$")
 
 
@@ -84,6 +87,26 @@ def launched_stages() -> int | None:
     """Y of the mesh this process was launched on (``$MESHTUNE_MESH``, set by ``meshtune launch``), or None."""
     spec = os.environ.get(MESH_ENV)
     return parse_mesh(spec, MESH_ENV)[1] if spec else None
+
+
+def launched_stage_layers(given: Sequence[int] | None) -> list[int] | None:
+    """The split this process's launcher placed (``$MESHTUNE_STAGE_LAYERS``, from a hosts file's
+    ``stage_layers``) when ``given`` is None; ``given`` itself when it agrees or no launcher set one."""
+    text = os.environ.get(STAGE_LAYERS_ENV, "").strip()
+    if not text:
+        return None if given is None else list(given)
+    parts = [p.strip() for p in text.split(",")]
+    require(
+        all(p.isdigit() for p in parts), STAGE_LAYERS_ENV, text, "be comma-separated decoder-layer counts, e.g. 20,10"
+    )
+    placed = [int(p) for p in parts]
+    require(
+        given is None or list(given) == placed,
+        "stage_layers",
+        None if given is None else list(given),
+        f"equal the launcher's {STAGE_LAYERS_ENV}={text} (the hosts file's split), or be left unset",
+    )
+    return placed
 
 
 @dataclass(frozen=True)

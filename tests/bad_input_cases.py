@@ -55,6 +55,7 @@ from hf_meshtune.pipeline.generate import RolloutSettings
 from hf_meshtune.pipeline.layout import layer_cache_argument
 from hf_meshtune.rl import PolicyLoss, PolicyLossSettings
 from hf_meshtune.topology import MeshTopology
+from tests.bad_input_hosts import host_cases
 from tests.tiny import make_tiny_causal_lm, pattern_dataset, tiny_llama, tiny_word_tokenizer
 
 # ---------------------------------------------------------------------------------------------------
@@ -2241,8 +2242,8 @@ def _cases() -> list[Case]:
         ),
         _cli(
             "meshtune launch -- train.py",
-            "meshtune launch: error: the following arguments are required: --mesh",
-            note="argparse's own check",
+            "meshtune launch: error: --mesh=None is invalid: it must be given (--mesh XxY), or --hosts FILE with "
+            "--this-host NAME",
         ),
         _cli(
             "meshtune launch --mesh 3x2",
@@ -4294,7 +4295,8 @@ def _cases() -> list[Case]:
             "`Wire.record_send`",
             wire_send("telemetry"),
             ValueError,
-            "circuit='telemetry' is invalid: it must be one of ['pp_fwd', 'pp_bwd', 'dp', 'anchor', 'rollout']",
+            "circuit='telemetry' is invalid: it must be one of ['pp_fwd', 'pp_bwd', 'dp', 'anchor', 'rollout', "
+            "'local']",
         ),
         Case(
             INTERNALS,
@@ -4521,6 +4523,7 @@ def _cases() -> list[Case]:
             ValueError,
             "microbatches=0 is invalid: it must be >= 1",
         ),
+        *host_cases(Case, CliExit, CLI, meshtune),
     ]
 
 

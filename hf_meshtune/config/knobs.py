@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from transformers import TrainingArguments
 
 from .._validation import require
-from ..topology import MESH_ENV, in_replica_zero_job, launched_stages
+from ..topology import MESH_ENV, in_replica_zero_job, launched_stage_layers, launched_stages
 from .presets import (
     DEFAULT_DP_POWERSGD_RANK,
     DEFAULT_DP_QUANTIZE,
@@ -313,6 +313,7 @@ class MeshArguments:
         apply_preset(self)
         if self.num_stages is None:  # one source of truth for Y: the mesh this process was launched on
             self.num_stages = launched_stages() or DEFAULT_NUM_STAGES
+        self.stage_layers = launched_stage_layers(self.stage_layers)  # and for the split, a hosts file's
         _require_field_types(self)
         require_knob_rules(self)
 
