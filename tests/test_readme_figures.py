@@ -85,6 +85,21 @@ def test_the_mesh_benchmark_tables_are_its_committed_run():
         assert row in quoted, row
 
 
+def test_the_hosts_benchmark_md_is_its_committed_runs_and_the_hosts_page_quotes_it():
+    from benchmarks.hosts.run import ROWS, report
+
+    results = {
+        name: json.loads(path.read_text())
+        for name in ROWS
+        if (path := ROOT / "benchmarks/hosts/results" / f"{name}.json").exists()
+    }
+    written = report(results)
+    assert (ROOT / "benchmarks/hosts/results/results.md").read_text() == written
+    page = _page("benchmarks/hosts.md")
+    for row in _rows(written):
+        assert row in page, row
+
+
 def test_the_mesh_governor_table_is_its_committed_run_and_the_mesh_page_quotes_it():
     from benchmarks.mesh.governed import table
 

@@ -9,8 +9,9 @@ Rows (SmolLM2-135M-Instruct, GSM8K, the default codec, 200 Mbit/s per host each 
   colo         3x2, each replica's two stages on one host (3 hosts of two): local boundaries, dense
   slow_even    1x2 on hosts a (1 CPU) and b (a third of a CPU, a cgroup quota): 15 + 15 layers
   slow_uneven  the same with stage_layers [27, 3]: the slow host holds 3 layers and the LM head
-  lost_host    colo, with host c killed (every process in its namespace, SIGKILL) once replica 0 logged step 3,
-               then its launcher started again: the others' pause, the heal, the final loss
+  lost_host    colo for 40 steps, with host c killed (every process in its namespace, SIGKILL) once replica 0
+               logged step 3, then its launcher started again: the others' pause, the heal, the final loss
+  colo_40      the same 40 steps without the loss: the reference for lost_host's final loss
 
 Measured per row: the launchers' exit codes and wall time; the loss rank's step times (the median of
 steps 2..N); every host's bytes sent on its link (the kernel's eth0 counter, headers included) next to
@@ -61,7 +62,8 @@ ROWS = {
     "slow_uneven": dict(
         hosts=_hosts([("a", 1), ("b", 1)], "1x2", "stage_layers: [27, 3]"), steps=6, quota={"b": 1 / 3, "a": 1.0}
     ),
-    "lost_host": dict(hosts=_hosts([(n, 2) for n in "abc"], "3x2"), steps=16, kill=("c", 3)),
+    "lost_host": dict(hosts=_hosts([(n, 2) for n in "abc"], "3x2"), steps=40, kill=("c", 3)),
+    "colo_40": dict(hosts=_hosts([(n, 2) for n in "abc"], "3x2"), steps=40),  # lost_host's run without the loss
 }
 
 
@@ -204,16 +206,17 @@ def report(results: dict[str, dict]) -> str:
         "included) per fast token, next to the mesh summary's WAN circuits (sends counted, all-reduces booked) "
         "and its local circuit.",
         "",
-        "| row | hosts | step s (median) | wall s | eval loss | kernel B/token | WAN circuits B/token | local B/token "
-        "| stage_layers | compute s per stage |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---|---|",
+        "| row | hosts | steps | step s (median) | wall s | eval loss | kernel B/token | WAN circuits B/token "
+        "| of which pp | local B/token | stage_layers | compute s per stage |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     for name, r in results.items():
         compute = r.get("compute_s_per_stage")
+        wan = r["wire_bytes_per_token"]
         lines.append(
-            f"| {name} | {len(r['kernel_tx_bytes_per_host'])} | {r['median_step_s']:.2f} | {r['wall_s']:.0f} | "
-            f"{r['eval_loss']:.4f} | {r['kernel_tx_bytes_per_token']:,.0f} | "
-            f"{r['wire_bytes_per_token']['total']:,.0f} | "
+            f"| {name} | {len(r['kernel_tx_bytes_per_host'])} | {r['steps']} | {r['median_step_s']:.2f} | "
+            f"{r['wall_s']:.0f} | {r['eval_loss']:.4f} | {r['kernel_tx_bytes_per_token']:,.0f} | "
+            f"{wan['total']:,.0f} | {wan['pp_fwd'] + wan['pp_bwd']:,.0f} | "
             f"{(r.get('local_bytes_per_token') or 0):,.0f} | {r['stage_layers']} | "
             f"{'' if compute is None else [round(c, 2) for c in compute]} |"
         )
@@ -229,13 +232,20 @@ def report(results: dict[str, dict]) -> str:
         ]
     if "lost_host" in results:
         r = results["lost_host"]
+        beyond = (r["kernel_tx_bytes_per_token"] - r["wire_bytes_per_token"]["total"]) * r["fast_tokens"] / 1e9
         lines += [
             "",
             f"Lost host: c killed once replica 0 had logged step {r['killed_at_step']}, "
             f"started again {r['restarted_at_s'] - r['killed_at_s']:.0f} s later. Replica 0's longest step after the "
             f"kill: {r['survivor_longest_step_after_kill_s']:.1f} s (median {r['median_step_s']:.1f} s). Heals: "
             f"{r['heals']}. Final eval loss {r['eval_loss']:.4f}"
-            + (f" (colo without a loss: {results['colo']['eval_loss']:.4f})." if "colo" in results else "."),
+            + (
+                f" (the same 40 steps without the loss, colo_40: {results['colo_40']['eval_loss']:.4f})."
+                if "colo_40" in results
+                else "."
+            )
+            + " Bytes the kernel counted beyond the circuits (mostly the heal's state transfer, which no circuit "
+            f"books): {beyond:.2f} GB.",
         ]
     return "\n".join(lines) + "\n"
 
