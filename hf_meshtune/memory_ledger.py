@@ -39,7 +39,7 @@ from ._validation import require
 from .config import DP_QUANTIZERS
 from .memory import MEMORY_PARTS
 
-__all__ = ["MemorySettings", "format_memory_table", "predict_memory"]
+__all__ = ["MemorySettings", "format_memory_table", "meta_model", "predict_memory"]
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,7 @@ class MemorySettings:
         )
 
 
-def _meta_model(config) -> nn.Module:
+def meta_model(config) -> nn.Module:
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
@@ -105,7 +105,7 @@ def predict_memory(
     from .pipeline.stage import StageModule, stage_parameter_names, untie_embeddings
 
     dtype = getattr(torch, settings.dtype)
-    model = _meta_model(config).to(dtype)
+    model = meta_model(config).to(dtype)
     untie_embeddings(model)  # the mesh's first and last stages each hold a copy
     if peft_config is not None:
         model = _with_adapters(model, peft_config)

@@ -89,19 +89,19 @@ def launched_stages() -> int | None:
     return parse_mesh(spec, MESH_ENV)[1] if spec else None
 
 
-def launched_stage_layers(given: Sequence[int] | None) -> list[int] | None:
+def launched_stage_layers(given: Sequence[int] | None) -> Sequence[int] | None:
     """The split this process's launcher placed (``$MESHTUNE_STAGE_LAYERS``, from a hosts file's
     ``stage_layers``) when ``given`` is None; ``given`` itself when it agrees or no launcher set one."""
     text = os.environ.get(STAGE_LAYERS_ENV, "").strip()
     if not text:
-        return None if given is None else list(given)
+        return given  # as given: the knobs' own type check names a wrong type
     parts = [p.strip() for p in text.split(",")]
     require(
         all(p.isdigit() for p in parts), STAGE_LAYERS_ENV, text, "be comma-separated decoder-layer counts, e.g. 20,10"
     )
     placed = [int(p) for p in parts]
     require(
-        given is None or list(given) == placed,
+        given is None or (isinstance(given, (list, tuple)) and list(given) == placed),
         "stage_layers",
         None if given is None else list(given),
         f"equal the launcher's {STAGE_LAYERS_ENV}={text} (the hosts file's split), or be left unset",

@@ -313,7 +313,7 @@ class MeshArguments:
         apply_preset(self)
         if self.num_stages is None:  # one source of truth for Y: the mesh this process was launched on
             self.num_stages = launched_stages() or DEFAULT_NUM_STAGES
-        self.stage_layers = launched_stage_layers(self.stage_layers)  # and for the split, a hosts file's
+        self.stage_layers = launched_stage_layers(self.stage_layers)  # type: ignore[assignment]  # a hosts file's split
         _require_field_types(self)
         require_knob_rules(self)
 
