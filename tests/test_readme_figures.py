@@ -100,6 +100,14 @@ def test_the_hosts_benchmark_md_is_its_committed_runs_and_the_hosts_page_quotes_
         assert row in page, row
 
 
+def test_the_plan_validation_is_the_model_on_the_committed_wan_run():
+    from benchmarks.plan.validate import WAN, predict_row, report
+
+    wan = json.loads(Path(WAN).read_text())
+    rows = [predict_row(wan, name) for name in wan["phases"]["shaped"]]
+    assert (ROOT / "benchmarks/plan/results/validation.md").read_text() == report(rows, wan["regime"])
+
+
 def test_the_mesh_governor_table_is_its_committed_run_and_the_mesh_page_quotes_it():
     from benchmarks.mesh.governed import table
 
