@@ -21,9 +21,12 @@ What the launchers agree on, in the store (keys ``mt/...``):
   replicas' attempts unless the other hosts already did, so no process of the old attempt is joined.
 * Two launchers for one host: a starting launcher that sees the host's counter move refuses to run.
 
-The run ends when every replica has finished an attempt with all its processes exiting 0; a replica
-waiting for a lost host that never comes back is given up once every other replica is done (exit 1).
-Losing the coordinator host ends the mesh: it holds the lighthouse and the store.
+The run ends when every replica has finished an attempt with all its processes exiting 0, and every
+launcher then exits 0; a replica waiting for a lost host that never comes back is given up once every
+other replica is done, and a replica whose process fails after another of its processes finished cannot
+start again (``mt/stop``: every launcher exits with that code). A host whose replicas are done stops
+beating and waits with the others; the coordinator keeps its store until the others have left. Losing the
+coordinator host ends the mesh: it holds the lighthouse and the store.
 """
 
 from __future__ import annotations
@@ -278,7 +281,10 @@ class _HostLauncher:
     def run(self) -> int:
         with _SignalTrap() as trap:
             try:
-                return self._loop(trap)
+                code = self._loop(trap)
+                self.mesh.stop()  # this host's processes are gone before the others are told it left
+                self._leave(code)
+                return code
             except (RuntimeError, OSError) as err:  # the store went away: the coordinator host is lost
                 _say(f"lost the mesh's store at {self.store_address} ({err}): the coordinator host is gone")
                 return 1
@@ -333,6 +339,11 @@ class _HostLauncher:
                     finished.add(replica)
                 continue
             self.mesh.show_tail(child)
+            if attempt is not None and self.store.add(f"mt/r{replica}/a{attempt}/ok", 0) > 0:
+                # a process of this attempt already finished: the replica cannot start again as one unit
+                why = f"{child.tag} failed with exit code {code} after other processes of replica {replica} finished"
+                self.store.set("mt/stop", f"{code} {why}")
+                continue
             _say(f"{child.tag} failed with exit code {code}: replica {replica} restarts; the others go on")
             self._stop_replica(replica)
             if attempt is not None:
@@ -350,45 +361,40 @@ class _HostLauncher:
                 return
 
     def _finished(self, finished: set[int]) -> int | None:
-        """This host's exit code once its part is done, None while it runs (module docstring). Done:
-        every replica here finished (code 0), or what is left waits for a lost host while every other
-        replica is done (code 1). The coordinator then waits for every other host's verdict, or its loss."""
-        code = self._verdict(finished)
-        if code is None:
-            return None
+        """The mesh's exit code once it is over, None while it runs (module docstring). Over: every replica
+        finished an attempt (0), or every replica left waits for a lost host while some other one finished
+        (1, for every host: ``mt/stop``). A host whose own replicas are done stops beating and waits with
+        the others, so every launcher exits with the mesh's code."""
         done_key = f"mt/host/{self.me.name}/done"
-        if not self.store.check([done_key]):
-            self.store.set(done_key, str(code))
-            self.stop_beating.set()
-            _say("this host's replicas are done" if code == 0 else "this host gives up")
-        if self.me.name != self.hosts.coordinator:
-            return code
-        codes = []
-        for host in self.hosts.hosts:
-            key = f"mt/host/{host.name}/done"
-            if self.store.check([key]):
-                codes.append(int(self.store.get(key)))
-            elif host.ranks and self._alive(host):
-                return None  # still running
-            elif host.ranks:
-                codes.append(1)  # lost, and nothing left to wait for
-        return max([code, *codes])
-
-    def _verdict(self, finished: set[int]) -> int | None:
-        if len(finished) == len(self.replicas):
+        if len(finished) == len(self.replicas) and not self.store.check([done_key]):
+            self.store.set(done_key, "0")
+            self.stop_beating.set()  # done, not lost: the others read the key
+            _say("this host's replicas are done; waiting for the others")
+        undone = [r for r in range(self.x) if not self._done(r)]
+        if not undone:
+            _say("every replica is done")
             return 0
-        waiting = [r for r in self.replicas if r not in finished]
-        stuck = [
-            r for r in waiting if self.running[r] is None and any(self._lost(h) for h in self.hosts.hosts_of_replica(r))
-        ]
-        if len(stuck) < len(waiting):
-            return None
-        others = [r for r in range(self.x) if r not in stuck]
-        if not others or not all(self._done(r) for r in others):
+        mine_running = [r for r in undone if r in self.replicas and r not in finished and self.running[r] is not None]
+        stuck = [r for r in undone if any(self._lost(h) for h in self.hosts.hosts_of_replica(r))]
+        if mine_running or len(stuck) < len(undone) or len(undone) == self.x:
             return None  # a lost host that every replica needs may come back: wait
         lost = sorted({h.name for r in stuck for h in self.hosts.hosts_of_replica(r) if self._lost(h)})
-        _say(f"replica(s) {stuck} wait for lost host(s) {lost} and every other replica is done: giving up")
+        why = f"replica(s) {stuck} wait for lost host(s) {lost} and every other replica is done: giving up"
+        self.store.set("mt/stop", f"1 {why}")
+        _say(why)
         return 1
+
+    def _leave(self, code: int) -> None:
+        """Say this launcher is leaving; the coordinator, whose store the others read, waits for every
+        other host with ranks to say so too (or to fall silent) before its store goes."""
+        self.store.set(f"mt/host/{self.me.name}/exit", str(code))
+        if self.me.name != self.hosts.coordinator:
+            return
+        deadline = time.monotonic() + self.hosts.heartbeat_timeout_s + 10
+        pending = [h for h in self.hosts.hosts if h.ranks and h.name != self.me.name]
+        while pending and time.monotonic() < deadline:
+            pending = [h for h in pending if not self.store.check([f"mt/host/{h.name}/exit"]) and not self._lost(h)]
+            time.sleep(0.1)
 
 
 def free_port_on(address: str) -> int:

@@ -179,3 +179,87 @@ def test_the_hosts_files_split_reaches_the_knobs_and_a_different_one_is_refused(
     monkeypatch.setenv("MESHTUNE_STAGE_LAYERS", "3;1")
     with pytest.raises(ValueError, match="MESHTUNE_STAGE_LAYERS='3;1' is invalid"):
         MeshConfig(num_stages=2)
+
+
+# --- two launchers on loopback addresses (127.0.0.1 and 127.0.0.2: no namespaces, no torch world) ---------------
+_SCRIPT = """
+import json, os, sys, time
+out, rank, attempt = sys.argv[1], int(os.environ["RANK"]), int(os.environ["MESHTUNE_RESTART"])
+keys = ("MASTER_ADDR", "MASTER_PORT", "MESHTUNE_HOST", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MESHTUNE_REPLICA",
+        "MESHTUNE_LOCAL_BOUNDARIES", "MESHTUNE_STAGE_LAYERS", "MESHTUNE_JOB_STORE", "TORCHFT_LIGHTHOUSE")
+with open(os.path.join(out, f"env-s{rank}-a{attempt}.json"), "w") as fh:
+    json.dump({k: os.environ.get(k) for k in keys}, fh)
+mode = os.environ["TEST_MODE"]
+if mode == "restart" and attempt == 0:
+    if rank == 1:
+        sys.exit(1)  # stage 1 fails at once: the replica starts again on both hosts
+    time.sleep(60)  # stage 0 would wait for it: its launcher stops it
+if mode == "late" and rank == 0:
+    time.sleep(3)
+    sys.exit(3)  # stage 1 has finished already: the replica cannot start again
+"""
+
+
+def _two_launchers(tmp_path, mode: str) -> tuple[list[int], str]:
+    import subprocess
+    import sys
+
+    from tests.distributed import free_port
+
+    port = free_port()
+    (tmp_path / "hosts.yaml").write_text(
+        f"mesh: 1x2\nport: {port}\nheartbeat_timeout_s: 5\nmax_restarts: 1\nstage_layers: [3, 1]\nhosts:\n"
+        "  - {name: a, address: 127.0.0.1, cpu: {processes: 1}}\n"
+        "  - {name: b, address: 127.0.0.2, cpu: {processes: 1}}\n"
+    )
+    (tmp_path / "job.py").write_text(_SCRIPT)
+    env = {**__import__("os").environ, "TEST_MODE": mode}
+    env.pop("MESHTUNE_SECRET", None)
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "hf_meshtune.cli",
+                "launch",
+                "--hosts",
+                str(tmp_path / "hosts.yaml"),
+                "--this-host",
+                name,
+                "--log-dir",
+                str(tmp_path / f"logs-{name}"),
+                "--",
+                str(tmp_path / "job.py"),
+                str(tmp_path),
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )  # fmt: skip
+        for name in "ab"
+    ]
+    outputs = [p.communicate(timeout=120)[0] for p in procs]
+    return [p.returncode for p in procs], "\n".join(outputs)
+
+
+@pytest.mark.slow  # two launchers and their processes
+def test_each_hosts_processes_get_their_place_and_a_failed_replica_restarts_on_both_hosts(tmp_path):
+    codes, output = _two_launchers(tmp_path, "restart")
+    assert codes == [0, 0], output
+    first = [json.loads((tmp_path / f"env-s{s}-a0.json").read_text()) for s in (0, 1)]
+    second = [json.loads((tmp_path / f"env-s{s}-a1.json").read_text()) for s in (0, 1)]
+    for env, host in zip(first, ("127.0.0.1", "127.0.0.2")):
+        assert env["MESHTUNE_HOST"] == host and env["MASTER_ADDR"] == "127.0.0.1"  # stage 0's host serves it
+        assert env["LOCAL_RANK"] == "0" and env["LOCAL_WORLD_SIZE"] == "1" and env["MESHTUNE_REPLICA"] == "0"
+        assert env["MESHTUNE_LOCAL_BOUNDARIES"] == "" and env["MESHTUNE_STAGE_LAYERS"] == "3,1"
+        assert env["MESHTUNE_JOB_STORE"].startswith("127.0.0.1:") and env["TORCHFT_LIGHTHOUSE"].startswith("http://")
+    assert first[0]["MASTER_PORT"] == first[1]["MASTER_PORT"] != second[0]["MASTER_PORT"] == second[1]["MASTER_PORT"]
+    assert "replica 0 moves to attempt 1" in output and "replica 0 attempt 1: started r0s0" in output
+
+
+@pytest.mark.slow  # two launchers and their processes
+def test_a_replica_that_fails_after_a_process_finished_stops_the_mesh_on_every_host(tmp_path):
+    codes, output = _two_launchers(tmp_path, "late")
+    assert codes == [3, 3], output
+    assert "after other processes of replica 0 finished" in output
