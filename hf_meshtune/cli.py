@@ -105,7 +105,7 @@ def run_demo(args: argparse.Namespace) -> int:
 def _add_launch_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "launch",
-        help="start a local X×Y mesh of processes running one script",
+        help="start an X×Y mesh of processes running one script: all of it here, or this host's part (--hosts)",
         usage="meshtune launch --mesh XxY [--cpu] [--host ADDR] [--master-port P] [--lighthouse ADDR] "
         "[--log-dir DIR] [--all-ranks] [--max-restarts N] [--optional-replica R] -- SCRIPT [ARGS...]\n"
         "       meshtune launch --hosts FILE --this-host NAME [--log-dir DIR] [--all-ranks] [--max-restarts N] "
