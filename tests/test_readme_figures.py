@@ -101,11 +101,12 @@ def test_the_hosts_benchmark_md_is_its_committed_runs_and_the_hosts_page_quotes_
 
 
 def test_the_plan_validation_is_the_model_on_the_committed_wan_run():
-    from benchmarks.plan.validate import WAN, predict_row, report
+    from benchmarks.plan.validate import HOST_ROWS, WAN, host_report, predict_host_row, predict_row, report
 
     wan = json.loads(Path(WAN).read_text())
     rows = [predict_row(wan, name) for name in wan["phases"]["shaped"]]
-    assert (ROOT / "benchmarks/plan/results/validation.md").read_text() == report(rows, wan["regime"])
+    written = report(rows, wan["regime"]) + host_report([predict_host_row(name) for name in HOST_ROWS])
+    assert (ROOT / "benchmarks/plan/results/validation.md").read_text() == written
 
 
 def test_the_mesh_governor_table_is_its_committed_run_and_the_mesh_page_quotes_it():

@@ -180,6 +180,7 @@ def run_row(name: str, spec: dict, work: str) -> dict:
         "stage_layers": summary["stage_layers"],
         "local_boundaries": summary.get("local_boundaries"),
         "compute_s_per_stage": summary.get("compute_s_per_stage"),
+        "step_split_per_rank": summary.get("step_split_per_rank"),  # step, pipeline, compute and wait seconds
         "slowest_stage": summary.get("slowest_stage"),
         "heals": summary["heals"],
         "fast_tokens": tokens,
