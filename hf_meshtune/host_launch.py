@@ -43,7 +43,7 @@ import torch.distributed as dist
 from ._validation import require
 from .console import Console, StepProgress
 from .hosts import HostsFile, HostSpec
-from .launch import DEFAULT_GRACE_S, _rank_tag, child_argv, child_env
+from .launch import DEFAULT_GRACE_S, _cpu_count, _Gatekeeper, _rank_tag, child_argv, child_env, free_port
 from .processes import _Child, _Mesh, _SignalTrap
 from .topology import LOCAL_BOUNDARIES_ENV, STAGE_LAYERS_ENV
 
@@ -94,26 +94,17 @@ class _Services:
         from .dp.ft import start_lighthouse
 
         key = secret_key()
-        self.gate = self.guard = None
-        if key is not None:
-            from .comm.gate import Gate, Guard
-
-            ports = {hosts.port, hosts.port + 1}
-            self.gate = Gate(key, me.address, on_admit=lambda _: self.guard is not None and self.guard.scan(),
-                             port=hosts.port + 2)  # fmt: skip
-            self.guard = Guard(self.gate.admitted, exempt={self.gate.inode}, ports=ports)
-            _say(f"gate {self.gate.address}: only processes holding the mesh's secret get in")
+        self.gatekeeper = None if key is None else _Gatekeeper(key, me.address, port=hosts.port + 2)
         self.lighthouse, _ = start_lighthouse(host=me.address, port=hosts.port)
         self.store = bound_store(listen_address(me.address), hosts.port + 1)
-        if self.guard is not None:
-            self.guard.scan()
+        if self.gatekeeper is not None:
+            self.gatekeeper.guard(hosts.port, hosts.port + 1)
         _say(f"coordinator: lighthouse {me.address}:{hosts.port}, store {me.address}:{hosts.port + 1}")
 
     def close(self) -> None:
         self.lighthouse.shutdown()
-        if self.guard is not None and self.gate is not None:
-            self.guard.stop()
-            self.gate.close()
+        if self.gatekeeper is not None:
+            self.gatekeeper.close()
         del self.store
 
 
@@ -243,7 +234,7 @@ class _HostLauncher:
         first = self.hosts.host_of(replica * self.y)
         port_key = f"mt/r{replica}/a{attempt}/port"
         if first.name == self.me.name and not self.store.check([port_key]):
-            self.store.set(port_key, str(free_port_on(self.me.address)))
+            self.store.set(port_key, str(free_port(self.me.address)))
         if not self.store.check([port_key]):
             return False
         port = int(self.store.get(port_key))
@@ -269,7 +260,7 @@ class _HostLauncher:
         env.update(MASTER_ADDR=first.address, LOCAL_RANK=str(self.me.ranks.index(rank)), LOCAL_WORLD_SIZE=str(local))
         env[HOST_ENV] = self.me.address
         if cpu and "OMP_NUM_THREADS" not in os.environ:
-            env["OMP_NUM_THREADS"] = str(max(1, _cores() // local))
+            env["OMP_NUM_THREADS"] = str(max(1, _cpu_count() // local))
         if self.hosts.stage_layers is not None:
             env[STAGE_LAYERS_ENV] = ",".join(str(n) for n in self.hosts.stage_layers)
         boundaries = self.hosts.local_boundaries(rank // self.y)
@@ -395,22 +386,6 @@ class _HostLauncher:
         while pending and time.monotonic() < deadline:
             pending = [h for h in pending if not self.store.check([f"mt/host/{h.name}/exit"]) and not self._lost(h)]
             time.sleep(0.1)
-
-
-def free_port_on(address: str) -> int:
-    """A TCP port that was free on ``address`` a moment ago."""
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind((address, 0))
-        return sock.getsockname()[1]
-
-
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
 
 
 def _knock_until_open(gate: str, key: bytes, source: str, timeout_s: float = CONNECT_TIMEOUT_S) -> None:

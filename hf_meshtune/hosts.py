@@ -31,17 +31,17 @@ people; the launcher itself only validates them.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from ._validation import require
+from .topology import parse_mesh
 
 __all__ = ["HostSpec", "HostsFile", "load_hosts", "parse_hosts"]
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _RANK = re.compile(r"^r(\d+)s(\d+)$")
-_MESH = re.compile(r"^\s*(\d+)\s*[xX×]\s*(\d+)\s*$")
 _TOP_KEYS = {"mesh", "coordinator", "port", "heartbeat_timeout_s", "max_restarts", "stage_layers", "memory", "hosts"}
 _HOST_KEYS = {"name", "address", "gpus", "cpu", "link", "runs"}
 _MEMORY_KEYS = {"model", "seq_len", "microbatch_size", "microbatches", "dtype", "anchor", "gradient_checkpointing"}
@@ -272,15 +272,7 @@ def _mesh(text: Any, hosts: list[dict[str, Any]], raw_hosts: list[Any]) -> tuple
         )
         pairs = [p for r in runs for p in r or []]
         return max(r for r, _ in pairs) + 1, max(s for _, s in pairs) + 1
-    match = _MESH.match(str(text))
-    require(
-        match is not None and int(match[1]) >= 1 and int(match[2]) >= 1,
-        "mesh",
-        text,
-        "be XxY with X >= 1 replicas and Y >= 1 stages, e.g. 3x2",
-    )
-    assert match is not None
-    return int(match[1]), int(match[2])
+    return parse_mesh(text, "mesh")
 
 
 def _place(mesh: tuple[int, int], hosts: list[dict[str, Any]], raw_hosts: list[Any]) -> list[HostSpec]:
@@ -380,8 +372,3 @@ def check_memory(hosts: HostsFile) -> None:
                 f"hold r{replica}s{stage}, which the memory ledger predicts at {gib:.1f} GiB "
                 f"({role} stage {stage} of {model}); move it to a larger GPU or add stages",
             )
-
-
-def tags(ranks: Sequence[int], stages: int) -> list[str]:
-    """Mesh ranks → ["r0s0", ...]."""
-    return [f"r{r // stages}s{r % stages}" for r in ranks]

@@ -129,10 +129,10 @@ def child_env(
     return env
 
 
-def free_port() -> int:
-    """A TCP port that was free on 127.0.0.1 a moment ago."""
+def free_port(address: str = "127.0.0.1") -> int:
+    """A TCP port that was free on ``address`` a moment ago."""
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((address, 0))
         return sock.getsockname()[1]
 
 
@@ -272,7 +272,7 @@ def launch_mesh(
     server, address = _maybe_start_lighthouse(lighthouse, host)
     jobs = _ReplicaJobs(mesh, max_restarts, host) if max_restarts else None
     if gate is not None:
-        gate.guard(address, jobs)
+        gate.guard(int(address.rstrip("/").rsplit(":", 1)[1]), *([jobs.store.port] if jobs is not None else []))
         env = {**(env or {}), **gate.env}
     _say(
         f"mesh {mesh[0]}x{mesh[1]} = {mesh[0] * mesh[1]} processes, "
@@ -372,12 +372,12 @@ class _Gatekeeper:
     """With a secret in the environment (``comm.gate``): the mesh's gate, and a guard on the
     launcher's lighthouse and job store that admits only the addresses the gate admitted."""
 
-    def __init__(self, key: bytes, host: str) -> None:
+    def __init__(self, key: bytes, host: str, port: int = 0) -> None:
         from .comm.gate import GATE_ENV, Gate, Guard
 
         self._ports: set[int] = set()
         self._guard: Guard | None = None
-        self.gate = Gate(key, host, on_admit=lambda _: self._guard is not None and self._guard.scan())
+        self.gate = Gate(key, host, on_admit=lambda _: self._guard is not None and self._guard.scan(), port=port)
         self._guard = Guard(self.gate.admitted, exempt={self.gate.inode}, ports=self._ports)
         self.env = {GATE_ENV: self.gate.address}
         _say(f"gate {self.gate.address}: only processes holding the mesh's secret get in")
@@ -398,11 +398,9 @@ class _Gatekeeper:
         )
         return cls(key, host)
 
-    def guard(self, lighthouse: str, jobs: _ReplicaJobs | None) -> None:
-        """Guard the lighthouse (at ``lighthouse``) and the job store, now that they listen."""
-        self._ports.add(int(lighthouse.rstrip("/").rsplit(":", 1)[1]))
-        if jobs is not None:
-            self._ports.add(jobs.store.port)
+    def guard(self, *ports: int) -> None:
+        """Guard the servers on ``ports`` (the lighthouse, the job store), now that they listen."""
+        self._ports.update(ports)
         assert self._guard is not None  # set by __init__
         self._guard.scan()
 

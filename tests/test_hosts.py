@@ -83,7 +83,7 @@ def test_load_hosts_reads_yaml_and_json_and_names_the_file_in_errors(tmp_path):
         ({"coordinator": "z"}, "coordinator='z' is invalid: it must name a host of the file (a, b, c)"),
         ({"stage_layers": [1]}, "stage_layers=[1] is invalid: it must be a list of 2 integers >= 1"),
         ({"extra": 1}, "hosts file=['extra'] is invalid: it must use only the keys"),
-        ({"mesh": "3by2"}, "mesh='3by2' is invalid: it must be XxY"),
+        ({"mesh": "3by2"}, "mesh='3by2' is invalid: it must look like XxY, e.g. 3x2 (X replicas, Y stages)"),
     ],
 )
 def test_bad_top_level_fields_name_the_field_value_and_rule(change, message):

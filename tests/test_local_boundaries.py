@@ -17,25 +17,9 @@ from hf_meshtune.config import MeshConfig
 from hf_meshtune.pipeline.messages import HEADER_VALUES
 from hf_meshtune.pipeline.stage import build_stage
 from hf_meshtune.topology import LOCAL_BOUNDARIES_ENV, MeshTopology
-from tests.test_pipeline import BATCH, HIDDEN, MICRO, SEQ, _batch, _model, run_stage
+from tests.test_pipeline import BATCH, HIDDEN, MICRO, SEQ, _model, reference, run_stage
 
 CODEC = "outliers8+int8"
-
-
-def _reference(steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """The model itself, untied as on the mesh, on the same microbatches: losses and last step's grads."""
-    model = _model("llama")
-    losses = []
-    for step in range(steps):
-        model.zero_grad()
-        chunks = _batch(step).chunk(BATCH // MICRO)
-        total = 0.0
-        for chunk in chunks:
-            loss = model(input_ids=chunk, labels=chunk).loss / len(chunks)
-            loss.backward()
-            total += loss.item()
-        losses.append(total)
-    return losses, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def _local_worker(rank: int, world: int, steps: int) -> dict:
@@ -53,7 +37,7 @@ def _local_worker(rank: int, world: int, steps: int) -> dict:
 def test_a_local_boundary_is_dense_equals_the_model_and_books_only_local_bytes(launcher):
     steps = 2
     results = launcher(_local_worker, 2, steps, timeout=180)
-    losses, grads = _reference(steps)
+    losses, grads = reference(2, steps, masked=False)
     assert [r["codecs"] for r in results] == [0, 0]  # the codec is off on the local boundary
     assert results[-1]["losses"] == pytest.approx(losses, rel=1e-5, abs=1e-6)
     for result in results:

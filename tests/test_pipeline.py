@@ -37,15 +37,21 @@ def _model(arch: str):
 
 
 def reference(
-    num_stages: int, steps: int, arch: str = "llama", stage_layers: tuple[int, ...] | None = None
+    num_stages: int,
+    steps: int,
+    arch: str = "llama",
+    stage_layers: tuple[int, ...] | None = None,
+    masked: bool = True,
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Single process: the masked model on the same microbatches; per-step loss, last step's grads."""
+    """Single process: the masked model (``masked=False``: the model itself, nothing at its boundaries) on the
+    same microbatches; per-step loss, last step's grads."""
     model = _model(arch)
-    handle = attach_boundaries(model, num_stages, mask_ratio=P, seed=7, stage_layers=stage_layers)
+    handle = attach_boundaries(model, num_stages, mask_ratio=P, seed=7, stage_layers=stage_layers) if masked else None
     losses = []
     for step in range(steps):
         model.zero_grad()
-        handle.set_step(step)
+        if handle is not None:
+            handle.set_step(step)
         ids = _batch(step)
         chunks = ids.chunk(BATCH // MICRO)
         total = 0.0
