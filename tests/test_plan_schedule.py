@@ -130,3 +130,29 @@ def test_calibration_measures_a_positive_speed_and_leaves_the_config_alone():
     assert config.num_hidden_layers == 4  # measured on a one-layer copy: the caller's config is left alone
     speed = measure_tflops(config, 16, repeats=2)
     assert 0 < speed < 100 and config.num_hidden_layers == 4
+
+
+def test_bad_plan_inputs_name_the_field_value_and_rule():
+    from transformers import LlamaConfig
+
+    from hf_meshtune.plan.calibrate import measure_tflops
+    from hf_meshtune.plan.flops import stage_flops
+    from hf_meshtune.plan.model import Placement, TrainingShape, predict_step
+
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                         num_hidden_layers=4, vocab_size=100)  # fmt: skip
+    shape = TrainingShape(num_replicas=2, num_stages=2, microbatch_size=1, microbatches=2, seq_len=8)
+    cases = [
+        (Placement((1.0,), ((10.0, 1.0),), (10.0, 1.0)), r"stage_tflops=\(1\.0,\) is invalid: it must give one speed"),
+        (Placement((1.0, 1.0), (), (10.0, 1.0)), r"links=\(\) is invalid: it must give one link per boundary \(1\)"),
+        (Placement((1.0, 0.0), ((10.0, 1.0),), (10.0, 1.0)), r"tflops=0\.0 is invalid: it must be > 0"),
+        (Placement((1.0, 1.0), ((0.0, 1.0),), (10.0, 1.0)), r"rate_mbit=0\.0 is invalid: it must be > 0 \(Mbit/s\)"),
+        (Placement((1.0, 1.0), ((10.0, -1.0),), (10.0, 1.0)), r"rtt_ms=-1\.0 is invalid: it must be >= 0"),
+    ]
+    for placement, message in cases:
+        with pytest.raises(ValueError, match=message):
+            predict_step(config, shape, placement)
+    with pytest.raises(ValueError, match=r"seq_len=0 is invalid: it must be an integer >= 1"):
+        stage_flops(config, 2, 0)
+    with pytest.raises(ValueError, match=r"repeats=0 is invalid: it must be >= 1"):
+        measure_tflops(config, 8, repeats=0)
