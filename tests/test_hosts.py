@@ -263,3 +263,37 @@ def test_a_replica_that_fails_after_a_process_finished_stops_the_mesh_on_every_h
     codes, output = _two_launchers(tmp_path, "late")
     assert codes == [3, 3], output
     assert "after other processes of replica 0 finished" in output
+
+
+@pytest.mark.slow  # a launcher process
+def test_a_launcher_whose_coordinator_goes_away_says_so_and_exits_1(tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    import torch.distributed as dist
+
+    from tests.distributed import free_port
+
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port + 1, is_master=True, wait_for_workers=False)  # coordinator a's store
+    (tmp_path / "hosts.yaml").write_text(
+        f"mesh: 1x2\nport: {port}\nheartbeat_timeout_s: 5\nhosts:\n"
+        "  - {name: a, address: 127.0.0.1, cpu: {processes: 1}}\n"
+        "  - {name: b, address: 127.0.0.2, cpu: {processes: 1}}\n"
+    )
+    (tmp_path / "job.py").write_text("")
+    env = {k: v for k, v in __import__("os").environ.items() if k != "MESHTUNE_SECRET"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hf_meshtune.cli", "launch", "--hosts", str(tmp_path / "hosts.yaml"),
+         "--this-host", "b", "--", str(tmp_path / "job.py")],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    while store.add("mt/host/b/beat", 0) == 0:  # b is up and beating, waiting for a
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.1)
+    del store  # the coordinator host is gone
+    output = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 1, output
+    assert f"lost the mesh's store at 127.0.0.1:{port + 1}" in output and "the coordinator host is gone" in output
